@@ -1,0 +1,1 @@
+"""Shared pieces of the recipes: data, models, metrics, checkpoints, run plumbing."""

@@ -1,0 +1,75 @@
+"""Batch preprocessing and augmentation on the device, on whole uint8 batches.
+
+Randomness is stateless: each batch's draws come from a generator seeded with
+(seed, epoch, step, rank). The same run gives the same pixels; every epoch and every rank differ;
+and a run resumed mid-epoch draws exactly what the uninterrupted run drew, with no RNG state to save.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def batch_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generator:
+    # Mix the four numbers into one 63-bit seed (splitmix-style odd multipliers keep them apart).
+    mixed = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
+             + rank * 0x2545F4914F6CDD1D) & 0x7FFF_FFFF_FFFF_FFFF
+    return torch.Generator().manual_seed(mixed)
+
+
+def normalize(images: torch.Tensor, mean, std, channels_last: bool = False) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> float32 normalized, on whatever device ``images`` is."""
+    x = images.float().div_(255.0)
+    mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    x = (x - mean_t) / std_t
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x
+
+
+def random_translate(x: torch.Tensor, pad: int, gen: torch.Generator) -> torch.Tensor:
+    """Each image shifted by its own (dy, dx) in [-pad, pad], edges filled by reflection
+    (the same as a random crop of the reflect-padded image)."""
+    if pad <= 0:
+        return x
+    n, _, h, w = x.shape
+    padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
+    offs = torch.randint(0, 2 * pad + 1, (2, n), generator=gen).to(x.device, non_blocking=True)
+    rows = (offs[0, :, None] + torch.arange(h, device=x.device)).view(n, 1, h, 1)
+    cols = (offs[1, :, None] + torch.arange(w, device=x.device)).view(n, 1, 1, w)
+    batch = torch.arange(n, device=x.device).view(n, 1, 1, 1)
+    chans = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+    return padded[batch, chans, rows, cols]
+
+
+def random_flip(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Each image mirrored left-right with probability 1/2."""
+    flip = (torch.rand(x.shape[0], generator=gen) < 0.5).to(x.device, non_blocking=True)
+    return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
+
+
+class BatchTransform:
+    """What happens to a uint8 batch on the device before the model sees it."""
+
+    def __init__(self, mean, std, translate: int = 0, flip: bool = False, channels_last: bool = False):
+        self.mean, self.std = mean, std
+        self.translate, self.flip, self.channels_last = translate, flip, channels_last
+
+    def eval(self, images: torch.Tensor) -> torch.Tensor:
+        return normalize(images, self.mean, self.std, self.channels_last)
+
+    def train(self, images: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        x = normalize(images, self.mean, self.std)
+        if self.translate:
+            x = random_translate(x, self.translate, gen)
+        if self.flip:
+            x = random_flip(x, gen)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
+
+
+def channel_stats(images: torch.Tensor, max_images: int = 10000) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std (in [0, 1] units) of up to ``max_images`` uint8 images."""
+    x = images[:max_images].float().div_(255.0)
+    mean = x.mean(dim=(0, 2, 3))
+    std = x.std(dim=(0, 2, 3)).clamp_min(1e-3)
+    return mean.tolist(), std.tolist()

@@ -1,0 +1,103 @@
+"""The three models, each built from the data's shape (channels, height, width) and class count."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Flatten -> hidden layers (Linear, ReLU, Dropout) -> Linear. The seed-000 MLP is hidden=(512,)."""
+
+    def __init__(self, in_shape, num_classes: int, hidden=(512,), dropout: float = 0.0):
+        super().__init__()
+        layers, width = [nn.Flatten()], in_shape[0] * in_shape[1] * in_shape[2]
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU(inplace=True)]
+            if dropout:
+                layers.append(nn.Dropout(dropout))
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def conv_bn(c_in: int, c_out: int) -> list[nn.Module]:
+    return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True)]
+
+
+class ConvNet(nn.Module):
+    """Two conv-BN-ReLU-maxpool blocks and a linear head (seed 001), widths configurable."""
+
+    def __init__(self, in_shape, num_classes: int, width: int = 32, dropout: float = 0.0):
+        super().__init__()
+        c, h, w = in_shape
+        if h < 4 or w < 4:
+            raise ValueError(f"ConvNet needs images of at least 4x4 pixels, got {h}x{w}")
+        self.features = nn.Sequential(*conv_bn(c, width), nn.MaxPool2d(2),
+                                      *conv_bn(width, 2 * width), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * width * (h // 4) * (w // 4), num_classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class CifarCNN(nn.Module):
+    """A BatchNorm CNN in the style of the fast CIFAR-10 trainers: a stem conv, then three blocks of
+    (conv, maxpool, BN, GELU, conv, BN, GELU), global max pool and a scaled linear head."""
+
+    def __init__(self, in_shape, num_classes: int, widths=(64, 256, 256), head_scale: float = 1 / 9):
+        super().__init__()
+        c, h, w = in_shape
+        if h < 8 or w < 8:
+            raise ValueError(f"CifarCNN needs images of at least 8x8 pixels, got {h}x{w}")
+        act = nn.GELU
+        stem = widths[0] // 2 if widths[0] >= 2 else widths[0]
+        layers = [nn.Conv2d(c, stem, 3, padding=1, bias=False), nn.BatchNorm2d(stem), act()]
+        c_in = stem
+        for width in widths:
+            layers += [nn.Conv2d(c_in, width, 3, padding=1, bias=False), nn.MaxPool2d(2),
+                       nn.BatchNorm2d(width), act(),
+                       nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), act()]
+            c_in = width
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveMaxPool2d(1)
+        self.head = nn.Linear(c_in, num_classes, bias=False)
+        self.head_scale = head_scale
+
+    def forward(self, x):
+        return self.head(self.pool(self.features(x)).flatten(1)) * self.head_scale
+
+
+def parse_ints(text: str) -> tuple[int, ...]:
+    """'64,256,256' -> (64, 256, 256); config fields stay scalar so they log as hparams."""
+    try:
+        values = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> None:
+    """Set the first conv's filters to the eigenvectors of the covariance of image patches
+    (a whitening init, as used by the fast CIFAR-10 trainers). ``images``: normalized float batch."""
+    k = conv.kernel_size[0]
+    patches = images.unfold(2, k, 1).unfold(3, k, 1).transpose(1, 3).reshape(-1, images.shape[1] * k * k)
+    patches = patches.double()
+    cov = torch.cov(patches.T)
+    eigvals, eigvecs = torch.linalg.eigh(cov)
+    eigvecs = eigvecs.T.flip(0)
+    eigvals = eigvals.flip(0)
+    filters = (eigvecs / torch.sqrt(eigvals.clamp_min(0) + eps)[:, None]).reshape(-1, images.shape[1], k, k)
+    both = torch.cat([filters, -filters])  # each filter and its negation, as the fast trainers do
+    m = min(conv.out_channels, both.shape[0])
+    conv.weight[:m].copy_(both[:m].to(conv.weight.dtype))

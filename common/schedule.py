@@ -1,0 +1,31 @@
+"""LR schedules as multipliers of the peak LR, a function of the optimizer step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_multiplier(step: int, total: int, warmup: int, kind: str) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    raise ValueError(f"unknown schedule {kind!r}")
+
+
+def build_scheduler(optimizer, cfg, steps_per_epoch: int):
+    """LambdaLR over the whole run. ``steps_per_epoch`` must be counted from the *prepared* loader
+    (optimizer steps per process), so the LR trace is the same on 1 and N processes."""
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps:
+        total = min(total, cfg.max_steps)
+    warmup = int(round(cfg.warmup_fraction * total))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, total, warmup, cfg.schedule)), total
