@@ -46,6 +46,11 @@ class CommonConfig:
     channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = keep the data's)")
     cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)")
     data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory")
+    # --- augmentation (on the device, whole batches) ---
+    translate: int = knob(0, "random translation of each training image by up to N pixels (reflection padding)")
+    flip: bool = knob(False, "random horizontal flip of each training image")
+    tta: bool = knob(False, "evaluate on each image and its mirror image and average the logits")
+    channels_last: bool = knob(False, "channels_last memory format for the model and batches")
     # --- train ---
     epochs: int = knob(2, "number of passes over the training split")
     batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps")
@@ -59,7 +64,8 @@ class CommonConfig:
     label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
     compile: bool = knob(False, "torch.compile the model")
-    max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); for smoke tests")
+    max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
+                         "is still planned for all epochs, so a stopped run can be resumed exactly")
     # --- eval ---
     eval_every: int = knob(1, "evaluate on the validation split every N epochs")
     target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99")

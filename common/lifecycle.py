@@ -77,7 +77,7 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
     split = "test" if data.test is not None else "val"
     final = {}
     if eval_loader is not None:
-        metrics = evaluate(accelerator, model, eval_loader, transform, data.num_classes)
+        metrics = evaluate(accelerator, model, eval_loader, transform, data.num_classes, tta_flip=cfg.tta)
         final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"]}
         log.log(final, step=state["global_step"])
         final[f"{split}/count"] = metrics["count"]

@@ -23,9 +23,7 @@ def lr_multiplier(step: int, total: int, warmup: int, kind: str) -> float:
 def build_scheduler(optimizer, cfg, steps_per_epoch: int):
     """LambdaLR over the whole run. ``steps_per_epoch`` must be counted from the *prepared* loader
     (optimizer steps per process), so the LR trace is the same on 1 and N processes."""
-    total = steps_per_epoch * cfg.epochs
-    if cfg.max_steps:
-        total = min(total, cfg.max_steps)
+    total = steps_per_epoch * cfg.epochs  # --max-steps stops early but does not reshape the schedule
     warmup = int(round(cfg.warmup_fraction * total))
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, total, warmup, cfg.schedule)), total

@@ -61,7 +61,6 @@ class Config(CommonConfig):
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
     width: int = knob(32, "channels of the first conv block; the second has twice as many")
     dropout: float = knob(0.1, "dropout before the linear head")
-    translate: int = knob(0, "random translation of each training image by up to N pixels (on the device)")
 
 
 def main(argv=None) -> int:
@@ -83,7 +82,7 @@ def train(cfg: Config) -> int:
     data = share_from_main(accelerator, lambda: load_image_data(cfg, cfg.dataset, accelerator.is_main_process, say),
                            others_run=True)
     mean, std = channel_stats(data.train.images)
-    transform = BatchTransform(mean, std, translate=cfg.translate)
+    transform = BatchTransform(mean, std, translate=cfg.translate, flip=cfg.flip, channels_last=cfg.channels_last)
     device = accelerator.device if cfg.data_on_device else None
     pin = accelerator.device.type == "cuda"
     b = per_process_batch(cfg, accelerator.num_processes)
@@ -99,6 +98,8 @@ def train(cfg: Config) -> int:
     card = {"recipe": RECIPE, "model": "ConvNet", "model_args": {"width": cfg.width, "dropout": cfg.dropout},
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": mean, "std": std,
             "config": to_dict(cfg)}
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=accelerator.device.type == "cuda" or None)
     model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
@@ -187,7 +188,7 @@ def train(cfg: Config) -> int:
 
         # --- eval ---
         if val_loader is not None and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or done):
-            metrics = evaluate(accelerator, model, val_loader, transform, data.num_classes)
+            metrics = evaluate(accelerator, model, val_loader, transform, data.num_classes, tta_flip=cfg.tta)
             log.log({"eval/loss": metrics["loss"], "eval/accuracy": metrics["accuracy"]}, step=global_step)
             say(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
                 f"({metrics['count']} images)")
