@@ -331,5 +331,8 @@ def make_loader(split: ImageSplit, batch_size: int, train: bool, device=None, pi
     dataset = TensorImages(split)
     if device is not None:
         dataset.to(device)
+    # Its own generator: creating an iterator must not draw from the global RNG (dropout's stream),
+    # or a run resumed mid-epoch would diverge from the uninterrupted one.
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train,
-                                       collate_fn=keep_batch, num_workers=0, pin_memory=pin and device is None)
+                                       collate_fn=keep_batch, num_workers=0, pin_memory=pin and device is None,
+                                       generator=torch.Generator().manual_seed(0))

@@ -21,6 +21,15 @@ RESUME_MAY_CHANGE = {"epochs", "output_dir", "resume_from", "checkpoint_every", 
                      "data_on_device", "compile", "eval_batch_size", "dataset"}
 
 
+def build_model(make):
+    """Call the model constructor; a shape it can't take becomes a one-paragraph error."""
+    try:
+        return make()
+    except ValueError as err:
+        raise RecipeError(f"The data can't feed this model: {err}. Pass --image-size N to resize the images "
+                          "(and --channels 1 or 3), or pick the recipe whose model fits the data.") from None
+
+
 def checkpoint_meta(cfg, accelerator, model) -> dict:
     """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
     return {"seed": cfg.seed, "world_size": accelerator.num_processes, "global_batch": cfg.batch_size,

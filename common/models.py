@@ -101,3 +101,49 @@ def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> 
     both = torch.cat([filters, -filters])  # each filter and its negation, as the fast trainers do
     m = min(conv.out_channels, both.shape[0])
     conv.weight[:m].copy_(both[:m].to(conv.weight.dtype))
+
+
+class CPUSyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm whose batch statistics span all processes, for gloo/CPU where torch's SyncBatchNorm
+    refuses to run. Statistics are all-reduced with the differentiable all_reduce, so gradients
+    match BatchNorm over the global batch."""
+
+    def forward(self, x):
+        import torch.distributed as dist
+
+        if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+
+        c = x.shape[1]
+        xf = x.float()
+        count = torch.tensor([xf.numel() / c], device=x.device, dtype=xf.dtype)
+        stats = all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
+        total = stats[-1]
+        mean = stats[:c] / total
+        var = stats[c:2 * c] / total - mean * mean
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)
+                self.running_var.mul_(1 - m).add_(var.detach() * total / (total - 1), alpha=m)
+        y = (xf - mean.view(1, c, 1, 1)) * torch.rsqrt(var.view(1, c, 1, 1) + self.eps)
+        if self.affine:
+            y = y * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
+        return y.to(x.dtype)
+
+
+def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
+    """Before ``accelerator.prepare``: torch's SyncBatchNorm on GPUs, CPUSyncBatchNorm on CPU."""
+    if device.type != "cpu":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for name, child in model.named_children():
+        if isinstance(child, nn.BatchNorm2d) and not isinstance(child, CPUSyncBatchNorm):
+            new = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
+                                   child.track_running_stats)
+            new.load_state_dict(child.state_dict())
+            setattr(model, name, new)
+        else:
+            convert_sync_batchnorm(child, device)
+    return model

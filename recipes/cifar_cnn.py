@@ -42,12 +42,12 @@ from common.augment import BatchTransform, batch_generator, channel_stats
 from common.config import DATASET_HELP, CommonConfig, ConfigError, knob, parse_config, save_config, to_dict
 from common.data import DataError, load_image_data, make_loader
 from common.metrics import evaluate
-from common.models import CifarCNN, count_parameters, parse_ints
+from common.models import CifarCNN, convert_sync_batchnorm, count_parameters, parse_ints
 from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeError, StepGuard, StopRequest,
                             Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
                             set_run_dir, share_from_main, shared_stamp, startup_line)
 from common.schedule import build_scheduler
-from common.lifecycle import checkpoint_meta, finish_run, is_better, resume_checkpoint
+from common.lifecycle import build_model, checkpoint_meta, finish_run, is_better, resume_checkpoint
 
 RECIPE = "cifar_cnn"
 
@@ -64,6 +64,7 @@ class Config(CommonConfig):
     schedule: str = knob("linear", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
     label_smoothing: float = knob(0.2, "label smoothing for the cross-entropy loss")
     widths: str = knob("64,256,256", "channels of the three conv blocks, comma-separated")
+    sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
     translate: int = knob(2, "random translation of each training image by up to N pixels (reflection padding)")
     flip: bool = knob(True, "random horizontal flip of each training image")
     tta: bool = knob(True, "evaluate on each image and its mirror image and average the logits")
@@ -101,7 +102,9 @@ def train(cfg: Config) -> int:
 
     # --- model ---
     set_seed(cfg.seed)
-    model = CifarCNN(data.shape, data.num_classes, widths=parse_ints(cfg.widths))
+    model = build_model(lambda: CifarCNN(data.shape, data.num_classes, widths=parse_ints(cfg.widths)))
+    if cfg.sync_bn:
+        model = convert_sync_batchnorm(model, accelerator.device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     card = {"recipe": RECIPE, "model": "CifarCNN", "model_args": {"widths": list(parse_ints(cfg.widths))},

@@ -46,7 +46,7 @@ from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeErr
                             Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
                             set_run_dir, share_from_main, shared_stamp, startup_line)
 from common.schedule import build_scheduler
-from common.lifecycle import checkpoint_meta, finish_run, is_better, resume_checkpoint
+from common.lifecycle import build_model, checkpoint_meta, finish_run, is_better, resume_checkpoint
 
 RECIPE = "fashion_mnist_mlp"
 
@@ -95,7 +95,7 @@ def train(cfg: Config) -> int:
 
     # --- model ---
     set_seed(cfg.seed)
-    model = MLP(data.shape, data.num_classes, hidden=parse_ints(cfg.hidden), dropout=cfg.dropout)
+    model = build_model(lambda: MLP(data.shape, data.num_classes, hidden=parse_ints(cfg.hidden), dropout=cfg.dropout))
     card = {"recipe": RECIPE, "model": "MLP", "model_args": {"hidden": list(parse_ints(cfg.hidden)), "dropout": cfg.dropout},
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": mean, "std": std,
             "config": to_dict(cfg)}

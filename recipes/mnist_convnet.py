@@ -41,12 +41,12 @@ from common.augment import BatchTransform, batch_generator, channel_stats
 from common.config import DATASET_HELP, CommonConfig, ConfigError, knob, parse_config, save_config, to_dict
 from common.data import DataError, load_image_data, make_loader
 from common.metrics import evaluate
-from common.models import ConvNet, count_parameters
+from common.models import ConvNet, convert_sync_batchnorm, count_parameters
 from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeError, StepGuard, StopRequest,
                             Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
                             set_run_dir, share_from_main, shared_stamp, startup_line)
 from common.schedule import build_scheduler
-from common.lifecycle import checkpoint_meta, finish_run, is_better, resume_checkpoint
+from common.lifecycle import build_model, checkpoint_meta, finish_run, is_better, resume_checkpoint
 
 RECIPE = "mnist_convnet"
 
@@ -61,6 +61,7 @@ class Config(CommonConfig):
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
     width: int = knob(32, "channels of the first conv block; the second has twice as many")
     dropout: float = knob(0.1, "dropout before the linear head")
+    sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
 
 
 def main(argv=None) -> int:
@@ -94,7 +95,9 @@ def train(cfg: Config) -> int:
 
     # --- model ---
     set_seed(cfg.seed)
-    model = ConvNet(data.shape, data.num_classes, width=cfg.width, dropout=cfg.dropout)
+    model = build_model(lambda: ConvNet(data.shape, data.num_classes, width=cfg.width, dropout=cfg.dropout))
+    if cfg.sync_bn:
+        model = convert_sync_batchnorm(model, accelerator.device)
     card = {"recipe": RECIPE, "model": "ConvNet", "model_args": {"width": cfg.width, "dropout": cfg.dropout},
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": mean, "std": std,
             "config": to_dict(cfg)}

@@ -1,0 +1,306 @@
+"""Classify image files with a trained model: top-k class names and probabilities.
+
+    python -m common.predict runs/cifar_cnn-20250101-120000 photo.png more_photos/ --top-k 3
+    python -m common.predict runs/mnist/best digits/ --format json --output predictions.json
+
+The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder
+itself: model.safetensors + model.json as written by ``common.checkpoint.save_model_dir``. Folders
+are searched recursively for image files (png, jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm).
+
+Preprocessing is the evaluation one: each image is converted to 'L' (1-channel models) or 'RGB'
+(3 channels), resized bilinearly to the model's input size if it differs (as ``--image-size`` does
+when the dataset is decoded), turned into a uint8 CHW tensor and normalized with the mean/std
+stored in model.json (``common.augment.normalize``). When the run used ``--tta`` the logits of the
+image and of its mirror image are averaged, as ``common.metrics.evaluate`` does.
+
+Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on
+stderr and no traceback.
+
+The reusable parts (``build_model_from_card``, ``load_predictor``, ``Predictor.probabilities``,
+``predict_files``) are importable for tests and other tools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EXIT_BAD_INPUT = 2
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+
+class PredictError(ValueError):
+    """Bad input the user can fix. The message is one paragraph naming the problem and the fix."""
+
+
+# --- model ---------------------------------------------------------------------------------------
+
+def build_model_from_card(card: dict) -> torch.nn.Module:
+    """An untrained model of the architecture model.json describes (``model``, ``model_args``,
+    ``input_shape``, ``class_names``). Lists in model_args become tuples (``hidden``, ``widths``)."""
+    from common import models
+
+    builders = {"MLP": models.MLP, "ConvNet": models.ConvNet, "CifarCNN": models.CifarCNN}
+    missing = [k for k in ("model", "input_shape", "class_names") if k not in card]
+    if missing:
+        raise PredictError(f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
+                           "repository (or is damaged). Point at a best/ or final/ folder of a finished run.")
+    name = card["model"]
+    if name not in builders:
+        raise PredictError(f"model.json names the model {name!r}, which this tool cannot rebuild (known: "
+                           f"{', '.join(builders)}). Add it to common.predict.build_model_from_card.")
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in (card.get("model_args") or {}).items()}
+    try:
+        return builders[name](tuple(card["input_shape"]), len(card["class_names"]), **args)
+    except (TypeError, ValueError) as err:
+        raise PredictError(f"Could not rebuild {name} from model.json (input_shape {card['input_shape']}, "
+                           f"model_args {card.get('model_args')}): {err}.") from None
+
+
+@dataclass
+class Predictor:
+    """A model in eval mode plus what it needs to turn uint8 images into probabilities."""
+
+    model: torch.nn.Module
+    card: dict
+    model_dir: Path
+    device: torch.device
+    tta: bool
+
+    @property
+    def class_names(self) -> list[str]:
+        return [str(n) for n in self.card["class_names"]]
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return tuple(self.card["input_shape"])
+
+    @torch.no_grad()
+    def logits(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 ``(N, C, H, W)`` at the model's input shape -> float32 logits ``(N, classes)``."""
+        from common.augment import normalize
+
+        x = normalize(images.to(self.device), self.card["mean"], self.card["std"])
+        logits = self.model(x).float()
+        if self.tta:  # the same averaging as common.metrics.evaluate(tta_flip=True)
+            logits = 0.5 * (logits + self.model(x.flip(3)).float())
+        return logits
+
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.logits(images), dim=1)
+
+
+def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = None) -> Predictor:
+    """Load model.safetensors + model.json from a run dir / best/ / final/ folder. ``tta=None``
+    follows the run's config (``card["config"]["tta"]``)."""
+    from common.checkpoint import find_model_dir, load_model_dir
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise PredictError(f"The model path {path} does not exist. Pass a run directory (runs/<recipe>-<time>) "
+                           "or its best/ or final/ folder.")
+    try:
+        model_dir = find_model_dir(path)
+        state, card = load_model_dir(model_dir)
+    except FileNotFoundError as err:
+        raise PredictError(str(err)) from None
+    except Exception as err:  # safetensors / json raise several types for a damaged file
+        raise PredictError(f"Could not read the model files in {path}: {type(err).__name__}: {err}. The files "
+                           "may be damaged or partly written; use the other folder (best/ or final/) or "
+                           "re-run the training.") from None
+    for key in ("mean", "std"):
+        if key not in card:
+            raise PredictError(f"{model_dir / 'model.json'} lacks {key!r}, which preprocessing needs. Point at a "
+                               "best/ or final/ folder written by a recipe of this repository.")
+    model = build_model_from_card(card)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as err:
+        raise PredictError(f"The weights in {model_dir} do not fit the model model.json describes "
+                           f"({card['model']} {card.get('model_args')}): {str(err).splitlines()[0]} The folder "
+                           "mixes files of different runs; re-copy it from one run.") from None
+    device = torch.device(device)
+    model.to(device).eval()
+    if tta is None:
+        tta = bool((card.get("config") or {}).get("tta", False))
+    return Predictor(model, card, model_dir, device, tta)
+
+
+# --- images --------------------------------------------------------------------------------------
+
+def collect_images(inputs) -> list[Path]:
+    """Files as given, folders expanded (recursively, sorted) to the image files they hold."""
+    found: list[Path] = []
+    for item in inputs:
+        p = Path(item).expanduser()
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
+                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not files:
+                raise PredictError(f"The folder {p} holds no image files ({', '.join(IMAGE_SUFFIXES)}). Pass "
+                                   "image files, or folders that contain some.")
+            found.extend(files)
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise PredictError(f"The input {item} does not exist. Pass existing image files or folders.")
+    seen, unique = set(), []
+    for f in found:
+        if f not in seen:
+            seen.add(f)
+            unique.append(f)
+    return unique
+
+
+def preprocess_image(img, input_shape) -> tuple[torch.Tensor, bool]:
+    """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized).
+    Mode and resizing follow ``common.data`` decoding: 'L' or 'RGB', bilinear resize."""
+    import numpy as np
+    from PIL import Image
+
+    c, h, w = input_shape
+    mode = "L" if c == 1 else "RGB"
+    if img.mode != mode:
+        img = img.convert(mode)
+    resized = img.size != (w, h)
+    if resized:
+        img = img.resize((w, h), Image.BILINEAR)
+    arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
+    return (arr.unsqueeze(0) if arr.ndim == 2 else arr.permute(2, 0, 1)).contiguous(), resized
+
+
+def load_image(path, input_shape) -> tuple[torch.Tensor, bool]:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return preprocess_image(img, input_shape)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
+        reason = "not an image file PIL can read" if isinstance(err, UnidentifiedImageError) else str(err)
+        raise PredictError(f"Could not read {path} as an image ({reason}). Pass image files (PNG, JPEG, ...) "
+                           "or remove that file from the folder.") from None
+
+
+def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int = 64,
+                  on_resize=None) -> list[dict]:
+    """Top-k predictions per file: ``[{"file", "predictions": [{"label", "index", "probability"}]}]``.
+    Images are read ``batch_size`` at a time. ``on_resize(path)`` is called for each resized image."""
+    names = predictor.class_names
+    k = max(1, min(int(top_k), len(names)))
+    paths = [Path(p) for p in paths]
+    results = []
+    for start in range(0, len(paths), max(1, batch_size)):
+        chunk = paths[start:start + max(1, batch_size)]
+        tensors = []
+        for p in chunk:
+            t, resized = load_image(p, predictor.input_shape)
+            if resized and on_resize is not None:
+                on_resize(p)
+            tensors.append(t)
+        probs = predictor.probabilities(torch.stack(tensors)).cpu()
+        top_p, top_i = probs.topk(k, dim=1)
+        for p, ps, idx in zip(chunk, top_p.tolist(), top_i.tolist()):
+            results.append({"file": str(p), "predictions": [
+                {"label": names[i], "index": i, "probability": prob} for i, prob in zip(idx, ps)]})
+    return results
+
+
+# --- output --------------------------------------------------------------------------------------
+
+def format_table(results: list[dict]) -> str:
+    if not results:
+        return ""
+    k = len(results[0]["predictions"])
+    rows = [["file"] + [f"top-{i + 1}" for i in range(k)]]
+    for r in results:
+        rows.append([r["file"]] + [f"{p['label']} {p['probability']:.1%}" for p in r["predictions"]])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows) + "\n"
+
+
+def format_csv(results: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    k = len(results[0]["predictions"]) if results else 0
+    writer.writerow(["file"] + [f"top{i + 1}_{c}" for i in range(k) for c in ("label", "probability")])
+    for r in results:
+        writer.writerow([r["file"]] + [v for p in r["predictions"] for v in (p["label"], f"{p['probability']:.6f}")])
+    return buf.getvalue()
+
+
+def format_json(results: list[dict], predictor: Predictor) -> str:
+    doc = {"model_dir": str(predictor.model_dir), "model": predictor.card.get("model"),
+           "recipe": predictor.card.get("recipe"), "tta": predictor.tta, "results": results}
+    return json.dumps(doc, indent=2) + "\n"
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m common.predict", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="run directory, or its best/ or final/ folder")
+    parser.add_argument("inputs", nargs="+", help="image files or folders of images")
+    parser.add_argument("--top-k", type=int, default=3, help="how many classes to list per image (default 3)")
+    parser.add_argument("--format", choices=("table", "json", "csv"), default="table", help="output format")
+    parser.add_argument("--output", help="write the output to this file instead of stdout")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--no-tta", action="store_true", help="do not average with the mirror image even if "
+                        "the run evaluated that way")
+    return parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.top_k < 1:
+        raise PredictError(f"--top-k must be at least 1 (got {args.top_k}).")
+    if args.batch_size < 1:
+        raise PredictError(f"--batch-size must be at least 1 (got {args.batch_size}).")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise PredictError(f"--device {args.device!r} is not a torch device ({err}). Use cpu or cuda.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PredictError(f"--device {args.device} was asked for but CUDA is not available here. Use --device cpu.")
+    predictor = load_predictor(args.model, device, tta=False if args.no_tta else None)
+    files = collect_images(args.inputs)
+    resized = []
+    results = predict_files(predictor, files, args.top_k, args.batch_size, on_resize=resized.append)
+    c, h, w = predictor.input_shape
+    print(f"model: {predictor.model_dir} ({predictor.card.get('model')}, recipe {predictor.card.get('recipe')}, "
+          f"input {c}x{h}x{w}, tta {'on' if predictor.tta else 'off'}); {len(results)} image(s)", file=sys.stderr)
+    if resized:
+        print(f"note: {len(resized)} image(s) were not {w}x{h} and were resized bilinearly (e.g. {resized[0]}); "
+              "accuracy may differ from the run's if it trained on another size.", file=sys.stderr)
+    text = {"table": format_table, "csv": format_csv}.get(args.format, lambda r: format_json(r, predictor))(results)
+    if args.output:
+        try:
+            Path(args.output).write_text(text)
+        except OSError as err:
+            raise PredictError(f"Could not write --output {args.output}: {err.strerror or err}. Pass a path in "
+                               "an existing, writable folder.") from None
+        print(f"wrote {args.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except PredictError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

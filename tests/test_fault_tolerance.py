@@ -1,0 +1,221 @@
+"""The reliability promises: exact resume, crash-safe checkpoints, preemption, failures, scale-out."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl
+
+MLP = ["--hidden", "32"]
+CONV = ["--width", "8"]
+
+
+def weights(run: Path) -> dict:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def losses(run: Path) -> list:
+    return [(r["step"], r["train/loss"]) for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
+
+
+def checkpoints(run: Path) -> list[Path]:
+    from common.checkpoint import complete_checkpoints
+
+    return complete_checkpoints(run)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, mnist_like):
+    """Stopped mid-epoch (step 5 of 9 in epoch 1) and resumed: same weights and per-step losses.
+    ConvNet with BatchNorm and dropout, so data order, RNG and BN statistics all have to continue."""
+    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *CONV, "--log-every", 1,
+            "--checkpoint-every", 5]
+    full, part = tmp_path / "full", tmp_path / "part"
+    check_ok(launch("mnist_convnet", [*args, "--output-dir", full], env, nproc=nproc))
+    check_ok(launch("mnist_convnet", [*args, "--output-dir", part, "--max-steps", 5], env, nproc=nproc))
+    state = json.loads((checkpoints(part)[-1] / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batches_in_epoch"], state["global_step"]) == (0, 5, 5)
+    check_ok(launch("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc=nproc))
+    a, b = weights(full), weights(part)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(full) == losses(part)
+
+
+def test_incomplete_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2,
+            "--keep-checkpoints", 2, "--output-dir", run]
+    check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", 6], env))
+    kept = checkpoints(run)
+    assert [json.loads((p / "trainer_state.json").read_text())["global_step"] for p in kept] == [4, 6]
+    # a crash during a write leaves a temp folder, or a renamed folder without the marker
+    (run / "checkpoints" / ".tmp-step-00000008").mkdir()
+    fake = run / "checkpoints" / "step-00000099"
+    fake.mkdir()
+    (fake / "trainer_state.json").write_text(json.dumps({"global_step": 99}))
+    proc = check_ok(launch("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env))
+    assert "resumed from" in proc.stdout and "step-00000006" in proc.stdout
+    assert not fake.exists() and checkpoints(run)[-1].name == "step-00000018"
+
+
+def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, env, mnist_like):
+    """SIGTERM to a running 2-process job: it finishes the step, writes a checkpoint, exits non-zero."""
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
+            "--output-dir", run, "--resume-from", "latest"]
+    cfg = str(REPO / "accelerate_configs" / "cpu_2proc.yaml")
+    cmd = [ACCELERATE, "launch", "--config_file", cfg, "--main_process_port", str(free_port()),
+           str(REPO / "recipes" / "fashion_mnist_mlp.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: every process of the job gets the signal
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "stop signal received" in out, out + err
+    ckpts = checkpoints(run)
+    assert ckpts, "no checkpoint written on SIGTERM"
+    step = json.loads((ckpts[-1] / "trainer_state.json").read_text())["global_step"]
+    assert 0 < step < 400 * 9
+    again = launch("fashion_mnist_mlp", [*args, "--max-steps", step + 3], env, nproc=2)
+    check_ok(again)
+    assert f"step {step}" in again.stdout
+
+
+def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--checkpoint-every", 3,
+            "--output-dir", run, "--resume-from", "latest"]
+    cmd = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
+           str(REPO / "recipes" / "fashion_mnist_mlp.py"), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(checkpoints(run)) < 2:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    last = json.loads((checkpoints(run)[-1] / "trainer_state.json").read_text())["global_step"]
+    again = check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", last + 3], env))
+    assert "resumed from" in again.stdout
+
+
+def test_nonfinite_loss_stops_every_rank_before_the_step(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    proc = launch("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
+                                        "--lr", "1e30", "--warmup-fraction", 0, "--checkpoint-every", 1,
+                                        "--output-dir", run], env, nproc=2)
+    assert proc.returncode != 0
+    assert "non-finite at optimizer step" in proc.stderr and "Last good checkpoint" in proc.stderr
+    assert proc.stderr.count("non-finite at optimizer step") == 2  # both ranks stopped themselves
+    bad_step = int(proc.stderr.split("non-finite at optimizer step ")[1].split()[0])
+    assert all(json.loads((p / "trainer_state.json").read_text())["global_step"] < bad_step
+               for p in checkpoints(run))
+    assert not (run / "final").exists()
+
+
+def test_one_failing_rank_ends_the_job(tmp_path, env, mnist_like):
+    """Rank 1 raises at its 3rd loss computation; the job ends non-zero, quickly, with the error shown."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import torch.nn.functional as F\n"
+        "    _ce, _n = F.cross_entropy, [0]\n"
+        "    def cross_entropy(*a, **k):\n"
+        "        _n[0] += 1\n"
+        "        if _n[0] == 3:\n"
+        "            raise RuntimeError('injected failure on rank 1')\n"
+        "        return _ce(*a, **k)\n"
+        "    F.cross_entropy = cross_entropy\n")
+    env = {**env, "PYTHONPATH": str(inject)}
+    t0 = time.time()
+    proc = launch("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 50, "--batch-size", 32, *MLP,
+                                        "--timeout-s", 30, "--output-dir", tmp_path / "run"], env, nproc=2)
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr
+    assert time.time() - t0 < 90
+
+
+def test_resume_refuses_another_model(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    base = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, "--max-steps", 2, "--output-dir", run]
+    check_ok(launch("fashion_mnist_mlp", [*base, "--hidden", "32"], env))
+    proc = launch("fashion_mnist_mlp", [*base, "--hidden", "64", "--resume-from", "latest"], env)
+    assert proc.returncode != 0
+    assert "different model" in proc.stderr
+
+
+def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run]
+    check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", 9], env, nproc=1))
+    proc = check_ok(launch("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env, nproc=2))
+    assert "written by 1 process(es), this run has 2" in proc.stdout
+    assert "per_process_batch=16" in proc.stdout
+
+
+def test_sync_bn_two_processes_equals_one_process_full_batch(tmp_path, env, mnist_like):
+    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--max-steps", 4,
+            "--sync-bn"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ok(launch("mnist_convnet", [*args, "--output-dir", one], env, nproc=1))
+    check_ok(launch("mnist_convnet", [*args, "--output-dir", two], env, nproc=2))
+    a, b = weights(one), weights(two)
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_two_nodes_over_loopback_train_together(tmp_path, env, mnist_like):
+    """Two 'machines' (node ranks 0 and 1, one process each) on this host, joined over 127.0.0.1."""
+    port = free_port()
+    run = tmp_path / "run"
+    procs = []
+    for rank in (0, 1):
+        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), "--epochs", "1",
+               "--batch-size", "32", *MLP, "--max-steps", "3", "--output-dir", str(run)]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-3000:]
+    assert "processes=2" in outs[0][0] and "backend=gloo" in outs[0][0]
+    assert (run / "final" / "model.safetensors").exists()
+
+
+def test_port_in_use(tmp_path, env, mnist_like):
+    """One machine: Accelerate moves to a free port and says so. Multi-node: a clear error, no hang."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        recipe = [str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
+                  "--max-steps", "2"]
+        single = subprocess.run([ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
+                                 "--main_process_port", str(port), *recipe, "--output-dir", str(tmp_path / "a")],
+                                env=env, cwd=str(REPO), capture_output=True, text=True, timeout=180)
+        multi = subprocess.run([ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+                                "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port",
+                                str(port), *recipe, "--output-dir", str(tmp_path / "b")],
+                               env=env, cwd=str(REPO), capture_output=True, text=True, timeout=60)
+    check_ok(single)
+    assert f"Port `{port}` is already in use" in single.stderr
+    assert multi.returncode != 0
+    assert "another process is utilizing it" in multi.stderr

@@ -1,0 +1,196 @@
+"""common.predict: rebuild a model from model.json, preprocess like eval, top-k output, clear errors.
+
+Model folders are written with common.checkpoint.save_model_dir from untrained models (no training);
+the CLI runs as a subprocess, its JSON is checked against the torch model run directly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common import checkpoint, models  # noqa: E402
+from common.augment import normalize  # noqa: E402
+from common.predict import build_model_from_card, collect_images, load_predictor, predict_files  # noqa: E402
+
+STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+
+SPECS = {
+    "ConvNet": dict(model_args={"width": 4, "dropout": 0.1}, input_shape=[1, 28, 28],
+                    class_names=["zero", "one", "two", "three", "four"], mean=[0.13], std=[0.31]),
+    "CifarCNN": dict(model_args={"widths": [8, 16, 16]}, input_shape=[3, 32, 32],
+                     class_names=["cat", "dog", "bird", "fish"], mean=[0.49, 0.48, 0.45], std=[0.25, 0.24, 0.26]),
+    "MLP": dict(model_args={"hidden": [16], "dropout": 0.0}, input_shape=[1, 12, 12],
+                class_names=["shirt", "shoe", "bag"], mean=[0.29], std=[0.35]),
+}
+
+
+def make_model_dir(root: Path, kind: str, tta: bool = False, seed: int = 0):
+    """Write <root>/run/best (model.safetensors + model.json) for an untrained model; returns
+    (run_dir, card, model). The last layer is scaled up so the logits are well apart."""
+    spec = SPECS[kind]
+    torch.manual_seed(seed)
+    builder = {"ConvNet": models.ConvNet, "CifarCNN": models.CifarCNN, "MLP": models.MLP}[kind]
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["model_args"].items()}
+    model = builder(tuple(spec["input_shape"]), len(spec["class_names"]), **args)
+    last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    with torch.no_grad():
+        last.weight.mul_(40.0)
+    model.eval()
+    card = {"recipe": f"test_{kind.lower()}", "model": kind, **spec, "config": {"tta": tta, "seed": seed}}
+    run_dir = root / "run"
+    checkpoint.save_model_dir(STUB_ACCELERATOR, model, run_dir / "best", card)
+    return run_dir, card, model
+
+
+def write_images(folder: Path, count: int, size, mode: str, seed: int = 0) -> list[Path]:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        shape = (size[1], size[0]) + ((3,) if mode == "RGB" else ())
+        path = folder / f"img_{i}.png"
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(path)
+        paths.append(path)
+    return paths
+
+
+def reference_logits(model, card, path: Path) -> torch.Tensor:
+    """Eval preprocessing written out independently: convert, bilinear resize, uint8 CHW, normalize."""
+    from PIL import Image
+
+    c, h, w = card["input_shape"]
+    img = Image.open(path)
+    img = img.convert("L" if c == 1 else "RGB")
+    if img.size != (w, h):
+        img = img.resize((w, h), Image.BILINEAR)
+    arr = torch.from_numpy(np.array(img, dtype=np.uint8))
+    arr = arr[None] if arr.ndim == 2 else arr.permute(2, 0, 1)
+    x = normalize(arr[None], card["mean"], card["std"])
+    with torch.no_grad():
+        logits = model(x).float()
+        if card["config"].get("tta"):
+            logits = 0.5 * (logits + model(x.flip(3)).float())
+    return logits[0]
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "common.predict", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_build_model_from_card_matches_saved_weights(tmp_path, kind):
+    run_dir, card, model = make_model_dir(tmp_path, kind)
+    state, loaded_card = checkpoint.load_model_dir(run_dir)
+    rebuilt = build_model_from_card(loaded_card)
+    rebuilt.load_state_dict(state)  # strict: same architecture
+    assert type(rebuilt) is type(model)
+
+
+@pytest.mark.parametrize("kind,tta", [("ConvNet", False), ("CifarCNN", True)])
+def test_cli_json_matches_torch(tmp_path, kind, tta):
+    run_dir, card, model = make_model_dir(tmp_path, kind, tta=tta)
+    c, h, w = card["input_shape"]
+    mode = "L" if c == 1 else "RGB"
+    images = write_images(tmp_path / "imgs", 4, (w, h), mode)
+    # one image of another size and mode: resized and converted like eval
+    images += write_images(tmp_path / "odd", 1, (w + 7, h + 3), "RGB" if c == 1 else "L", seed=1)
+
+    proc = run_cli(run_dir, *images, "--format", "json", "--top-k", 3)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["tta"] is tta and doc["model"] == kind
+    assert [r["file"] for r in doc["results"]] == [str(p) for p in images]
+    names = card["class_names"]
+    for path, result in zip(images, doc["results"]):
+        preds = result["predictions"]
+        assert len(preds) == 3
+        probs = [p["probability"] for p in preds]
+        assert sum(probs) <= 1.0 + 1e-6 and probs == sorted(probs, reverse=True)
+        assert all(p["label"] == names[p["index"]] for p in preds)
+        ref = torch.softmax(reference_logits(model, card, path), 0)
+        assert preds[0]["label"] == names[int(ref.argmax())]
+        assert preds[0]["probability"] == pytest.approx(float(ref.max()), abs=1e-5)
+    assert "resized" in proc.stderr
+
+
+def test_cli_folder_table_csv_and_output_file(tmp_path):
+    run_dir, card, _ = make_model_dir(tmp_path, "MLP")
+    folder = tmp_path / "images"
+    write_images(folder / "a", 2, (12, 12), "L")
+    write_images(folder / "b", 1, (12, 12), "L", seed=3)
+    (folder / "notes.txt").write_text("not an image, and not picked from a folder")
+
+    table = run_cli(run_dir / "best", folder, "--top-k", 2)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.strip().splitlines()
+    assert lines[0].split() == ["file", "top-1", "top-2"] and len(lines) == 4
+    assert all(any(n in line for n in card["class_names"]) for line in lines[1:])
+
+    out = tmp_path / "preds.csv"
+    proc = run_cli(run_dir, folder, "--format", "csv", "--top-k", 5, "--output", out)
+    assert proc.returncode == 0, proc.stderr
+    rows = out.read_text().strip().splitlines()
+    # --top-k above the class count lists every class
+    assert rows[0] == "file,top1_label,top1_probability,top2_label,top2_probability,top3_label,top3_probability"
+    assert len(rows) == 4
+
+
+def test_predict_files_in_process_tta(tmp_path):
+    run_dir, card, model = make_model_dir(tmp_path, "CifarCNN", tta=True)
+    paths = write_images(tmp_path / "imgs", 3, (32, 32), "RGB")
+    predictor = load_predictor(run_dir)
+    assert predictor.tta and predictor.model_dir == run_dir / "best"
+    results = predict_files(predictor, collect_images([tmp_path / "imgs"]), top_k=1, batch_size=2)
+    for path, result in zip(paths, results):
+        ref = torch.softmax(reference_logits(model, card, path), 0)
+        assert result["predictions"][0]["index"] == int(ref.argmax())
+        assert result["predictions"][0]["probability"] == pytest.approx(float(ref.max()), abs=1e-5)
+    no_tta = load_predictor(run_dir, tta=False)
+    assert not no_tta.tta
+
+
+def test_cli_errors_name_the_problem(tmp_path):
+    run_dir, _, _ = make_model_dir(tmp_path, "MLP")
+    good = write_images(tmp_path / "imgs", 1, (12, 12), "L")[0]
+    missing = tmp_path / "imgs" / "missing.png"
+    fake = tmp_path / "fake.png"
+    fake.write_text("this is text, not a PNG")
+
+    for args, needle in [((run_dir, good, missing), str(missing)), ((run_dir, good, fake), str(fake))]:
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1  # one paragraph
+        assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("case", ["no_such_run", "no_model_files", "empty_folder", "bad_top_k"])
+def test_model_and_argument_errors_exit_2(tmp_path, capsys, case):
+    from common.predict import main
+
+    run_dir, _, _ = make_model_dir(tmp_path, "MLP")
+    good = write_images(tmp_path / "imgs", 1, (12, 12), "L")[0]
+    (tmp_path / "empty").mkdir()
+    args, needle = {
+        "no_such_run": ([tmp_path / "no_such_run", good], str(tmp_path / "no_such_run")),
+        "no_model_files": ([tmp_path / "imgs", good], "model.safetensors"),
+        "empty_folder": ([run_dir, tmp_path / "empty"], str(tmp_path / "empty")),
+        "bad_top_k": ([run_dir, good, "--top-k", "0"], "--top-k"),
+    }[case]
+    assert main([str(a) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err
