@@ -218,9 +218,11 @@ def time_runners(runners, warmup: int, steps: int, repeats: int, device, barrier
 
 
 def summarize(seconds: list[float], steps: int, samples_per_step: int, **info) -> dict:
-    """Median samples/s over the repeats, and everything needed to recompute it."""
+    """Median samples/s over the repeats (and the best repeat's, a hint on a busy machine), plus
+    everything needed to recompute them."""
     median = statistics.median(seconds)
     return {"samples_per_s": steps * samples_per_step / median, "ms_per_step": 1000 * median / steps,
+            "samples_per_s_best": steps * samples_per_step / min(seconds),
             "median_s": median, "spread": (max(seconds) - min(seconds)) / median, "steps_per_repeat": steps,
             "samples_per_step": samples_per_step, "repeat_s": seconds, **info}
 
