@@ -110,6 +110,10 @@ def load_source(name: str):
     try:
         ds = datasets.load_dataset(str(path) if path.exists() else name)
     except Exception as err:  # datasets raises many types; all mean "could not load"
+        if "corresponds to no data" in str(err):  # datasets' wording for a split with no rows
+            split = str(err).split('"')[1] if '"' in str(err) else "a"
+            raise DataError(f"The {split} split of {name!r} is empty. Add images to it, or remove its files so the "
+                            "recipe holds out part of train instead.") from None
         if path.exists():
             raise DataError(
                 f"datasets could not read {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "

@@ -1,0 +1,105 @@
+"""Bad input: each case exits non-zero with one paragraph naming the problem and the fix, no traceback,
+and nothing the user had is overwritten."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, write_image_folder, write_parquet_dataset
+
+
+def run_recipe(recipe, args, env, cwd):
+    return subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)], env=env,
+                          cwd=str(cwd), capture_output=True, text=True, timeout=180)
+
+
+def assert_clear_error(proc, *needles):
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
+def write_plain_parquet(root, columns: dict, split="train"):
+    from datasets import Dataset
+
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    Dataset.from_dict(columns).to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--lr", "-1"], ["--lr must be positive"]),
+    (["--epochs", "0"], ["--epochs must be at least 1"]),
+    (["--batch-size", "2", "--grad-accum", "4"], ["must split evenly", "--batch-size"]),
+    (["--lrr", "0.1"], ["unrecognized arguments: --lrr", "--help"]),
+    (["--val-fraction", "1.5"], ["--val-fraction must be in [0, 1)"]),
+])
+def test_invalid_config(args, needles, tmp_path, env, mnist_like):
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", *args],
+                                  env, tmp_path), *needles)
+
+
+def test_missing_dataset_path(tmp_path, env):
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", tmp_path / "nope"], env, tmp_path),
+                       "does not exist", "--dataset")
+
+
+def test_dataset_without_image_column(tmp_path, env):
+    root = write_plain_parquet(tmp_path / "d", {"pixels": [[0] * 4] * 8, "label": [0, 1] * 4})
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+                       "no image column", "--image-column")
+
+
+def test_labels_outside_the_training_classes(tmp_path, env):
+    from datasets import Dataset, Features, Image, Value
+    from PIL import Image as PILImage
+
+    root = tmp_path / "d"
+    (root / "data").mkdir(parents=True)
+    img = PILImage.new("L", (28, 28))
+    feats = Features({"image": Image(), "label": Value("int64")})
+    Dataset.from_dict({"image": [img] * 12, "label": [0, 1, 2] * 4}, features=feats).to_parquet(
+        str(root / "data" / "train-00000-of-00001.parquet"))
+    Dataset.from_dict({"image": [img] * 4, "label": [0, 1, 2, 7]}, features=feats).to_parquet(
+        str(root / "data" / "test-00000-of-00001.parquet"))
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+                       "label 7", "outside the 3 classes")
+
+
+def test_images_too_small_for_the_model(tmp_path, env):
+    root = write_parquet_dataset(tmp_path / "d", {"train": 16}, shape=(1, 2, 2))
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+                       "at least 4x4", "--image-size")
+
+
+def test_empty_split(tmp_path, env):
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    root = write_parquet_dataset(tmp_path / "d", {"train": 16})
+    feats = Features({"image": Image(), "label": ClassLabel(names=[f"class_{k}" for k in range(4)])})
+    Dataset.from_dict({"image": [], "label": []}, features=feats).to_parquet(
+        str(root / "data" / "test-00000-of-00001.parquet"))
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+                       "test split of", "is empty")
+
+
+def test_corrupt_image_in_image_folder_is_named(tmp_path, env):
+    root = write_image_folder(tmp_path / "imgs", n_per_class=4)
+    bad = root / "dog" / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    assert_clear_error(run_recipe("cifar_cnn", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+                       "broken.png", "Remove or replace")
+
+
+def test_output_dir_of_another_run_is_not_overwritten(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"mine": true}')
+    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", run], env, tmp_path),
+                       "already holds a run", "--resume-from latest")
+    assert (run / "config.json").read_text() == '{"mine": true}'
+    assert sorted(p.name for p in run.iterdir()) == ["config.json"]
