@@ -70,7 +70,7 @@ class CommonConfig:
     eval_every: int = knob(1, "evaluate on the validation split every N epochs")
     target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99")
     eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split")
-    checkpoint: str = knob("", "run or checkpoint directory to load weights from (with --eval-only)")
+    checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates")
     # --- checkpoint ---
     output_dir: str = knob("", "run directory ('' = runs/<recipe>-<timestamp>)")
     resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path")
@@ -80,7 +80,6 @@ class CommonConfig:
     mode: str = knob("max", "whether a larger or smaller --monitor value is better", choices=["max", "min"])
     # --- logging ---
     log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
-    profile: bool = knob(False, "run a few steps under the PyTorch profiler, trace written to <run>/profile")
     timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
 

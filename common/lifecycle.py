@@ -17,7 +17,7 @@ from common.runtime import EXIT_TARGET_MISSED, RecipeError
 
 # Config fields that may change on resume without changing what the checkpoint means.
 RESUME_MAY_CHANGE = {"epochs", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints", "log_every",
-                     "eval_every", "target_accuracy", "timeout_s", "max_steps", "profile", "cache_dir",
+                     "eval_every", "target_accuracy", "timeout_s", "max_steps", "cache_dir",
                      "data_on_device", "compile", "eval_batch_size", "dataset"}
 
 
@@ -119,4 +119,39 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
         return EXIT_TARGET_MISSED
     if cfg.target_accuracy:
         accelerator.print(f"target reached: final {split} accuracy {acc:.4f} >= {cfg.target_accuracy:.4f}")
+    return 0
+
+
+def evaluate_weights(accelerator, cfg, model, eval_loader, transform, data, say=print) -> int:
+    """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder) and
+    evaluate them on the test split (else validation) on every process; print and write the metrics."""
+    from safetensors.torch import load_file
+
+    root = Path(cfg.checkpoint).expanduser()
+    candidates = [root, root / "best", root / "final", ckpt.find_latest(root)]
+    found = next((c / ckpt.WEIGHTS for c in candidates if c is not None and (c / ckpt.WEIGHTS).is_file()), None)
+    if found is None:
+        raise RecipeError(f"--checkpoint {cfg.checkpoint} holds no {ckpt.WEIGHTS} (looked in it, its best/ and "
+                          "final/ folders and its newest checkpoint). Pass a run directory or one of those folders.")
+    if eval_loader is None:
+        raise RecipeError(f"The dataset {data.source!r} has no test or validation split to evaluate on. Add a test "
+                          "split, or set --val-fraction above 0.")
+    try:
+        accelerator.unwrap_model(model).load_state_dict(load_file(str(found)))
+    except RuntimeError as err:
+        raise RecipeError(f"The weights in {found} don't fit this recipe's model with these settings "
+                          f"({str(err).splitlines()[0]}). Use the recipe and model options the run was trained with "
+                          "(see model.json or config.json beside them).") from None
+    split = "test" if data.test is not None else "val"
+    metrics = evaluate(accelerator, model, eval_loader, transform, data.num_classes, tta_flip=cfg.tta)
+    result = {"weights": str(found), "split": split, "loss": metrics["loss"], "accuracy": metrics["accuracy"],
+              "count": metrics["count"], "per_class_accuracy": dict(zip(data.class_names, metrics["per_class_accuracy"])),
+              "processes": accelerator.num_processes}
+    say(f"eval-only: {split} accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f} "
+        f"({metrics['count']} images) weights {found}")
+    if accelerator.is_main_process:
+        (found.parent / f"eval-{split}.json").write_text(json.dumps(result, indent=2) + "\n")
+    if cfg.target_accuracy and metrics["accuracy"] < cfg.target_accuracy:
+        say(f"TARGET MISSED: {split} accuracy {metrics['accuracy']:.4f} is below --target-accuracy {cfg.target_accuracy:.4f}.")
+        return EXIT_TARGET_MISSED
     return 0

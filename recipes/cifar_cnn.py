@@ -47,7 +47,7 @@ from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeErr
                             Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
                             set_run_dir, share_from_main, shared_stamp, startup_line)
 from common.schedule import build_scheduler
-from common.lifecycle import build_model, checkpoint_meta, finish_run, is_better, resume_checkpoint
+from common.lifecycle import build_model, checkpoint_meta, evaluate_weights, finish_run, is_better, resume_checkpoint
 
 RECIPE = "cifar_cnn"
 
@@ -117,6 +117,9 @@ def train(cfg: Config) -> int:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     scheduler, total_steps = build_scheduler(optimizer, cfg, steps_per_epoch)
     scheduler = accelerator.prepare(scheduler)
+
+    if cfg.eval_only:
+        return evaluate_weights(accelerator, cfg, model, test_loader or val_loader, transform, data, say)
 
     # --- checkpoint: resume ---
     state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}

@@ -61,6 +61,11 @@ def test_recipe_end_to_end(recipe, nproc, mnist_like, cifar_like, env, tmp_path)
     weights = load_file(str(run / "final" / "model.safetensors"))
     assert weights and all(torch.isfinite(v.float()).all() for v in weights.values())
     assert json.loads((run / "config.json").read_text())["epochs"] == 2
+    if recipe == "mnist_convnet" and nproc == 2:  # --eval-only on the finished run, also on 2 processes
+        check_ok(launch(recipe, ["--dataset", data, "--eval-only", "--checkpoint", run, *SMALL[recipe]], env,
+                        nproc=2))
+        result = json.loads((run / "best" / "eval-test.json").read_text())
+        assert result["count"] == 99 and 0.0 <= result["accuracy"] <= 1.0
 
 
 def test_eval_counts_awkward_sizes_exactly_on_two_processes(tmp_path, env):
