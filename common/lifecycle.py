@@ -68,6 +68,21 @@ def resume_checkpoint(accelerator, cfg, run_dir: Path, model, say=print) -> dict
     return state
 
 
+def log_eval_images(log, metrics: dict, images: torch.Tensor, class_names, split: str, step: int) -> None:
+    """Confusion matrix and a grid of misclassified images (class names, not indices) into TensorBoard."""
+    writer = log.writer
+    if writer is None:
+        return
+    from common.plots import confusion_matrix_image, misclassified_grid
+
+    writer.add_image(f"{split}/confusion_matrix", confusion_matrix_image(metrics["confusion"], class_names), step,
+                     dataformats="HWC")
+    preds, labels = metrics["preds"], metrics["labels"]
+    wrong = (preds != labels).nonzero().flatten()[:36]
+    writer.add_image(f"{split}/misclassified", misclassified_grid(images[wrong], labels[wrong], preds[wrong],
+                                                                  class_names), step, dataformats="HWC")
+
+
 def is_better(value: float, best, mode: str) -> bool:
     return best is None or (value > best if mode == "max" else value < best)
 
@@ -88,8 +103,12 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
     if eval_loader is not None:
         metrics = evaluate(accelerator, model, eval_loader, transform, data.num_classes, tta_flip=cfg.tta)
         final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"]}
-        log.log(final, step=state["global_step"])
+        per_class = {f"{split}/accuracy_class/{name}": acc
+                     for name, acc in zip(data.class_names, metrics["per_class_accuracy"])}
+        log.log({**final, **per_class}, step=state["global_step"])
         final[f"{split}/count"] = metrics["count"]
+        log_eval_images(log, metrics, (data.test if split == "test" else data.val).images, data.class_names,
+                        split, state["global_step"])
     ckpt.save_model_dir(accelerator, model, run_dir / "final",
                         {**card, "metrics": final, "epoch": state["epoch"]})
     wall = time.time() - start_time
@@ -104,6 +123,9 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
                 {k: v for k, v in final.items() if not k.endswith("/count")})
     log.close()
     if accelerator.is_main_process:
+        from common.plots import save_curves_png
+
+        save_curves_png(run_dir / "metrics.jsonl", run_dir / "curves.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
         rows += [("best " + cfg.monitor, f"{state['best']:.4f}" if state["best"] is not None else "-"),

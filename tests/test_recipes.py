@@ -58,6 +58,12 @@ def test_recipe_end_to_end(recipe, nproc, mnist_like, cifar_like, env, tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final"]["test/count"] == 64 if recipe == "cifar_cnn" else 99
     assert summary["processes"] == nproc
+    assert (run / "curves.png").stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(event_files[0].parent), size_guidance={"images": 0})
+    acc.Reload()
+    assert {"test/confusion_matrix", "test/misclassified"} <= set(acc.Tags()["images"])
     weights = load_file(str(run / "final" / "model.safetensors"))
     assert weights and all(torch.isfinite(v.float()).all() for v in weights.values())
     assert json.loads((run / "config.json").read_text())["epochs"] == 2
