@@ -63,7 +63,6 @@ class CommonConfig:
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
     label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
-    compile: bool = knob(False, "torch.compile the model")
     max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
                          "is still planned for all epochs, so a stopped run can be resumed exactly")
     # --- eval ---

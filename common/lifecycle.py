@@ -18,7 +18,7 @@ from common.runtime import EXIT_TARGET_MISSED, RecipeError
 # Config fields that may change on resume without changing what the checkpoint means.
 RESUME_MAY_CHANGE = {"epochs", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints", "log_every",
                      "eval_every", "target_accuracy", "timeout_s", "max_steps", "cache_dir",
-                     "data_on_device", "compile", "eval_batch_size", "dataset"}
+                     "data_on_device", "eval_batch_size", "dataset"}
 
 
 def build_model(make):
