@@ -62,6 +62,8 @@ class CommonConfig:
     grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
     label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
+    ema_decay: float = knob(0.0, "evaluate and save an exponential moving average of the weights, this decay per "
+                            "optimizer step (0 = off), e.g. 0.99")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
     max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
                          "is still planned for all epochs, so a stopped run can be resumed exactly")
@@ -79,6 +81,7 @@ class CommonConfig:
     mode: str = knob("max", "whether a larger or smaller --monitor value is better", choices=["max", "min"])
     # --- logging ---
     log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
+    profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
     timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
 
@@ -154,6 +157,7 @@ def validate(cfg) -> None:
     need(0 <= cfg.val_fraction < 1, f"--val-fraction must be in [0, 1) (got {cfg.val_fraction}).")
     need(0 <= cfg.warmup_fraction < 1, f"--warmup-fraction must be in [0, 1) (got {cfg.warmup_fraction}).")
     need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing}).")
+    need(0 <= cfg.ema_decay < 1, f"--ema-decay must be in [0, 1) (got {cfg.ema_decay}); 0 turns the average off.")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm}); 0 turns clipping off.")
     need(cfg.channels in (0, 1, 3), f"--channels must be 0 (keep), 1 or 3 (got {cfg.channels}).")
     need(cfg.image_size >= 0, f"--image-size must be >= 0 (got {cfg.image_size}); 0 keeps the data's size.")
@@ -164,6 +168,7 @@ def validate(cfg) -> None:
     need(cfg.max_steps >= 0, f"--max-steps must be >= 0 (got {cfg.max_steps}).")
     need(0 <= cfg.target_accuracy <= 1, f"--target-accuracy is a fraction in [0, 1] (got {cfg.target_accuracy}); "
          "pass e.g. 0.99 for 99%.")
+    need(cfg.profile >= 0, f"--profile takes a number of optimizer steps to record, >= 0 (got {cfg.profile}).")
     need(cfg.timeout_s >= 10, f"--timeout-s must be at least 10 seconds (got {cfg.timeout_s}).")
     need(not (cfg.eval_only and not cfg.checkpoint), "--eval-only needs --checkpoint <run or checkpoint directory> "
          "naming the weights to evaluate.")

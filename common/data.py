@@ -17,6 +17,7 @@ import io
 import json
 import os
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,8 +148,10 @@ def _pick_column(features, wanted: str, candidates, kind: str, name: str) -> str
 
 # --- decoding ------------------------------------------------------------------------------------
 
-def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: int, label_map, what: str):
+def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: int, label_map, what: str,
+                  progress: bool = False):
     import numpy as np
+    from tqdm.auto import tqdm
     from datasets import Image as ImageFeature
     from PIL import Image, UnidentifiedImageError
 
@@ -162,7 +165,9 @@ def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: 
                         "part of train instead.")
     arrays, labels = [], []
     mode, size = None, None
+    bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
     for batch in split.iter(batch_size=2048):
+        bar.update(len(batch[lab_col]))
         for item, label in zip(batch[img_col], batch[lab_col]):
             src = item.get("path") or "<embedded image>"
             try:
@@ -186,6 +191,7 @@ def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: 
                                 f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN.")
             arrays.append(np.asarray(img, dtype=np.uint8))
             labels.append(label_map(label, src))
+    bar.close()
     images = torch.from_numpy(np.stack(arrays))
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
     return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64))
@@ -273,7 +279,8 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print) 
         if is_main:
             log(f"decoding {split_name} split of {name} ({len(split)} images) into {path} ...")
         decoded = _decode_split(split, img_col, lab_col, cfg.channels, cfg.image_size,
-                                label_map_for(f"The {split_name} split"), f"the {split_name} split of {name!r}")
+                                label_map_for(f"The {split_name} split"), f"the {split_name} split of {name!r}",
+                                progress=is_main and sys.stderr.isatty())
         if is_main:
             _save_cached(path, decoded, class_names)
         splits[split_name] = decoded

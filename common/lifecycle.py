@@ -16,7 +16,7 @@ from common.metrics import evaluate
 from common.runtime import EXIT_TARGET_MISSED, RecipeError
 
 # Config fields that may change on resume without changing what the checkpoint means.
-RESUME_MAY_CHANGE = {"epochs", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints", "log_every",
+RESUME_MAY_CHANGE = {"epochs", "profile", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints", "log_every",
                      "eval_every", "target_accuracy", "timeout_s", "max_steps", "cache_dir",
                      "data_on_device", "eval_batch_size", "dataset"}
 
@@ -68,6 +68,23 @@ def resume_checkpoint(accelerator, cfg, run_dir: Path, model, say=print) -> dict
     return state
 
 
+def evaluate_and_log(accelerator, cfg, model, loader, transform, data, log, step: int, split: str = "eval",
+                     images=None, say=None) -> dict:
+    """Evaluate (exactly, on every process), then log ``<split>/loss``, ``<split>/accuracy``,
+    ``<split>/accuracy_class/<name>`` and the confusion-matrix and misclassified-image grids."""
+    metrics = evaluate(accelerator, model, loader, transform, data.num_classes, tta_flip=cfg.tta, desc=split)
+    per_class = {f"{split}/accuracy_class/{name}": acc
+                 for name, acc in zip(data.class_names, metrics.get("per_class_accuracy", []))}
+    log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class}, step=step)
+    if metrics["count"]:
+        log_eval_images(log, metrics, images if images is not None else data.val.images, data.class_names, split,
+                        step)
+    if say is not None:
+        say(f"{split} at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
+            f"({metrics['count']} images)")
+    return metrics
+
+
 def log_eval_images(log, metrics: dict, images: torch.Tensor, class_names, split: str, step: int) -> None:
     """Confusion matrix and a grid of misclassified images (class names, not indices) into TensorBoard."""
     writer = log.writer
@@ -101,14 +118,10 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
     split = "test" if data.test is not None else "val"
     final = {}
     if eval_loader is not None:
-        metrics = evaluate(accelerator, model, eval_loader, transform, data.num_classes, tta_flip=cfg.tta)
-        final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"]}
-        per_class = {f"{split}/accuracy_class/{name}": acc
-                     for name, acc in zip(data.class_names, metrics["per_class_accuracy"])}
-        log.log({**final, **per_class}, step=state["global_step"])
-        final[f"{split}/count"] = metrics["count"]
-        log_eval_images(log, metrics, (data.test if split == "test" else data.val).images, data.class_names,
-                        split, state["global_step"])
+        metrics = evaluate_and_log(accelerator, cfg, model, eval_loader, transform, data, log, state["global_step"],
+                                   split, (data.test if split == "test" else data.val).images)
+        final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"],
+                 f"{split}/count": metrics["count"]}
     ckpt.save_model_dir(accelerator, model, run_dir / "final",
                         {**card, "metrics": final, "epoch": state["epoch"]})
     wall = time.time() - start_time
@@ -126,6 +139,10 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
         from common.plots import save_curves_png
 
         save_curves_png(run_dir / "metrics.jsonl", run_dir / "curves.png")
+        if final:
+            from common.plots import confusion_matrix_image, save_image_png
+
+            save_image_png(confusion_matrix_image(metrics["confusion"], data.class_names), run_dir / "confusion_matrix.png")
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
         rows += [("best " + cfg.monitor, f"{state['best']:.4f}" if state["best"] is not None else "-"),

@@ -11,11 +11,16 @@ import torch.nn.functional as F
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: bool = False) -> dict:
+def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: bool = False,
+             desc: str = "eval") -> dict:
+    from tqdm.auto import tqdm
+
+    from common.runtime import show_progress
+
     was_training = model.training
     model.eval()
     preds, labels_all, losses = [], [], []
-    for images, labels in loader:
+    for images, labels in tqdm(loader, desc=desc, disable=not show_progress(accelerator), leave=False):
         x = transform.eval(images)
         logits = model(x).float()
         if tta_flip:  # average the logits of the image and its mirror image

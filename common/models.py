@@ -29,15 +29,21 @@ def conv_bn(c_in: int, c_out: int) -> list[nn.Module]:
 
 
 class ConvNet(nn.Module):
-    """Two conv-BN-ReLU-maxpool blocks and a linear head (seed 001), widths configurable."""
+    """Two blocks of ``depth`` conv-BN-ReLU layers, each block ending in a 2x2 maxpool, then a linear
+    head (seed 001 is depth 1). The second block has twice the channels of the first."""
 
-    def __init__(self, in_shape, num_classes: int, width: int = 32, dropout: float = 0.0):
+    def __init__(self, in_shape, num_classes: int, width: int = 32, dropout: float = 0.0, depth: int = 1):
         super().__init__()
         c, h, w = in_shape
         if h < 4 or w < 4:
             raise ValueError(f"ConvNet needs images of at least 4x4 pixels, got {h}x{w}")
-        self.features = nn.Sequential(*conv_bn(c, width), nn.MaxPool2d(2),
-                                      *conv_bn(width, 2 * width), nn.MaxPool2d(2))
+        layers, c_in = [], c
+        for c_out in (width, 2 * width):
+            for _ in range(depth):
+                layers += conv_bn(c_in, c_out)
+                c_in = c_out
+            layers.append(nn.MaxPool2d(2))
+        self.features = nn.Sequential(*layers)
         self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * width * (h // 4) * (w // 4), num_classes))
 
     def forward(self, x):
@@ -87,20 +93,24 @@ def count_parameters(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> None:
-    """Set the first conv's filters to the eigenvectors of the covariance of image patches
-    (a whitening init, as used by the fast CIFAR-10 trainers). ``images``: normalized float batch."""
+def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> int:
+    """Whitening init of the first conv, as in the fast CIFAR-10 trainers: its filters become the top
+    eigenvectors of the covariance of the k x k image patches, each scaled by 1/sqrt(eigenvalue + eps) and
+    paired with its negation (so a ReLU/GELU after it keeps both signs). ``images``: a normalized float
+    batch (N, C, H, W). Filters beyond 2 x (patch dimension) keep their default init. Returns the number
+    of filters set."""
     k = conv.kernel_size[0]
-    patches = images.unfold(2, k, 1).unfold(3, k, 1).transpose(1, 3).reshape(-1, images.shape[1] * k * k)
-    patches = patches.double()
-    cov = torch.cov(patches.T)
-    eigvals, eigvecs = torch.linalg.eigh(cov)
-    eigvecs = eigvecs.T.flip(0)
-    eigvals = eigvals.flip(0)
-    filters = (eigvecs / torch.sqrt(eigvals.clamp_min(0) + eps)[:, None]).reshape(-1, images.shape[1], k, k)
-    both = torch.cat([filters, -filters])  # each filter and its negation, as the fast trainers do
-    m = min(conv.out_channels, both.shape[0])
-    conv.weight[:m].copy_(both[:m].to(conv.weight.dtype))
+    c = images.shape[1]
+    patches = images.double().unfold(2, k, 1).unfold(3, k, 1)  # N, C, H', W', k, k
+    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k)
+    eigvals, eigvecs = torch.linalg.eigh(torch.cov(patches.T))  # ascending
+    eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
+    n = min(conv.out_channels // 2, eigvecs.shape[1])
+    filters = (eigvecs[:, :n].T / torch.sqrt(eigvals[:n].clamp_min(0) + eps)[:, None]).reshape(n, c, k, k)
+    conv.weight[: 2 * n].copy_(torch.cat([filters, -filters]).to(conv.weight.dtype))
+    if conv.bias is not None:
+        conv.bias[: 2 * n].zero_()
+    return 2 * n
 
 
 class CPUSyncBatchNorm(nn.BatchNorm2d):

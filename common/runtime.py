@@ -247,26 +247,40 @@ class StepGuard:
 
 
 class Throughput:
-    """Global samples/s between log points, plus the share of time spent waiting for data."""
+    """What the recipes log every --log-every steps besides loss and LR: global samples/s, the share of
+    wall time spent waiting for data, the mean gradient norm, and peak memory."""
 
-    def __init__(self):
+    def __init__(self, device=None):
+        self.device = device
         self.t0 = time.perf_counter()
         self.samples = 0
         self.data_wait = 0.0
+        self.norm_sum, self.norms = None, 0
 
     def add(self, n: int, wait: float):
         self.samples += n
         self.data_wait += wait
 
-    def read_and_reset(self):
+    def add_grad_norm(self, norm):
+        """The total gradient norm of one optimizer step (a tensor: no device sync until it is logged)."""
+        norm = torch.as_tensor(norm).detach().float()
+        self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
+        self.norms += 1
+
+    def read_and_reset(self) -> dict:
         now = time.perf_counter()
         elapsed = max(now - self.t0, 1e-9)
-        out = (self.samples / elapsed, self.data_wait / elapsed)
-        self.t0, self.samples, self.data_wait = now, 0, 0.0
+        out = {"train/samples_per_sec": self.samples / elapsed, "train/data_wait_fraction": self.data_wait / elapsed}
+        if self.norms:
+            out["train/grad_norm"] = self.norm_sum.item() / self.norms
+        if self.device is not None:
+            out["train/peak_memory_mb"] = peak_memory_mb(self.device)
+        self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = now, 0, 0.0, None, 0
         return out
 
 
 def peak_memory_mb(device) -> float:
+    """Peak CUDA memory allocated by this process, or its peak resident set size (RSS) on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
@@ -275,6 +289,46 @@ def peak_memory_mb(device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     except ImportError:  # pragma: no cover
         return math.nan
+
+
+def show_progress(accelerator) -> bool:
+    """Progress bars on the local main process only, and only on a terminal (not in log files)."""
+    return accelerator.is_local_main_process and sys.stderr.isatty()
+
+
+class StepProfiler:
+    """--profile N: skip one optimizer step, warm up one, then record N with the PyTorch profiler. Each
+    rank writes a trace to <run dir>/profile (TensorBoard's PyTorch Profiler plugin, torch-tb-profiler,
+    shows it; so do Perfetto and chrome://tracing). Does nothing when N is 0."""
+
+    def __init__(self, accelerator, steps: int, run_dir: Path):
+        self.prof, self.accelerator = None, accelerator
+        if not steps:
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
+        self.dir, self.steps, self.left = run_dir / "profile", steps, steps + 2
+        self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                            on_trace_ready=tensorboard_trace_handler(str(self.dir),
+                                                                     worker_name=f"rank{accelerator.process_index}"),
+                            record_shapes=True)
+        self.prof.start()
+
+    def step(self):
+        if self.prof is None:
+            return
+        self.prof.step()
+        self.left -= 1
+        if self.left <= 0:
+            self.close()
+            self.accelerator.print(f"profiler: trace of {self.steps} optimizer step(s) per process written to "
+                                   f"{self.dir} (tensorboard --logdir {self.dir.parent}, PyTorch Profiler tab)")
+
+    def close(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
 
 
 # --- main process first --------------------------------------------------------------------------

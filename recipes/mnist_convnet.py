@@ -40,13 +40,14 @@ from common import checkpoint as ckpt
 from common.augment import BatchTransform, batch_generator, channel_stats
 from common.config import DATASET_HELP, CommonConfig, ConfigError, knob, parse_config, save_config, to_dict
 from common.data import DataError, load_image_data, make_loader
-from common.metrics import evaluate
+from common.ema import WeightEMA
 from common.models import ConvNet, convert_sync_batchnorm, count_parameters
-from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeError, StepGuard, StopRequest,
-                            Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
-                            set_run_dir, share_from_main, shared_stamp, startup_line)
+from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeError, StepGuard, StepProfiler,
+                            StopRequest, Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
+                            set_run_dir, share_from_main, shared_stamp, show_progress, startup_line)
 from common.schedule import build_scheduler
-from common.lifecycle import build_model, checkpoint_meta, evaluate_weights, finish_run, is_better, resume_checkpoint
+from common.lifecycle import (build_model, checkpoint_meta, evaluate_and_log, evaluate_weights, finish_run, is_better,
+                              resume_checkpoint)
 
 RECIPE = "mnist_convnet"
 
@@ -60,6 +61,7 @@ class Config(CommonConfig):
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
     width: int = knob(32, "channels of the first conv block; the second has twice as many")
+    depth: int = knob(1, "conv-BN-ReLU layers per block (each block ends in a 2x2 maxpool)")
     dropout: float = knob(0.1, "dropout before the linear head")
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
 
@@ -95,10 +97,10 @@ def train(cfg: Config) -> int:
 
     # --- model ---
     set_seed(cfg.seed)
-    model = build_model(lambda: ConvNet(data.shape, data.num_classes, width=cfg.width, dropout=cfg.dropout))
+    model = build_model(lambda: ConvNet(data.shape, data.num_classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout))
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
-    card = {"recipe": RECIPE, "model": "ConvNet", "model_args": {"width": cfg.width, "dropout": cfg.dropout},
+    card = {"recipe": RECIPE, "model": "ConvNet", "model_args": {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout},
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": mean, "std": std,
             "config": to_dict(cfg)}
     if cfg.channels_last:
@@ -110,6 +112,7 @@ def train(cfg: Config) -> int:
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     scheduler, total_steps = build_scheduler(optimizer, cfg, steps_per_epoch)
     scheduler = accelerator.prepare(scheduler)
+    ema = WeightEMA(accelerator, model, cfg.ema_decay)  # before resuming: its state is in the checkpoint
 
     if cfg.eval_only:
         return evaluate_weights(accelerator, cfg, model, test_loader or val_loader, transform, data, say)
@@ -129,7 +132,8 @@ def train(cfg: Config) -> int:
     # --- train ---
     stop, start_time = StopRequest(), time.time()
     guard = StepGuard(accelerator, stop, fp16=accelerator.mixed_precision == "fp16")
-    meter, loss_acc, loss_n, stopping, seen = Throughput(), 0.0, 0, False, 0
+    profiler = StepProfiler(accelerator, cfg.profile, run_dir)
+    meter, loss_acc, loss_n, stopping, seen = Throughput(accelerator.device), 0.0, 0, False, 0
     global_step, epoch = state["global_step"], state["epoch"]
     done = bool(cfg.max_steps and global_step >= cfg.max_steps)
     while epoch < cfg.epochs and not done:
@@ -138,7 +142,7 @@ def train(cfg: Config) -> int:
         batch_idx = state["batches_in_epoch"] if epoch == state["epoch"] else 0
         loader = accelerator.skip_first_batches(train_loader, batch_idx) if batch_idx else train_loader
         bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", initial=batch_idx, total=len(train_loader),
-                   disable=not (accelerator.is_local_main_process and sys.stderr.isatty()), leave=False)
+                   disable=not show_progress(accelerator), leave=False)
         t_wait = time.perf_counter()
         for images, labels in bar:
             wait = time.perf_counter() - t_wait
@@ -154,8 +158,8 @@ def train(cfg: Config) -> int:
                                         f"Last good checkpoint: {last or 'none'}. Lower --lr, set --max-grad-norm, "
                                         "or check the data, then resume with --resume-from latest.")
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                if accelerator.sync_gradients:  # clips only with --max-grad-norm; the norm is logged either way
+                    meter.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             batch_idx += 1
@@ -168,12 +172,12 @@ def train(cfg: Config) -> int:
                     state["skipped_steps"] += 1
                 else:
                     scheduler.step()
+                    ema.update(accelerator, model)
                 global_step += 1
+                profiler.step()
                 if global_step % cfg.log_every == 0:
-                    samples_per_sec, wait_share = meter.read_and_reset()
                     log.log({"train/loss": loss_acc / loss_n, "train/lr": scheduler.get_last_lr()[0],
-                             "train/samples_per_sec": samples_per_sec, "train/data_wait_fraction": wait_share},
-                            step=global_step)
+                             **meter.read_and_reset()}, step=global_step)
                     bar.set_postfix(loss=f"{loss_acc / loss_n:.4f}")
                     loss_acc, loss_n = 0.0, 0
                 done = bool(cfg.max_steps and global_step >= cfg.max_steps)
@@ -182,6 +186,7 @@ def train(cfg: Config) -> int:
                     path = ckpt.save_checkpoint(accelerator, run_dir, {**state, **checkpoint_meta(cfg, accelerator, model)},
                                                 cfg.keep_checkpoints)
                     if stopping:
+                        profiler.close()
                         log.close()
                         say(f"stop signal received: checkpoint written to {path}; rerun the same command with "
                             f"--output-dir {run_dir} --resume-from latest to continue.")
@@ -194,14 +199,13 @@ def train(cfg: Config) -> int:
 
         # --- eval ---
         if val_loader is not None and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or done):
-            metrics = evaluate(accelerator, model, val_loader, transform, data.num_classes, tta_flip=cfg.tta)
-            log.log({"eval/loss": metrics["loss"], "eval/accuracy": metrics["accuracy"]}, step=global_step)
+            metrics = evaluate_and_log(accelerator, cfg, ema.for_eval(model), val_loader, transform, data, log, global_step)
             say(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
                 f"({metrics['count']} images)")
             value = metrics[cfg.monitor.split("/", 1)[-1]]
             if is_better(value, state["best"], cfg.mode):
                 state["best"] = value
-                ckpt.save_model_dir(accelerator, model, run_dir / "best",
+                ckpt.save_model_dir(accelerator, ema.for_eval(model), run_dir / "best",
                                     {**card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1})
 
         # --- checkpoint ---
@@ -213,7 +217,8 @@ def train(cfg: Config) -> int:
         ckpt.save_checkpoint(accelerator, run_dir, {**state, **checkpoint_meta(cfg, accelerator, model)},
                              cfg.keep_checkpoints)
 
-    return finish_run(accelerator, cfg, run_dir, model, test_loader or val_loader, transform, data, card, log,
+    profiler.close()
+    return finish_run(accelerator, cfg, run_dir, ema.for_eval(model), test_loader or val_loader, transform, data, card, log,
                       state, start_time, seen)
 
 
