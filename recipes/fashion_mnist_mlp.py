@@ -1,7 +1,13 @@
-"""FashionMNIST with an MLP (flatten, 784 -> 512 -> 10, ReLU), on 1 to N devices.
+"""FashionMNIST with an MLP (flatten, 784 -> 1024 -> 1024 -> 10, ReLU, dropout), on 1 to N devices.
 
-Result: see README for what was measured where (FashionMNIST can't be downloaded on the CI machine);
-the tuned target is 89.5% test accuracy in 10 epochs. Check it: add --target-accuracy 0.895.
+Target: 89.5% test accuracy in 10 epochs with the defaults (FashionMNIST was not reachable where the
+figures in README were measured, so this target is not measured yet). Check it:
+
+    accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.895   # exits 4 if missed
+
+The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisation), --label-smoothing
+0.1, --warmup-fraction 0.02 --schedule cosine (warm-up, then cosine decay to zero), AdamW --lr 1e-3
+--weight-decay 1e-4, --batch-size 128; --translate N and --ema-decay D are available, off by default.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/fashion_mnist_mlp.py
@@ -61,7 +67,7 @@ class Config(CommonConfig):
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.02, "fraction of optimizer steps spent warming the LR up linearly from 0")
     label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
-    hidden: str = knob("512", "hidden layer widths, comma-separated (e.g. 1024,512)")
+    hidden: str = knob("1024,1024", "hidden layer widths, comma-separated (e.g. 512 for one layer)")
     dropout: float = knob(0.2, "dropout after each hidden layer")
 
 
