@@ -191,6 +191,7 @@ def train(cfg: Config) -> int:
             seen += labels.shape[0] * accelerator.num_processes
             loss_acc, loss_n = loss_acc + mean_loss, loss_n + 1
             if accelerator.sync_gradients:
+                step_lr = scheduler.get_last_lr()[0]  # the LR this step used, read before the scheduler moves it
                 if accelerator.optimizer_step_was_skipped:  # fp16 overflow: counted, LR does not advance
                     state["skipped_steps"] += 1
                 else:
@@ -199,7 +200,7 @@ def train(cfg: Config) -> int:
                 global_step += 1
                 profiler.step()
                 if global_step % cfg.log_every == 0:
-                    log.log({"train/loss": loss_acc / loss_n, "train/lr": scheduler.get_last_lr()[0],
+                    log.log({"train/loss": loss_acc / loss_n, "train/lr": step_lr,
                              **meter.read_and_reset()}, step=global_step)
                     bar.set_postfix(loss=f"{loss_acc / loss_n:.4f}")
                     loss_acc, loss_n = 0.0, 0

@@ -37,6 +37,9 @@ def write_plain_parquet(root, columns: dict, split="train"):
     (["--batch-size", "2", "--grad-accum", "4"], ["must split evenly", "--batch-size"]),
     (["--lrr", "0.1"], ["unrecognized arguments: --lrr", "--help"]),
     (["--val-fraction", "1.5"], ["--val-fraction must be in [0, 1)"]),
+    (["--batch-size", "1024"], ["larger than the training split", "smaller --batch-size"]),
+    (["--ema-decay", "1"], ["--ema-decay must be in [0, 1)"]),
+    (["--profile", "-2"], ["--profile takes a number of optimizer steps"]),
 ])
 def test_invalid_config(args, needles, tmp_path, env, mnist_like):
     assert_clear_error(run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", *args],

@@ -125,6 +125,7 @@ def test_scalars_tab(tb):
         assert len(points(tag)) == STEPS, tag
     lr = [v for _, _, v in points("train/lr")]  # no warm-up step at this length (2% of 16), then cosine decay
     peak = json.loads((tb["run"] / "config.json").read_text())["lr"]
+    assert lr[0] == pytest.approx(peak)  # the LR each step used: the first step runs at the peak
     assert all(0 <= v <= peak * (1 + 1e-6) for v in lr) and lr == sorted(lr, reverse=True) and lr[-1] < lr[0]
     assert all(v > 0 for _, _, v in points("train/peak_memory_mb"))
     assert all(0 <= v <= 1 for _, _, v in points("train/data_wait_fraction"))
