@@ -1,7 +1,15 @@
-"""MNIST with a small ConvNet (two conv-BN-ReLU-maxpool blocks and a linear head), on 1 to N devices.
+"""MNIST with a small ConvNet (two blocks of two conv-BN-ReLU layers and a maxpool, then a linear head),
+on 1 to N devices.
 
-Result: 99.0%+ validation accuracy after 2 epochs (held out of train); README lists what was
-measured where. Check it: add --target-accuracy 0.99 and the run exits non-zero if it misses.
+Target: 99.3% accuracy in 3 epochs (stretch: 99.0% after a 1-epoch run); README has the validation
+accuracy measured per epoch and seed on the real MNIST train set. Check it:
+
+    accelerate launch recipes/mnist_convnet.py --target-accuracy 0.993   # exits 4 with a clear line if missed
+
+The techniques are flags with tuned defaults: --width 48 --depth 2 (model size), --translate 2 (on-device
+random shifts of whole batches), --label-smoothing 0.1, --dropout 0.1, --warmup-fraction 0.05 --schedule
+cosine (warm-up, then cosine decay to zero), AdamW --lr 2e-3 --weight-decay 1e-4, --batch-size 128;
+--ema-decay D and --sync-bn are available, off by default.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/mnist_convnet.py
@@ -55,15 +63,17 @@ RECIPE = "mnist_convnet"
 @dataclass
 class Config(CommonConfig):
     dataset: str = knob("ylecun/mnist", DATASET_HELP)
-    epochs: int = knob(2, "number of passes over the training split")
+    epochs: int = knob(3, "number of passes over the training split")
     batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(2e-3, "peak learning rate (AdamW)")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
-    width: int = knob(32, "channels of the first conv block; the second has twice as many")
-    depth: int = knob(1, "conv-BN-ReLU layers per block (each block ends in a 2x2 maxpool)")
+    width: int = knob(48, "channels of the first conv block; the second has twice as many")
+    depth: int = knob(2, "conv-BN-ReLU layers per block (each block ends in a 2x2 maxpool)")
     dropout: float = knob(0.1, "dropout before the linear head")
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
+    label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
+    translate: int = knob(2, "random translation of each training image by up to N pixels (reflection padding)")
 
 
 def main(argv=None) -> int:
