@@ -182,7 +182,8 @@ def save_curves_png(metrics_jsonl_path, out_png) -> Path:
                     markersize=3, linewidth=1.0 if key.startswith("train/") else 1.5)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(str(Path(metrics_jsonl_path)), fontsize=8)
+    fig.suptitle(f"run {Path(metrics_jsonl_path).resolve().parent.name} (train loss includes label smoothing, "
+                 "eval loss does not)", fontsize=8)
     fig.tight_layout()
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
