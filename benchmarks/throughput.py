@@ -56,15 +56,15 @@ from common.runtime import StepGuard, make_accelerator
 
 NUM_CLASSES = 10
 
-# --- the recipes' defaults (mirrors recipes/*.py; keep in sync) ------------------------------------
+# --- the recipes' defaults (mirrors recipes/*.py; tests/test_benchmark.py checks they agree) ----------
 
 RECIPES = {
-    "fashion_mnist_mlp": dict(shape=(1, 28, 28), batch_size=128, model="MLP", widths="512", dropout=0.2,
+    "fashion_mnist_mlp": dict(shape=(1, 28, 28), batch_size=128, model="MLP", widths="1024,1024", dropout=0.2,
                               optimizer="adamw", lr=1e-3, weight_decay=1e-4, label_smoothing=0.1,
                               translate=0, flip=False, channels_last=False),
-    "mnist_convnet": dict(shape=(1, 28, 28), batch_size=128, model="ConvNet", width=32, dropout=0.1,
-                          optimizer="adamw", lr=2e-3, weight_decay=1e-4, label_smoothing=0.0,
-                          translate=0, flip=False, channels_last=False),
+    "mnist_convnet": dict(shape=(1, 28, 28), batch_size=128, model="ConvNet", width=48, depth=2, dropout=0.1,
+                          optimizer="adamw", lr=2e-3, weight_decay=1e-4, label_smoothing=0.1,
+                          translate=2, flip=False, channels_last=False),
     "cifar_cnn": dict(shape=(3, 32, 32), batch_size=512, model="CifarCNN", widths="64,256,256",
                       optimizer="sgd", lr=0.2, momentum=0.9, weight_decay=5e-4, label_smoothing=0.2,
                       translate=2, flip=True, channels_last=True),
@@ -139,7 +139,7 @@ def build_model(spec: dict, args) -> torch.nn.Module:
     if spec["model"] == "MLP":
         model = MLP(spec["shape"], NUM_CLASSES, hidden=parse_ints(args.widths), dropout=spec["dropout"])
     elif spec["model"] == "ConvNet":
-        model = ConvNet(spec["shape"], NUM_CLASSES, width=args.width, dropout=spec["dropout"])
+        model = ConvNet(spec["shape"], NUM_CLASSES, width=args.width, depth=spec["depth"], dropout=spec["dropout"])
     else:
         model = CifarCNN(spec["shape"], NUM_CLASSES, widths=parse_ints(args.widths))
     if spec["channels_last"]:

@@ -50,3 +50,26 @@ def test_tiny_benchmark_writes_complete_report(tmp_path):
     assert {"torch", "accelerate", "python"} <= set(report["versions"])
     assert ("PASS" in proc.stdout) or ("MISS" in proc.stdout)
     assert out_png.stat().st_size > 0 and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmark_mirrors_the_recipes_defaults():
+    """The benchmark rebuilds each recipe's training step; its settings must be the recipes' defaults."""
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import throughput
+
+    for name, spec in throughput.RECIPES.items():
+        module_spec = importlib.util.spec_from_file_location(f"recipe_{name}", REPO / "recipes" / f"{name}.py")
+        recipe = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = recipe  # dataclasses look their module up there
+        module_spec.loader.exec_module(recipe)
+        cfg = recipe.Config()
+        pairs = {"widths": getattr(cfg, "widths", getattr(cfg, "hidden", None))}
+        for key in ("batch_size", "lr", "weight_decay", "label_smoothing", "translate", "flip", "channels_last",
+                    "dropout", "width", "depth", "momentum"):
+            if key in spec or hasattr(cfg, key):
+                pairs[key] = getattr(cfg, key, None)
+        for key, value in pairs.items():
+            if key in spec or value is not None:
+                assert spec.get(key) == value, (name, key, spec.get(key), value)
