@@ -22,9 +22,10 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: 
     preds, labels_all, losses = [], [], []
     for images, labels in tqdm(loader, desc=desc, disable=not show_progress(accelerator), leave=False):
         x = transform.eval(images)
-        logits = model(x).float()
-        if tta_flip:  # average the logits of the image and its mirror image
-            logits = 0.5 * (logits + model(x.flip(3)).float())
+        with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap (the EMA)
+            logits = model(x).float()
+            if tta_flip:  # average the logits of the image and its mirror image
+                logits = 0.5 * (logits + model(x.flip(3)).float())
         loss = F.cross_entropy(logits, labels, reduction="none")
         pred, labels, loss = accelerator.gather_for_metrics((logits.argmax(1), labels, loss))
         preds.append(pred.cpu())
