@@ -7,7 +7,7 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """Flatten -> hidden layers (Linear, ReLU, Dropout) -> Linear. The seed-000 MLP is hidden=(512,)."""
+    """Flatten -> hidden layers (Linear, ReLU, Dropout) -> Linear. hidden=(512,) is the classic one-layer MLP."""
 
     def __init__(self, in_shape, num_classes: int, hidden=(512,), dropout: float = 0.0):
         super().__init__()
@@ -30,7 +30,7 @@ def conv_bn(c_in: int, c_out: int) -> list[nn.Module]:
 
 class ConvNet(nn.Module):
     """Two blocks of ``depth`` conv-BN-ReLU layers, each block ending in a 2x2 maxpool, then a linear
-    head (seed 001 is depth 1). The second block has twice the channels of the first."""
+    head (depth 1 is the classic two-conv MNIST net). The second block has twice the channels of the first."""
 
     def __init__(self, in_shape, num_classes: int, width: int = 32, dropout: float = 0.0, depth: int = 1):
         super().__init__()
