@@ -107,10 +107,12 @@ def train(cfg: Config) -> int:
 
     # --- model ---
     set_seed(cfg.seed)
-    model = build_model(lambda: ConvNet(data.shape, data.num_classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout))
+    model = build_model(lambda: ConvNet(data.shape, data.num_classes, width=cfg.width, depth=cfg.depth,
+                                        dropout=cfg.dropout))
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
-    card = {"recipe": RECIPE, "model": "ConvNet", "model_args": {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout},
+    card = {"recipe": RECIPE, "model": "ConvNet",
+            "model_args": {"width": cfg.width, "depth": cfg.depth, "dropout": cfg.dropout},
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": mean, "std": std,
             "config": to_dict(cfg)}
     if cfg.channels_last:
