@@ -139,7 +139,7 @@ def finish_run(accelerator, cfg, run_dir: Path, model, eval_loader, transform, d
         from common.plots import save_curves_png
 
         save_curves_png(run_dir / "metrics.jsonl", run_dir / "curves.png")
-        if final:
+        if final.get(f"{split}/count"):
             from common.plots import confusion_matrix_image, save_image_png
 
             save_image_png(confusion_matrix_image(metrics["confusion"], data.class_names), run_dir / "confusion_matrix.png")
