@@ -71,15 +71,19 @@ def write_image_folder(root: Path, n_per_class: int = 20, classes=("cat", "dog",
     return root
 
 
-@pytest.fixture
-def env(tmp_path):
-    """Environment for recipe subprocesses: private caches, no network, 1 thread per process."""
+def recipe_env(root: Path) -> dict:
+    """Environment for recipe subprocesses: private caches under ``root``, no network, 1 thread per process."""
     e = dict(os.environ)
-    e.update(ACCELERATE_RECIPES_CACHE=str(tmp_path / "decoded-cache"), HF_HOME=str(tmp_path / "hf-home"),
+    e.update(ACCELERATE_RECIPES_CACHE=str(root / "decoded-cache"), HF_HOME=str(root / "hf-home"),
              HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
              TOKENIZERS_PARALLELISM="false")
     e.pop("ACCELERATE_MIXED_PRECISION", None)
     return e
+
+
+@pytest.fixture
+def env(tmp_path):
+    return recipe_env(tmp_path)
 
 
 def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, timeout: int = 240,

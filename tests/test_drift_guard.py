@@ -10,7 +10,6 @@ import ast
 import dataclasses
 import difflib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, check_ok, launch
+from conftest import REPO, check_ok, launch, recipe_env
 
 sys.path.insert(0, str(REPO))
 from common.config import CommonConfig  # noqa: E402
@@ -105,10 +104,7 @@ def runs(tmp_path_factory, mnist_like, cifar_like):
     """One tiny 1-process run per recipe; the same shared knobs for all (EMA on everywhere, since its
     state is part of the checkpoint)."""
     root = tmp_path_factory.mktemp("drift")
-    env = dict(os.environ)
-    env.update(ACCELERATE_RECIPES_CACHE=str(root / "decoded-cache"), HF_HOME=str(root / "hf-home"),
-               HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("ACCELERATE_MIXED_PRECISION", None)
+    env = recipe_env(root)
 
     def run(recipe):
         data = cifar_like if recipe == "cifar_cnn" else mnist_like

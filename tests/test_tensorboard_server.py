@@ -15,23 +15,13 @@ import urllib.request
 
 import pytest
 
-from conftest import check_ok, free_port, launch, read_scalars, write_parquet_dataset
+from conftest import check_ok, free_port, launch, read_scalars, recipe_env, write_parquet_dataset
 
 N_TRAIN, BATCH, EPOCHS = 256, 32, 2
 STEPS = EPOCHS * (N_TRAIN // BATCH)  # a validation split is given, so nothing is held out of train
 TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_sec", "train/data_wait_fraction", "train/grad_norm",
               "train/peak_memory_mb"}
 SERVER_DEADLINE_S = 90
-
-
-def _env(root) -> dict:
-    """As conftest's `env` fixture, for a module-scoped run."""
-    e = dict(os.environ)
-    e.update(ACCELERATE_RECIPES_CACHE=str(root / "decoded-cache"), HF_HOME=str(root / "hf-home"),
-             HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-             TOKENIZERS_PARALLELISM="false")
-    e.pop("ACCELERATE_MIXED_PRECISION", None)
-    return e
 
 
 def _get(url: str, timeout: float = 10):
@@ -57,14 +47,14 @@ def tb(tmp_path_factory):
     data = write_parquet_dataset(root / "data", {"train": N_TRAIN, "validation": 64, "test": 48})
     run = root / "run"
     check_ok(launch("fashion_mnist_mlp", ["--dataset", data, "--epochs", EPOCHS, "--batch-size", BATCH,
-                                          "--log-every", 1, "--hidden", "32", "--output-dir", run], _env(root),
+                                          "--log-every", 1, "--hidden", "32", "--output-dir", run], recipe_env(root),
                     nproc=2))
     on_disk = read_scalars(run)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(root / "tensorboard.log", "w")
     server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1",
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=_env(root),
+                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=recipe_env(root),
                               start_new_session=True)  # its own process group: the data server child dies with it
     try:
         # Ready when the server answers AND has loaded everything the event file holds (it loads in the
