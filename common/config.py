@@ -16,9 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class ConfigError(ValueError):
-    """A bad setting. Its message is one paragraph naming the problem and the fix."""
+from common.errors import EXIT_BAD_INPUT, ConfigError
 
 
 def knob(default, help: str, choices=None):
@@ -138,7 +136,7 @@ def parse_config(cls, argv=None, description: str = ""):
         validate(cfg)
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
-        raise SystemExit(2)
+        raise SystemExit(EXIT_BAD_INPUT)
     return cfg
 
 

@@ -25,14 +25,12 @@ from urllib.parse import urlparse
 
 import torch
 
+from common.errors import DataError
+
 CACHE_VERSION = "1"
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
 VALIDATION_SPLITS = ("validation", "valid", "val")
-
-
-class DataError(ValueError):
-    """Unusable data. The message is one paragraph naming the problem and the fix."""
 
 
 @dataclass

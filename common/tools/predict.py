@@ -1,7 +1,7 @@
 """Classify image files with a trained model: top-k class names and probabilities.
 
-    python -m common.predict runs/cifar_cnn-20250101-120000 photo.png more_photos/ --top-k 3
-    python -m common.predict runs/mnist/best digits/ --format json --output predictions.json
+    python -m common.tools.predict runs/cifar_cnn-20250101-120000 photo.png more_photos/ --top-k 3
+    python -m common.tools.predict runs/mnist/best digits/ --format json --output predictions.json
 
 The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder
 itself: model.safetensors + model.json as written by ``common.checkpoint.save_model_dir``. Folders
@@ -32,12 +32,10 @@ from pathlib import Path
 
 import torch
 
-EXIT_BAD_INPUT = 2
+from common.errors import EXIT_BAD_INPUT, RecipeError
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
-
-class PredictError(ValueError):
-    """Bad input the user can fix. The message is one paragraph naming the problem and the fix."""
 
 
 # --- model ---------------------------------------------------------------------------------------
@@ -50,17 +48,17 @@ def build_model_from_card(card: dict) -> torch.nn.Module:
     builders = {"MLP": models.MLP, "ConvNet": models.ConvNet, "CifarCNN": models.CifarCNN}
     missing = [k for k in ("model", "input_shape", "class_names") if k not in card]
     if missing:
-        raise PredictError(f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
+        raise RecipeError(f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
                            "repository (or is damaged). Point at a best/ or final/ folder of a finished run.")
     name = card["model"]
     if name not in builders:
-        raise PredictError(f"model.json names the model {name!r}, which this tool cannot rebuild (known: "
-                           f"{', '.join(builders)}). Add it to common.predict.build_model_from_card.")
+        raise RecipeError(f"model.json names the model {name!r}, which this tool cannot rebuild (known: "
+                           f"{', '.join(builders)}). Add it to common.tools.predict.build_model_from_card.")
     args = {k: tuple(v) if isinstance(v, list) else v for k, v in (card.get("model_args") or {}).items()}
     try:
         return builders[name](tuple(card["input_shape"]), len(card["class_names"]), **args)
     except (TypeError, ValueError) as err:
-        raise PredictError(f"Could not rebuild {name} from model.json (input_shape {card['input_shape']}, "
+        raise RecipeError(f"Could not rebuild {name} from model.json (input_shape {card['input_shape']}, "
                            f"model_args {card.get('model_args')}): {err}.") from None
 
 
@@ -104,26 +102,26 @@ def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = 
 
     path = Path(path).expanduser()
     if not path.exists():
-        raise PredictError(f"The model path {path} does not exist. Pass a run directory (runs/<recipe>-<time>) "
+        raise RecipeError(f"The model path {path} does not exist. Pass a run directory (runs/<recipe>-<time>) "
                            "or its best/ or final/ folder.")
     try:
         model_dir = find_model_dir(path)
         state, card = load_model_dir(model_dir)
     except FileNotFoundError as err:
-        raise PredictError(str(err)) from None
+        raise RecipeError(str(err)) from None
     except Exception as err:  # safetensors / json raise several types for a damaged file
-        raise PredictError(f"Could not read the model files in {path}: {type(err).__name__}: {err}. The files "
+        raise RecipeError(f"Could not read the model files in {path}: {type(err).__name__}: {err}. The files "
                            "may be damaged or partly written; use the other folder (best/ or final/) or "
                            "re-run the training.") from None
     for key in ("mean", "std"):
         if key not in card:
-            raise PredictError(f"{model_dir / 'model.json'} lacks {key!r}, which preprocessing needs. Point at a "
+            raise RecipeError(f"{model_dir / 'model.json'} lacks {key!r}, which preprocessing needs. Point at a "
                                "best/ or final/ folder written by a recipe of this repository.")
     model = build_model_from_card(card)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise PredictError(f"The weights in {model_dir} do not fit the model model.json describes "
+        raise RecipeError(f"The weights in {model_dir} do not fit the model model.json describes "
                            f"({card['model']} {card.get('model_args')}): {str(err).splitlines()[0]} The folder "
                            "mixes files of different runs; re-copy it from one run.") from None
     device = torch.device(device)
@@ -144,13 +142,13 @@ def collect_images(inputs) -> list[Path]:
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
                            and not any(part.startswith(".") for part in f.relative_to(p).parts))
             if not files:
-                raise PredictError(f"The folder {p} holds no image files ({', '.join(IMAGE_SUFFIXES)}). Pass "
+                raise RecipeError(f"The folder {p} holds no image files ({', '.join(IMAGE_SUFFIXES)}). Pass "
                                    "image files, or folders that contain some.")
             found.extend(files)
         elif p.is_file():
             found.append(p)
         else:
-            raise PredictError(f"The input {item} does not exist. Pass existing image files or folders.")
+            raise RecipeError(f"The input {item} does not exist. Pass existing image files or folders.")
     seen, unique = set(), []
     for f in found:
         if f not in seen:
@@ -185,7 +183,7 @@ def load_image(path, input_shape) -> tuple[torch.Tensor, bool]:
             return preprocess_image(img, input_shape)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
         reason = "not an image file PIL can read" if isinstance(err, UnidentifiedImageError) else str(err)
-        raise PredictError(f"Could not read {path} as an image ({reason}). Pass image files (PNG, JPEG, ...) "
+        raise RecipeError(f"Could not read {path} as an image ({reason}). Pass image files (PNG, JPEG, ...) "
                            "or remove that file from the folder.") from None
 
 
@@ -245,7 +243,7 @@ def format_json(results: list[dict], predictor: Predictor) -> str:
 # --- command line --------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m common.predict", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m common.tools.predict", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="run directory, or its best/ or final/ folder")
     parser.add_argument("inputs", nargs="+", help="image files or folders of images")
@@ -261,15 +259,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     if args.top_k < 1:
-        raise PredictError(f"--top-k must be at least 1 (got {args.top_k}).")
+        raise RecipeError(f"--top-k must be at least 1 (got {args.top_k}).")
     if args.batch_size < 1:
-        raise PredictError(f"--batch-size must be at least 1 (got {args.batch_size}).")
+        raise RecipeError(f"--batch-size must be at least 1 (got {args.batch_size}).")
     try:
         device = torch.device(args.device)
     except RuntimeError as err:
-        raise PredictError(f"--device {args.device!r} is not a torch device ({err}). Use cpu or cuda.") from None
+        raise RecipeError(f"--device {args.device!r} is not a torch device ({err}). Use cpu or cuda.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise PredictError(f"--device {args.device} was asked for but CUDA is not available here. Use --device cpu.")
+        raise RecipeError(f"--device {args.device} was asked for but CUDA is not available here. Use --device cpu.")
     predictor = load_predictor(args.model, device, tta=False if args.no_tta else None)
     files = collect_images(args.inputs)
     resized = []
@@ -285,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             Path(args.output).write_text(text)
         except OSError as err:
-            raise PredictError(f"Could not write --output {args.output}: {err.strerror or err}. Pass a path in "
+            raise RecipeError(f"Could not write --output {args.output}: {err.strerror or err}. Pass a path in "
                                "an existing, writable folder.") from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
@@ -297,7 +295,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except PredictError as err:
+    except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -1,7 +1,7 @@
 """Export a trained model to ONNX, then check the ONNX file against PyTorch with onnxruntime.
 
-    python -m common.export runs/cifar_cnn-20250101-120000 --onnx cifar.onnx
-    python -m common.export runs/mnist/best --onnx mnist_raw.onnx --no-preprocess
+    python -m common.tools.export runs/cifar_cnn-20250101-120000 --onnx cifar.onnx
+    python -m common.tools.export runs/mnist/best --onnx mnist_raw.onnx --no-preprocess
 
 What the ONNX model takes and returns:
 
@@ -9,7 +9,7 @@ What the ONNX model takes and returns:
   RGB or grayscale as model.json's input_shape says, at exactly that H x W. The normalization
   ``(x - mean) / std`` with the run's mean/std is folded into the graph, and when the run
   evaluated with ``--tta`` the graph also averages the logits of the image and its mirror image
-  (``--no-tta`` leaves that out). Resize and convert images yourself as ``common.predict`` does.
+  (``--no-tta`` leaves that out). Resize and convert images yourself as ``common.tools.predict`` does.
 - ``--no-preprocess``: the bare network; input ``images`` must already be normalized.
 - output ``logits``: float32 ``(N, num_classes)``; apply softmax for probabilities. The batch
   dimension N is dynamic. Class names, mean/std and this description are stored in the ONNX
@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.predict import EXIT_BAD_INPUT, PredictError, load_predictor
+from common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, RecipeError
+from common.tools.predict import load_predictor
 
-EXIT_CHECK_FAILED = 1
 
 
 class ExportWrapper(nn.Module):
@@ -75,7 +75,7 @@ def pick_exporter(choice: str) -> bool:
     """True for the torch.export-based (dynamo) exporter, False for the TorchScript one."""
     has_onnxscript = importlib.util.find_spec("onnxscript") is not None
     if choice == "dynamo" and not has_onnxscript:
-        raise PredictError("--exporter dynamo needs the onnxscript package, which is not installed. "
+        raise RecipeError("--exporter dynamo needs the onnxscript package, which is not installed. "
                            "Run `pip install onnxscript`, or use --exporter legacy (or auto).")
     return choice == "dynamo" or (choice == "auto" and has_onnxscript)
 
@@ -132,7 +132,7 @@ def check_onnxruntime(out: Path, wrapper: nn.Module, example: torch.Tensor):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m common.export", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m common.tools.export", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="run directory, or its best/ or final/ folder")
     parser.add_argument("--onnx", required=True, help="path of the .onnx file to write")
@@ -150,10 +150,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> int:
     if args.check_batch < 1:
-        raise PredictError(f"--check-batch must be at least 1 (got {args.check_batch}).")
+        raise RecipeError(f"--check-batch must be at least 1 (got {args.check_batch}).")
     out = Path(args.onnx).expanduser()
     if out.is_dir():
-        raise PredictError(f"--onnx {out} is a folder. Pass a file path such as {out / 'model.onnx'}.")
+        raise RecipeError(f"--onnx {out} is a folder. Pass a file path such as {out / 'model.onnx'}.")
     predictor = load_predictor(args.model, "cpu", tta=False if args.no_tta else None)
     card = predictor.card
     preprocess = not args.no_preprocess
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         export_onnx(wrapper, example, out, dynamo, args.opset)
     except Exception as err:  # the exporters raise many types
-        raise PredictError(f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter) failed: "
+        raise RecipeError(f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter) failed: "
                            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}. "
                            f"Try --exporter {'legacy' if dynamo else 'dynamo (pip install onnxscript)'} or "
                            "another --opset.") from None
@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except PredictError as err:
+    except RecipeError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -1,0 +1,48 @@
+"""Errors a user can fix, and the exit codes every command of this repository uses.
+
+Each error's message is one paragraph that names the problem and the fix; commands print it after
+``error:`` with no traceback and exit with the error's code. Through ``accelerate launch`` (torchrun)
+every non-zero worker exit reaches the shell as 1, so a run also records how it ended in
+``<run>/summary.json`` (``status``); see README, "Fault tolerance".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1    # a tool's own check failed (export: onnxruntime disagrees with PyTorch)
+EXIT_BAD_INPUT = 2       # bad data, config, checkpoint or path
+EXIT_NONFINITE = 3       # the loss became NaN/inf; nothing written after the last good checkpoint
+EXIT_TARGET_MISSED = 4   # --target-accuracy was not reached
+EXIT_PREEMPTED = 75      # stopped by a signal (or a lost launcher) after writing a checkpoint; rerun to resume
+
+
+class RecipeError(Exception):
+    """Bad input the user can fix."""
+
+    exit_code = EXIT_BAD_INPUT
+    status = "bad_input"
+
+
+class ConfigError(RecipeError):
+    """A bad setting."""
+
+
+class DataError(RecipeError):
+    """Unusable data."""
+
+
+class NonFiniteLoss(RecipeError):
+    exit_code = EXIT_NONFINITE
+    status = "nonfinite_loss"
+
+
+def fail(err: RecipeError) -> None:
+    """Print ``err`` as one paragraph (prefixed with the rank in a multi-process job) and exit with its code."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    prefix = f"[rank {rank}] " if world > 1 else ""
+    sys.stderr.write(f"{prefix}error: {err}\n")
+    sys.stderr.flush()
+    raise SystemExit(err.exit_code)
