@@ -2,9 +2,15 @@
 
 Pure functions. The image builders return numpy ``(H, W, 3)`` uint8 arrays (ready for
 ``SummaryWriter.add_image(..., dataformats="HWC")`` or :func:`save_image_png`); ``save_curves_png``
-writes a PNG. matplotlib (Agg backend, no display needed) is imported inside the functions, so
+writes a PNG; ``confusion_matrix_figure`` and ``curves_figure`` return the matplotlib Figure behind
+them. matplotlib (Agg backend, no display needed) is imported inside the functions, so
 ``import common.plots`` stays cheap. No pyplot global state is used: every figure is a standalone
 ``matplotlib.figure.Figure``.
+
+What the pictures promise: the confusion matrix's heading names the split and its image count when
+the caller passes ``title`` (``confusion_matrix_title(split, n)``); in the curves every evaluation
+point is drawn as a marker, so a run with a single evaluation still shows it, and evaluations of
+different splits at the same step do not hide each other.
 """
 
 from __future__ import annotations
@@ -34,17 +40,34 @@ def _as_numpy(x) -> np.ndarray:
     return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
-def _text_image(text: str, width_in: float = 3.0, height_in: float = 1.0) -> np.ndarray:
+def _text_figure(text: str, width_in: float = 3.0, height_in: float = 1.0):
     fig = _figure(width_in, height_in)
     fig.text(0.5, 0.5, text, ha="center", va="center", fontsize=10)
-    return _to_array(fig)
+    return fig
 
 
-def confusion_matrix_image(confusion, class_names) -> np.ndarray:
+def _text_image(text: str) -> np.ndarray:
+    return _to_array(_text_figure(text))
+
+
+def confusion_matrix_image(confusion, class_names, title: str | None = None) -> np.ndarray:
     """Heatmap of a ``(C, C)`` confusion matrix (rows: true class, columns: predicted class).
 
     Cell colour is the row-normalised fraction (so every class is readable whatever its size);
-    the text in each cell is the count (left out when C > 30, where it would not fit)."""
+    the text in each cell is the count (left out when C > 30, where it would not fit).
+    ``title`` is the heading's first line, e.g. ``"confusion matrix, test split (10000 images)"``
+    (see :func:`confusion_matrix_title`); the accuracy goes on a second line. Without it the heading
+    is ``"confusion matrix: N images, accuracy A"``, which does not say which split it shows."""
+    return _to_array(confusion_matrix_figure(confusion, class_names, title))
+
+
+def confusion_matrix_title(split: str, n_images: int) -> str:
+    """The heading that names the split, for :func:`confusion_matrix_image`'s ``title``."""
+    return f"confusion matrix, {split} split ({n_images} images)"
+
+
+def confusion_matrix_figure(confusion, class_names, title: str | None = None):
+    """The matplotlib Figure behind :func:`confusion_matrix_image` (a text image when C == 0)."""
     counts = _as_numpy(confusion).astype(np.int64)
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"confusion must be a square (C, C) matrix, got shape {tuple(counts.shape)}")
@@ -53,7 +76,7 @@ def confusion_matrix_image(confusion, class_names) -> np.ndarray:
     if len(names) != c:
         raise ValueError(f"{len(names)} class names for a {c}x{c} confusion matrix")
     if c == 0:
-        return _text_image("empty confusion matrix")
+        return _text_figure("empty confusion matrix")
     fractions = counts / np.maximum(counts.sum(1, keepdims=True), 1)
     total = int(counts.sum())
     accuracy = np.trace(counts) / total if total else float("nan")
@@ -70,8 +93,11 @@ def confusion_matrix_image(confusion, class_names) -> np.ndarray:
     ax.set_yticks(ticks, labels=names, fontsize=label_size)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
-    ax.set_title(f"confusion matrix: {total} images, accuracy {accuracy:.4f}" if total
-                 else "confusion matrix: no images")
+    if title is None:
+        ax.set_title(f"confusion matrix: {total} images, accuracy {accuracy:.4f}" if total
+                     else "confusion matrix: no images")
+    else:
+        ax.set_title(f"{title}\naccuracy {accuracy:.4f}" if total else f"{title}\nno images")
     if c <= 30:
         size = 8 if c <= 12 else 6
         for i in range(c):
@@ -79,7 +105,7 @@ def confusion_matrix_image(confusion, class_names) -> np.ndarray:
                 ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=size,
                         color="white" if fractions[i, j] > 0.5 else "black")
     fig.tight_layout()
-    return _to_array(fig)
+    return fig
 
 
 def misclassified_grid(images, labels, preds, class_names, max_images: int = 36) -> np.ndarray:
@@ -156,35 +182,63 @@ def _series(records: list[dict], suffix: str) -> dict[str, tuple[list, list]]:
     return out
 
 
-def save_curves_png(metrics_jsonl_path, out_png) -> Path:
-    """Plot loss (train/loss, eval/loss, ...) and accuracy (eval/accuracy, ...) against the optimizer
-    step from a run's metrics.jsonl, write ``out_png`` and return its path.
+# Series with at most this many points get a marker at every point: a line through one point draws
+# nothing, and a handful of evaluations are easier to read as points.
+FEW_POINTS = 20
+# Marker shapes per series prefix after "train" (eval, then test/val/... alphabetically). Hollow, in
+# shrinking sizes, so that points of different series at the same step (the last evaluation and the
+# test evaluation usually share it) stay visible inside each other instead of hiding each other.
+MARKERS = ("o", "s", "D", "^", "v", "P")
 
-    Every key ending in ``/loss`` goes on the loss panel and every key ending in ``/accuracy`` on the
-    accuracy panel, so missing keys just mean missing lines; a panel with no data says so."""
-    records = read_metrics(metrics_jsonl_path)
+
+def curves_figure(records: list[dict], title: str = ""):
+    """The matplotlib Figure behind :func:`save_curves_png`, from metrics records (``read_metrics``)."""
     fig = _figure(11, 4)
     panels = (("loss", _series(records, "/loss")), ("accuracy", _series(records, "/accuracy")))
     prefixes = sorted({key.split("/", 1)[0] for _, series in panels for key in series},
                       key=lambda p: (p != "train", p != "eval", p))
     colors = {p: f"C{i % 10}" for i, p in enumerate(prefixes)}  # eval/loss and eval/accuracy share a colour
-    for k, (title, series) in enumerate(panels):
+    evals = [p for p in prefixes if p != "train"]
+    for k, (name, series) in enumerate(panels):
         ax = fig.add_subplot(1, 2, k + 1)
-        ax.set_title(title)
+        ax.set_title(name)
         ax.set_xlabel("optimizer step")
         if not series:
-            ax.text(0.5, 0.5, f"no {title} logged", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, f"no {name} logged", ha="center", va="center", transform=ax.transAxes)
             continue
         for key in sorted(series, key=lambda s: (not s.startswith("train/"), s)):
             steps, values = series[key]
-            few = len(steps) <= 20 or not key.startswith("train/")
-            ax.plot(steps, values, label=key, color=colors[key.split("/", 1)[0]], marker="o" if few else None,
-                    markersize=3, linewidth=1.0 if key.startswith("train/") else 1.5)
+            prefix = key.split("/", 1)[0]
+            style = dict(label=key, color=colors[prefix], linewidth=1.0 if prefix == "train" else 1.5)
+            if prefix == "train":
+                if len(steps) <= FEW_POINTS:
+                    style.update(marker="o", markersize=4)
+            else:
+                rank = evals.index(prefix)
+                style.update(marker=MARKERS[rank % len(MARKERS)], markersize=max(4.0, 10.0 - 2.5 * rank),
+                             markerfacecolor="none", markeredgewidth=1.5)
+                if len(steps) > FEW_POINTS:
+                    style.update(markersize=3.0, markerfacecolor=colors[prefix], markeredgewidth=0.5)
+            ax.plot(steps, values, **style)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"run {Path(metrics_jsonl_path).resolve().parent.name} (train loss includes label smoothing, "
-                 "eval loss does not)", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def save_curves_png(metrics_jsonl_path, out_png) -> Path:
+    """Plot loss (train/loss, eval/loss, ...) and accuracy (eval/accuracy, ...) against the optimizer
+    step from a run's metrics.jsonl, write ``out_png`` and return its path.
+
+    Every key ending in ``/loss`` goes on the loss panel and every key ending in ``/accuracy`` on the
+    accuracy panel, so missing keys just mean missing lines; a panel with no data says so. Evaluation
+    series always have markers (a single evaluation is a visible point), train series when they have
+    at most ``FEW_POINTS`` points."""
+    records = read_metrics(metrics_jsonl_path)
+    fig = curves_figure(records, f"run {Path(metrics_jsonl_path).resolve().parent.name} (train loss includes "
+                                 "label smoothing, eval loss does not)")
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, format="png")

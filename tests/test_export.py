@@ -1,9 +1,11 @@
-"""common.export: ONNX export with normalization (and TTA) folded in, checked with onnxruntime.
+"""common.tools.export: ONNX export with normalization (and TTA) folded in, checked with onnxruntime.
 
-Skipped only when onnx or onnxruntime is not installed."""
+onnx and onnxruntime are requirements, so nothing here is skipped: a missing package fails the tests.
+The default exporter must work without onnxscript (which requirements.txt does not install)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,47 +13,84 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 
+from common.augment import normalize
+from common.tools.export import main
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from common import checkpoint, models  # noqa: E402
-from common.augment import normalize  # noqa: E402
-
-onnx = pytest.importorskip("onnx", reason="the onnx package is not installed (pip install onnx)")
-ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed (pip install onnxruntime)")
-
-STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+# `python -c WITHOUT.format(module=...) ARGS...` runs the tool with that package made unimportable.
+WITHOUT = ("import sys; sys.modules[{module!r}] = None; "
+           "from common.tools.export import main; sys.exit(main(sys.argv[1:]))")
+WITHOUT_ONNXSCRIPT = WITHOUT.format(module="onnxscript")  # as after README's install
 
 
-def make_model_dir(root: Path, kind: str, tta: bool):
-    """<root>/run/best from an untrained model (last layer scaled so the logits are well apart)."""
-    shape, names = ([3, 32, 32], ["cat", "dog", "bird"]) if kind == "CifarCNN" else ([1, 16, 16], ["a", "b", "c", "d"])
-    args = {"CifarCNN": {"widths": [8, 16, 16]}, "ConvNet": {"width": 4, "dropout": 0.0},
-            "MLP": {"hidden": [32], "dropout": 0.0}}[kind]
-    torch.manual_seed(0)
-    builder = getattr(models, kind)
-    model = builder(tuple(shape), len(names), **{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
-    with torch.no_grad():
-        [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(20.0)
-    model.eval()
-    c = shape[0]
-    card = {"recipe": "test_export", "model": kind, "model_args": args, "input_shape": shape, "class_names": names,
-            "mean": [0.45] * c, "std": [0.25] * c, "config": {"tta": tta}}
-    checkpoint.save_model_dir(STUB_ACCELERATOR, model, root / "run" / "best", card)
-    return root / "run", card, model
+# A recipe file as predict/export rebuild models from: Config plus build_model(cfg, in_shape, num_classes).
+TINY_RECIPE = """
+from dataclasses import dataclass
+
+from common import models
+
+ARGS = {"CifarCNN": {"widths": (8, 16, 16)}, "ConvNet": {"width": 4, "dropout": 0.0},
+        "MLP": {"hidden": (32,), "dropout": 0.0}}
+
+
+@dataclass
+class Config:
+    model: str = "MLP"
+    tta: bool = False
+
+
+def build_model(cfg, in_shape, num_classes):
+    return getattr(models, cfg.model)(tuple(in_shape), num_classes, **ARGS[cfg.model])
+"""
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """make_run(kind, tta) -> (run dir, model.json card, model): <tmp>/run/best holding an untrained model
+    (last layer scaled so the logits are well apart), written the way a recipe writes it, with the
+    recipe file it names."""
+    from common import checkpoint
+
+    def make(kind: str, tta: bool = False):
+        recipe_file = tmp_path / "tiny_recipe.py"
+        recipe_file.write_text(TINY_RECIPE)
+        shape, names = ([3, 32, 32], ["cat", "dog", "bird"]) if kind == "CifarCNN" else ([1, 16, 16], list("abcd"))
+        spec = importlib.util.spec_from_file_location("tiny_recipe", recipe_file)
+        recipe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(recipe)
+        torch.manual_seed(0)
+        model = recipe.build_model(recipe.Config(model=kind, tta=tta), shape, len(names))
+        with torch.no_grad():
+            [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(20.0)
+        model.eval()
+        c = shape[0]
+        card = {"recipe": "tiny_recipe", "recipe_file": str(recipe_file), "model": kind,
+                "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in recipe.ARGS[kind].items()},
+                "input_shape": shape, "class_names": names, "mean": [0.45] * c, "std": [0.25] * c,
+                "config": {"model": kind, "tta": tta}}
+        stub = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+        checkpoint.save_model_dir(stub, model, tmp_path / "run" / "best", card)
+        return tmp_path / "run", card, model
+
+    return make
 
 
 @pytest.mark.parametrize("kind,tta", [("CifarCNN", True), ("ConvNet", False), ("MLP", False)])
-def test_export_cli_checks_with_onnxruntime(tmp_path, kind, tta):
-    run_dir, card, model = make_model_dir(tmp_path, kind, tta)
+def test_export_cli_checks_with_onnxruntime(tmp_path, make_run, kind, tta):
+    """README's command, from a folder outside the repository, with the default exporter."""
+    run_dir, card, model = make_run(kind, tta)
     out = tmp_path / "model.onnx"
-    proc = subprocess.run([sys.executable, "-m", "common.export", str(run_dir), "--onnx", str(out)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "common.tools.export", str(run_dir), "--onnx", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "onnxruntime check passed" in proc.stdout
+    assert "onnxruntime check passed" in proc.stdout and "TorchScript exporter" in proc.stdout
+    assert "skipped" not in proc.stdout
     assert out.is_file()
 
     meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
@@ -73,12 +112,66 @@ def test_export_cli_checks_with_onnxruntime(tmp_path, kind, tta):
     assert (got.argmax(1) == want.argmax(1).numpy()).all()
 
 
-def test_export_raw_model_in_process(tmp_path, capsys):
-    from common.export import main
+def test_default_exporter_needs_no_onnxscript(tmp_path, make_run):
+    """After README's install there is no onnxscript: the default works, --exporter dynamo says what to install."""
+    run_dir, _, _ = make_run("ConvNet")
+    out = tmp_path / "model.onnx"
+    ok = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--onnx", str(out)],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "onnxruntime check passed" in ok.stdout
 
-    run_dir, card, model = make_model_dir(tmp_path, "ConvNet", tta=False)
+    dyn = tmp_path / "dynamo.onnx"
+    bad = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--onnx", str(dyn),
+                          "--exporter", "dynamo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert "pip install onnxscript" in bad.stderr and "leave out --exporter" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert not dyn.exists()
+
+
+@pytest.mark.parametrize("module", ["onnx", "onnxruntime"])
+def test_missing_requirement_names_the_install(tmp_path, make_run, module):
+    run_dir, _, _ = make_run("MLP")
+    out = tmp_path / "model.onnx"
+    proc = subprocess.run([sys.executable, "-c", WITHOUT.format(module=module), str(run_dir), "--onnx", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"needs the {module} package" in proc.stderr and "pip install -r requirements.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_help_says_what_each_exporter_needs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "common.tools.export", "--help"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.replace("``", "").split())
+    assert "nothing extra" not in text
+    assert "torchscript (default)" in text and "dynamo=False" in text
+    assert "pip install onnxscript" in text and "needs onnx and onnxscript" in text
+    assert "skipped" not in text  # the check always runs: onnxruntime is a requirement
+
+
+def test_failed_export_names_a_fix_that_is_not_the_same_exporter(tmp_path, make_run, monkeypatch, capsys):
+    run_dir, _, _ = make_run("MLP")
+    out = tmp_path / "model.onnx"
+
+    def broken_export(*args, **kwargs):
+        Path(args[2]).write_bytes(b"half")
+        raise RuntimeError("an operator this exporter cannot translate")
+
+    monkeypatch.setattr(torch.onnx, "export", broken_export)
+    assert main([str(run_dir), "--onnx", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "TorchScript exporter" in err and "cannot translate" in err
+    assert "pip install onnxscript`, then add --exporter dynamo" in err
+    assert not out.exists()  # no half-written file left behind
+
+
+def test_export_raw_model_in_process(tmp_path, make_run, capsys):
+    run_dir, card, model = make_run("ConvNet")
     out = tmp_path / "raw.onnx"
-    assert main([str(run_dir / "best"), "--onnx", str(out), "--no-preprocess", "--exporter", "legacy"]) == 0
+    assert main([str(run_dir / "best"), "--onnx", str(out), "--no-preprocess", "--exporter", "torchscript"]) == 0
     assert "onnxruntime check passed" in capsys.readouterr().out
     x = torch.randn(2, *card["input_shape"])
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -87,8 +180,6 @@ def test_export_raw_model_in_process(tmp_path, capsys):
 
 
 def test_export_bad_model_path_exits_2(tmp_path, capsys):
-    from common.export import main
-
     assert main([str(tmp_path / "nope"), "--onnx", str(tmp_path / "x.onnx")]) == 2
     assert str(tmp_path / "nope") in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()

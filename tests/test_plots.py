@@ -1,20 +1,17 @@
-"""common.plots: image dtypes/shapes, the no-mistakes case, curves from a metrics.jsonl."""
+"""common.plots: image dtypes/shapes, the no-mistakes case, curves from a metrics.jsonl, a confusion
+matrix that names its split, evaluation points that stay visible."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
+from matplotlib.colors import to_rgb
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from common.metrics import confusion_matrix  # noqa: E402
-from common.plots import (confusion_matrix_image, misclassified_grid, read_metrics, save_curves_png,  # noqa: E402
-                          save_image_png)
+from common.metrics import confusion_matrix
+from common.plots import (confusion_matrix_figure, confusion_matrix_image, confusion_matrix_title, curves_figure,
+                          misclassified_grid, read_metrics, save_curves_png, save_image_png)
 
 
 def is_rgb_image(img) -> bool:
@@ -29,6 +26,22 @@ def test_confusion_matrix_image(tmp_path):
     assert is_rgb_image(img)
     assert img.std() > 0  # not a blank canvas
     assert save_image_png(img, tmp_path / "cm.png").stat().st_size > 0
+
+
+def test_confusion_matrix_names_its_split():
+    preds = torch.tensor([0, 1, 2, 2, 1, 0, 2])
+    labels = torch.tensor([0, 1, 2, 1, 1, 2, 2])
+    conf = confusion_matrix(preds, labels, 3)
+    title = confusion_matrix_title("test", 7)
+    assert title == "confusion matrix, test split (7 images)"
+    heading = confusion_matrix_figure(conf, ["cat", "dog", "bird"], title=title).axes[0].get_title()
+    assert heading == "confusion matrix, test split (7 images)\naccuracy 0.7143"
+    # the default heading is unchanged for callers that pass no title
+    assert confusion_matrix_figure(conf, ["cat", "dog", "bird"]).axes[0].get_title() == \
+        "confusion matrix: 7 images, accuracy 0.7143"
+    titled = confusion_matrix_image(conf, ["cat", "dog", "bird"], title=title)
+    assert is_rgb_image(titled)
+    assert not np.array_equal(titled, confusion_matrix_image(conf, ["cat", "dog", "bird"]))
 
 
 def test_confusion_matrix_image_many_classes():
@@ -74,3 +87,40 @@ def test_save_curves_png_missing_keys(tmp_path):
     empty = tmp_path / "b.jsonl"
     empty.write_text("")
     assert save_curves_png(empty, tmp_path / "b.png").is_file()
+
+
+def pixels_of(fig, ax, color: str) -> int:
+    """Pixels of ``color`` inside ``ax``'s plotting area, leaving out its legend."""
+    fig.canvas.draw()
+    img = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    height = img.shape[0]
+    ys, xs = np.nonzero(np.abs(img - np.array(to_rgb(color)) * 255).max(-1) < 40)
+    ys = height - ys  # display coordinates start at the bottom
+    box, legend = ax.get_window_extent(), ax.get_legend().get_window_extent()
+    inside = (xs > box.x0) & (xs < box.x1) & (ys > box.y0) & (ys < box.y1)
+    in_legend = (xs >= legend.x0) & (xs <= legend.x1) & (ys >= legend.y0) & (ys <= legend.y1)
+    return int((inside & ~in_legend).sum())
+
+
+def test_single_evaluation_point_stays_visible():
+    """A one-evaluation run: the eval point and the test point share the last step and must both show."""
+    records = [{"step": s, "train/loss": 2.0 / s} for s in range(5, 105, 5)]
+    records += [{"step": 100, "eval/loss": 0.5, "eval/accuracy": 0.9},
+                {"step": 100, "test/loss": 0.5, "test/accuracy": 0.9}]
+    fig = curves_figure(records)
+    loss_ax, acc_ax = fig.axes
+    lines = {line.get_label(): line for line in acc_ax.get_lines()}
+    eval_line, test_line = lines["eval/accuracy"], lines["test/accuracy"]
+    for line in (eval_line, test_line):
+        assert line.get_marker() not in (None, "None", "", " ") and line.get_markersize() >= 6
+    assert (eval_line.get_marker(), eval_line.get_markersize()) != (test_line.get_marker(), test_line.get_markersize())
+    # drawn, not only declared: each colour is on the canvas at the shared point, outside the legend
+    for ax in (loss_ax, acc_ax):
+        assert pixels_of(fig, ax, eval_line.get_color()) >= 15
+        assert pixels_of(fig, ax, test_line.get_color()) >= 15
+
+
+def test_single_train_point_has_a_marker():
+    fig = curves_figure([{"step": 1, "train/loss": 1.0}])
+    (line,) = fig.axes[0].get_lines()
+    assert line.get_marker() not in (None, "None", "", " ")

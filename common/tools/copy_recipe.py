@@ -1,14 +1,15 @@
 """Start a new recipe from an existing one.
 
     python -m common.tools.copy_recipe cifar_cnn my_recipe.py
-    python -m common.tools.copy_recipe mnist_convnet recipes/my_digits.py
+    python -m common.tools.copy_recipe mnist_convnet ~/projects/digits/my_digits.py
 
-Copies ``recipes/<name>.py`` to the destination (never over an existing file), sets its
-``RECIPE = "..."`` line to the new file's stem (runs then go to ``runs/<stem>-<time>``, and
-model.json records the new name), points the usage lines of its docstring at the new file, and
-prints the next steps. A recipe finds the ``common`` package by walking up the parent folders of
-the script, so place the copy in the repository (its root or recipes/), or set PYTHONPATH to the
-repository root.
+Copies ``recipes/<name>.py`` to the destination (never over an existing file; missing parent
+folders are created), sets its ``RECIPE = "..."`` line to the new file's stem (runs then go to
+``runs/<stem>-<time>`` under the folder you launch from, and model.json records the new name),
+points the usage lines of its docstring at the new file, and prints the next steps as commands that
+work as printed from any folder (absolute paths). The copy may live anywhere: it imports the
+installed ``common`` package (README's ``pip install -r requirements.txt`` installs this repository
+with ``-e .``). When ``common`` is not installed, the printed steps say how to install it.
 
 Exit codes: 0 ok, 2 bad input (unknown recipe, destination exists, bad name).
 """
@@ -17,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from common.errors import EXIT_BAD_INPUT, RecipeError
@@ -27,6 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 RECIPE_LINE = re.compile(r'^RECIPE = "([^"\n]*)"[ \t]*$', re.MULTILINE)
 STEM_OK = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+CONFIG_ARG = re.compile(r"--config_file accelerate_configs/([A-Za-z0-9_.-]+)")
 
 
 
@@ -34,18 +39,31 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.name.startswith("_"))
 
 
-def finds_common(path: Path) -> bool:
-    """Whether the recipe's own search (parents of the script holding common/__init__.py) succeeds."""
-    return any((parent / "common" / "__init__.py").is_file() for parent in path.resolve().parents)
+def common_installed() -> bool:
+    """Whether a script outside this repository imports this repository's ``common`` (the editable
+    install README asks for). Asked of a fresh interpreter in a neutral folder: here, the working
+    directory could make it look importable."""
+    probe = "import importlib.util as u; s = u.find_spec('common'); print(s.origin if s else '')"
+    try:
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=tempfile.gettempdir(), capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    origin = proc.stdout.strip()
+    return bool(origin) and Path(origin).resolve() == (REPO_ROOT / "common" / "__init__.py").resolve()
 
 
-def rewrite(text: str, source_name: str, new_stem: str, new_display: str) -> str:
-    """Set the RECIPE line to ``new_stem`` and point ``recipes/<source>.py`` mentions at the copy."""
+def rewrite(text: str, source_name: str, new_stem: str, new_display: str, outside: bool = False) -> str:
+    """Set the RECIPE line to ``new_stem`` and point ``recipes/<source>.py`` mentions at the copy; for a
+    copy ``outside`` the repository, ``--config_file accelerate_configs/X`` becomes an absolute path."""
     matches = RECIPE_LINE.findall(text)
     if len(matches) != 1:
         raise RecipeError(f"recipes/{source_name}.py has {len(matches)} lines of the form RECIPE = \"...\" "
                         "(expected exactly one), so it cannot be renamed safely. Copy it by hand and edit RECIPE.")
     text = RECIPE_LINE.sub(f'RECIPE = "{new_stem}"', text)
+    if outside:
+        text = CONFIG_ARG.sub(lambda m: "--config_file " + shlex.quote(str(REPO_ROOT / "accelerate_configs" / m[1])),
+                              text)
     return text.replace(f"recipes/{source_name}.py", new_display)
 
 
@@ -68,14 +86,16 @@ def copy_recipe(source: str, dest) -> Path:
     if dest.exists():
         raise RecipeError(f"{dest} already exists; nothing was overwritten. Pass a new file name, or delete or "
                         "rename the existing file first.")
-    if not dest.parent.is_dir():
-        raise RecipeError(f"The folder {dest.parent} does not exist. Create it first or pass a path in an existing folder.")
-    try:  # docstring usage lines run from the repository root
-        display = dest.resolve().relative_to(REPO_ROOT).as_posix()
+    if dest.parent.exists() and not dest.parent.is_dir():
+        raise RecipeError(f"{dest.parent} is a file, not a folder, so {dest.name} cannot be created in it. "
+                          "Pass a path in a folder.")
+    try:  # docstring usage lines run from the repository root; a copy elsewhere gets absolute paths
+        display, outside = dest.resolve().relative_to(REPO_ROOT).as_posix(), False
     except ValueError:
-        display = str(dest)
-    text = rewrite(src.read_text(), name, dest.stem, display)
+        display, outside = shlex.quote(str(dest.resolve())), True
+    text = rewrite(src.read_text(), name, dest.stem, display, outside)
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         with open(dest, "x") as f:  # "x": fails rather than overwrite a file created meanwhile
             f.write(text)
     except FileExistsError:
@@ -87,17 +107,22 @@ def copy_recipe(source: str, dest) -> Path:
 
 
 def next_steps(source: str, dest: Path) -> str:
-    lines = [f"created {dest} from recipes/{source}.py with RECIPE = \"{dest.stem}\" "
-             f"(its runs go to runs/{dest.stem}-<time>/ unless you pass --output-dir).",
-             "next steps:",
-             f"  1. edit the Config defaults in {dest} (dataset, epochs, batch_size, lr, model sizes, ...);",
-             f"  2. python {dest} --help   lists every knob;",
-             f"  3. accelerate launch {dest} --dataset /path/to/image_folder   "
-             "(one sub-folder per class, optionally under train/ validation/ test/);",
-             "  4. python -m common.tools.predict runs/<run> image.png   classifies images with the trained model."]
-    if not finds_common(dest):
-        lines.append(f"note: {dest} is outside this repository, so it will not find the common package by itself. "
-                     f"Move it into {REPO_ROOT} (or its recipes/ folder), or run it with PYTHONPATH={REPO_ROOT}.")
+    """What to do next, with commands that work exactly as printed from any folder."""
+    script = shlex.quote(str(dest.resolve()))
+    lines = [f"created {dest.resolve()} from recipes/{source}.py with RECIPE = \"{dest.stem}\".",
+             "next steps (the commands work from any folder):",
+             f"  1. edit the Config defaults in {script} (dataset, epochs, batch_size, lr, model sizes, ...)",
+             "  2. list every knob:",
+             f"       python {script} --help",
+             "  3. train on your images (one sub-folder per class, optionally under train/ validation/ test/); the "
+             f"run goes to runs/{dest.stem}-YYYYMMDD-HHMMSS/ under the current folder unless you pass --output-dir:",
+             f"       accelerate launch {script} --dataset /path/to/image_folder",
+             "  4. classify images with the trained model (from the folder you trained in, or give the run's full path):",
+             f"       python -m common.tools.predict runs/{dest.stem}-YYYYMMDD-HHMMSS photo.png"]
+    if not common_installed():
+        lines.append(f"note: the common package is not installed in this Python, so the commands above will not find "
+                     f"it. Run `pip install -e {shlex.quote(str(REPO_ROOT))}` (README's `pip install -r "
+                     "requirements.txt` does this).")
     return "\n".join(lines)
 
 

@@ -13,21 +13,32 @@ What the ONNX model takes and returns:
 - ``--no-preprocess``: the bare network; input ``images`` must already be normalized.
 - output ``logits``: float32 ``(N, num_classes)``; apply softmax for probabilities. The batch
   dimension N is dynamic. Class names, mean/std and this description are stored in the ONNX
-  metadata (``metadata_props``) when the ``onnx`` package is installed.
+  metadata (``metadata_props``).
 
-The exporter: torch's torch.export-based one (``dynamo=True``) needs the ``onnxscript`` package;
-``--exporter auto`` (default) uses it when onnxscript is importable and otherwise the TorchScript
-exporter (``dynamo=False``), which needs nothing extra. After export, if onnxruntime is importable,
-a random batch is run through both and the max abs difference of the logits must be below
-``--atol`` (default 1e-4); otherwise the check is skipped and the reason printed.
+Exporters (``--exporter``):
 
-Exit codes: 0 ok (check passed or skipped), 1 the onnxruntime check failed, 2 bad input.
+- ``torchscript`` (default): torch's TorchScript-based exporter, ``torch.onnx.export(..., dynamo=False)``.
+  It needs the ``onnx`` package, which ``pip install -r requirements.txt`` installs, and nothing
+  else. torch marks it deprecated but still ships it in the versions requirements.txt allows
+  (checked with torch 2.14.1, the version README installs).
+- ``dynamo``: the torch.export-based exporter, ``dynamo=True`` (torch.onnx.export's own default).
+  It needs ``onnx`` and ``onnxscript``; requirements.txt does not install onnxscript, so run
+  ``pip install onnxscript`` before choosing it.
+
+The check: a random batch, and a batch of one, are run through the ONNX file with onnxruntime
+(installed by requirements.txt) and through the PyTorch model; the max abs difference of the logits
+must be below ``--atol`` (default 1e-4). Class names, mean/std and the input description are stored
+in the file's ``metadata_props`` (with the ``onnx`` package).
+
+Exit codes: 0 ok (the check passed), 1 the onnxruntime check failed, 2 bad input or a missing package
+(one paragraph on stderr that names the fix, no traceback, no file written).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import inspect
 import json
 import sys
 import warnings
@@ -71,13 +82,30 @@ def input_description(card: dict, preprocess: bool, tta: bool) -> str:
         f". Output: logits (N, {len(card['class_names'])})."
 
 
-def pick_exporter(choice: str) -> bool:
-    """True for the torch.export-based (dynamo) exporter, False for the TorchScript one."""
-    has_onnxscript = importlib.util.find_spec("onnxscript") is not None
-    if choice == "dynamo" and not has_onnxscript:
-        raise RecipeError("--exporter dynamo needs the onnxscript package, which is not installed. "
-                           "Run `pip install onnxscript`, or use --exporter legacy (or auto).")
-    return choice == "dynamo" or (choice == "auto" and has_onnxscript)
+def require(module: str, needed_for: str, fix: str) -> None:
+    """Import ``module`` or raise a RecipeError that says what needs it and how to install it."""
+    try:
+        importlib.import_module(module)
+    except ImportError as err:
+        raise RecipeError(f"{needed_for} needs the {module} package, which is not importable ({err}). {fix} "
+                          "Nothing was written.") from None
+
+
+def check_packages(exporter: str) -> bool:
+    """Fail before any work when a package the export or the check needs is missing. Returns True for
+    the torch.export-based (dynamo) exporter, False for the TorchScript one."""
+    reinstall = "Run `pip install -r requirements.txt` (or `pip install onnx onnxruntime`)."
+    require("onnx", "ONNX export (either exporter)", reinstall)
+    require("onnxruntime", "The check of the ONNX file against PyTorch", reinstall)
+    if exporter != "dynamo":
+        return False
+    if "dynamo" not in inspect.signature(torch.onnx.export).parameters:
+        raise RecipeError(f"--exporter dynamo needs torch 2.5 or newer (this is torch {torch.__version__}). "
+                          "Leave out --exporter to use the TorchScript exporter, or upgrade torch.")
+    require("onnxscript", "--exporter dynamo (the torch.export-based exporter)",
+            "Run `pip install onnxscript`, or leave out --exporter to use the default TorchScript exporter, "
+            "which needs only onnx (installed by requirements.txt).")
+    return True
 
 
 def export_onnx(wrapper: nn.Module, example: torch.Tensor, out: Path, dynamo: bool, opset: int | None) -> None:
@@ -87,19 +115,21 @@ def export_onnx(wrapper: nn.Module, example: torch.Tensor, out: Path, dynamo: bo
         batch = torch.export.Dim("batch", min=1)
         torch.onnx.export(wrapper, (example,), str(out), dynamo=True, external_data=False,
                           dynamic_shapes={"images": {0: batch}}, **common)
-    else:
-        with warnings.catch_warnings():  # the TorchScript exporter warns that it is deprecated
-            warnings.simplefilter("ignore")
-            torch.onnx.export(wrapper, (example,), str(out), dynamo=False,
-                              dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, **common)
+        return
+    # Since torch 2.9 torch.onnx.export defaults to dynamo=True, which needs onnxscript; torch < 2.5 has
+    # no dynamo argument and only this exporter.
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
+        common["dynamo"] = False
+    with warnings.catch_warnings():  # torch >= 2.9 warns on every call that this exporter is deprecated
+        warnings.simplefilter("ignore")
+        torch.onnx.export(wrapper, (example,), str(out), dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
+                          **common)
 
 
-def add_metadata(out: Path, card: dict, description: str) -> bool:
-    """Store class names, preprocessing and the input description in the ONNX file (needs onnx)."""
-    try:
-        import onnx
-    except ImportError:
-        return False
+def add_metadata(out: Path, card: dict, description: str) -> None:
+    """Store class names, preprocessing and the input description in the ONNX file."""
+    import onnx
+
     model = onnx.load(str(out))
     meta = {"class_names": json.dumps([str(n) for n in card["class_names"]]), "input": description,
             "mean": json.dumps(card["mean"]), "std": json.dumps(card["std"]),
@@ -110,15 +140,12 @@ def add_metadata(out: Path, card: dict, description: str) -> bool:
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value
     onnx.save(model, str(out))
-    return True
 
 
-def check_onnxruntime(out: Path, wrapper: nn.Module, example: torch.Tensor):
-    """Returns (max_abs_diff, None), or (None, reason the check was skipped)."""
-    try:
-        import onnxruntime as ort
-    except ImportError as err:
-        return None, f"onnxruntime is not importable ({err}); `pip install onnxruntime` to enable the check"
+def check_onnxruntime(out: Path, wrapper: nn.Module, example: torch.Tensor) -> float:
+    """Max abs logit difference between onnxruntime and PyTorch (inf when the output shapes differ)."""
+    import onnxruntime as ort
+
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     worst = 0.0
     for batch in (example, example[:1]):  # the full batch and a batch of one: the batch axis is dynamic
@@ -126,9 +153,9 @@ def check_onnxruntime(out: Path, wrapper: nn.Module, example: torch.Tensor):
         with torch.no_grad():
             want = wrapper(batch).float().numpy()
         if got.shape != want.shape:
-            return float("inf"), None
+            return float("inf")
         worst = max(worst, float(abs(got - want).max()))
-    return worst, None
+    return worst
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,8 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="export the bare network, which takes normalized images")
     parser.add_argument("--no-tta", action="store_true", help="leave the mirror-image averaging out of the graph "
                         "even if the run evaluated with --tta")
-    parser.add_argument("--exporter", choices=("auto", "dynamo", "legacy"), default="auto",
-                        help="auto: dynamo when onnxscript is installed, else legacy (TorchScript)")
+    parser.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
+                        help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
+                             "torch.export-based exporter, also needs `pip install onnxscript`")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check-batch", type=int, default=4, help="random images in the onnxruntime check")
     parser.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed (default 1e-4)")
@@ -154,11 +182,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.onnx).expanduser()
     if out.is_dir():
         raise RecipeError(f"--onnx {out} is a folder. Pass a file path such as {out / 'model.onnx'}.")
+    dynamo = check_packages(args.exporter)
     predictor = load_predictor(args.model, "cpu", tta=False if args.no_tta else None)
     card = predictor.card
     preprocess = not args.no_preprocess
     wrapper = ExportWrapper(predictor.model, card["mean"], card["std"], preprocess, predictor.tta).eval()
-    dynamo = pick_exporter(args.exporter)
     gen = torch.Generator().manual_seed(0)
     example = torch.rand((args.check_batch, *predictor.input_shape), generator=gen)
     if not preprocess:  # what a normalized batch looks like
@@ -166,21 +194,19 @@ def run(args: argparse.Namespace) -> int:
     try:
         export_onnx(wrapper, example, out, dynamo, args.opset)
     except Exception as err:  # the exporters raise many types
-        raise RecipeError(f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter) failed: "
-                           f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}. "
-                           f"Try --exporter {'legacy' if dynamo else 'dynamo (pip install onnxscript)'} or "
-                           "another --opset.") from None
+        out.unlink(missing_ok=True)  # a half-written file is worse than none
+        other = ("leave out --exporter to use the TorchScript exporter" if dynamo else
+                 "try the torch.export-based exporter: `pip install onnxscript`, then add --exporter dynamo")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise RecipeError(f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter, torch "
+                          f"{torch.__version__}) failed on this model: {type(err).__name__}: {first}. To get a file, "
+                          f"{other}, or pass another --opset (e.g. --opset 17).") from None
     description = input_description(card, preprocess, predictor.tta)
-    stored = add_metadata(out, card, description)
+    add_metadata(out, card, description)
     print(f"wrote {out} from {predictor.model_dir} ({card.get('model')}, "
           f"{'dynamo' if dynamo else 'TorchScript'} exporter, torch {torch.__version__})")
     print(f"input: {description}")
-    if not stored:
-        print("note: the onnx package is not installed, so class names were not stored in the file's metadata")
-    diff, skipped = check_onnxruntime(out, wrapper, example)
-    if skipped:
-        print(f"onnxruntime check skipped: {skipped}")
-        return 0
+    diff = check_onnxruntime(out, wrapper, example)
     if not diff < args.atol:
         print(f"onnxruntime check FAILED: max abs logit difference to torch is {diff:.3g} "
               f"(allowed {args.atol:g}) on {args.check_batch} random images")
