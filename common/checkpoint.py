@@ -1,30 +1,43 @@
-"""Crash-safe checkpoints on top of ``accelerator.save_state``.
+"""Crash-safe checkpoints on top of ``accelerator.save_state``, and resuming from them.
 
 Layout of a run directory::
 
-    <run>/checkpoints/step-00001234/   accelerate state (model, optimizer, scheduler, scaler, RNG)
+    <run>/checkpoints/step-00001234/   accelerate state (model, optimizer, scheduler, scaler, RNG, EMA)
                                        + trainer_state.json + COMPLETE
-    <run>/best/ and <run>/final/       model.safetensors + model.json (config, classes, preprocessing)
+    <run>/best/ and <run>/final/       model.safetensors + model.json (recipe, config, classes, preprocessing)
 
 Order of a save: write into ``.tmp-step-N`` -> barrier -> rename to ``step-N`` -> write COMPLETE ->
 prune. A folder without COMPLETE is never loaded, never counted and never kept as "latest"; pruning
-runs only after the new checkpoint is complete, so the last good checkpoint always survives.
-Resume state is read from trainer_state.json, never parsed from folder names.
+runs only after the new checkpoint is complete, so the last good checkpoint always survives. Every
+rank takes the same branches (a save never returns early on one rank). Resume state is read from
+trainer_state.json, never parsed from folder names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
+
+from common.errors import RecipeError
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
 MODEL_CARD = "model.json"
+STEP_DIR = re.compile(r"^step-\d{8}$")
+# Config fields that may change on resume without changing what the checkpoint means.
+RESUME_MAY_CHANGE = {"epochs", "profile", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints",
+                     "log_every", "progress_every_s", "eval_every", "eval_every_steps", "target_accuracy",
+                     "timeout_s", "max_steps", "cache_dir", "data_on_device", "eval_batch_size", "dataset",
+                     "compile"}
+# Optimizer hyperparameters a resume applies from the command line (a checkpoint restores the old ones).
+HYPERPARAMETERS = ("lr", "weight_decay", "momentum")
 
 
 def _fsync_write(path: Path, text: str) -> None:
@@ -45,6 +58,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def follow_umask(path: Path) -> None:
+    """safetensors writes files 0600; give them the mode every other file of the run gets."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def is_complete(path: Path) -> bool:
     path = Path(path)
     return path.is_dir() and (path / MARKER).is_file() and (path / STATE_FILE).is_file()
@@ -55,13 +75,13 @@ def read_state(path: Path) -> dict:
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first, ordered by the global step they record."""
+    """Complete ``step-N`` checkpoints, oldest first, ordered by the global step they record."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
-        if child.name.startswith(".") or not is_complete(child):
+        if not STEP_DIR.match(child.name) or not is_complete(child):
             continue
         try:
             found.append((read_state(child)["global_step"], child))
@@ -76,48 +96,120 @@ def find_latest(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
-    """Write a checkpoint on all ranks (every rank must call this), return its final path."""
+    """Write a checkpoint on all ranks (every rank must call this), return its final path. A complete
+    folder of the same step (from an abandoned continuation of this run) is replaced, never kept."""
     root = Path(run_dir) / "checkpoints"
     name = f"step-{state['global_step']:08d}"
-    final, tmp = root / name, root / f".tmp-{name}"
+    final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # debris of an interrupted write
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted write
     accelerator.wait_for_everyone()
-    if is_complete(final):  # e.g. epoch end right after a --checkpoint-every save: same state
-        return final
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        for f in tmp.glob("*.safetensors"):
+            follow_umask(f)
         _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
-        if final.exists():  # an incomplete folder of the same name
-            shutil.rmtree(final)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
         _fsync_write(final / MARKER, "ok\n")
         _fsync_dir(final)
+        shutil.rmtree(old, ignore_errors=True)
         prune(run_dir, keep)
     accelerator.wait_for_everyone()
     return final
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete debris older than them."""
+    """Delete all but the newest ``keep`` complete checkpoints, and the debris of interrupted writes."""
     ckpts = complete_checkpoints(run_dir)
     for old in ckpts[: max(0, len(ckpts) - max(keep, 1))]:
         shutil.rmtree(old, ignore_errors=True)
-    root = Path(run_dir) / "checkpoints"
-    for child in root.iterdir():
-        if child.is_dir() and not is_complete(child):
+    for child in (Path(run_dir) / "checkpoints").iterdir():
+        debris = child.name.startswith((".tmp-step-", ".old-step-")) or (STEP_DIR.match(child.name)
+                                                                         and not is_complete(child))
+        if child.is_dir() and debris:
             shutil.rmtree(child, ignore_errors=True)
+
+
+def supersede_newer(run_dir: Path, step: int) -> list[str]:
+    """Resuming from an older checkpoint abandons the newer ones: rename them (kept, never resumed from,
+    never pruned) so that ``--resume-from latest`` continues this run, not the abandoned one."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for path in complete_checkpoints(run_dir):
+        if read_state(path)["global_step"] > step:
+            target = path.with_name(f"superseded-{stamp}-{path.name}")
+            os.replace(path, target)
+            moved.append(target.name)
+    return moved
+
+
+# --- resuming ------------------------------------------------------------------------------------
+
+def checkpoint_meta(cfg, accelerator, model) -> dict:
+    """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
+    import dataclasses
+
+    return {"seed": cfg.seed, "world_size": accelerator.num_processes, "global_batch": cfg.batch_size,
+            "config": dataclasses.asdict(cfg), "model_signature": model_signature(accelerator.unwrap_model(model))}
+
+
+def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[str]:
+    """Refuse a checkpoint of another model or global batch; return notes on what else changed."""
+    mine, theirs = model_signature(accelerator.unwrap_model(model)), state.get("model_signature", {})
+    if mine != theirs:
+        diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
+        raise RecipeError(
+            f"The checkpoint {path} was written by a different model (first differences: {', '.join(diff[:4])}). "
+            "Resume with the same recipe and model settings (see the config.json in its run directory), or "
+            "start a new run with a new --output-dir.")
+    if state["global_batch"] != cfg.batch_size:
+        raise RecipeError(
+            f"The checkpoint {path} was trained with global batch {state['global_batch']}, this run asks for "
+            f"{cfg.batch_size}. The data position would be wrong; resume with --batch-size {state['global_batch']} "
+            "(the per-process batch adapts to the number of processes).")
+    notes = []
+    changed = {k: (v, getattr(cfg, k)) for k, v in state["config"].items()
+               if k not in RESUME_MAY_CHANGE and k not in HYPERPARAMETERS and hasattr(cfg, k) and getattr(cfg, k) != v}
+    if changed:
+        notes.append(f"resuming with changed settings {changed}; the result will differ from the original run.")
+    if state["world_size"] != accelerator.num_processes:
+        notes.append(f"the checkpoint was written by {state['world_size']} process(es), this run has "
+                     f"{accelerator.num_processes}. The global batch ({cfg.batch_size}) and data order are kept; "
+                     "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted one.")
+    return notes
+
+
+def apply_hyperparameters(optimizer, scheduler, fresh: list[dict]) -> list[str]:
+    """After ``load_state`` restored the checkpoint's optimizer and scheduler: put back the learning
+    rate, weight decay and momentum this command line asked for (``fresh``: the param groups' values
+    before loading), keeping the schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
+    changes = []
+    for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
+        for key in HYPERPARAMETERS:
+            if key == "lr":
+                old, new = group.get("initial_lr", group["lr"]), want.get("initial_lr", want["lr"])
+                if old != new:
+                    group["initial_lr"] = new
+                    scheduler.base_lrs[i] = new
+                    group["lr"] = new * scheduler.lr_lambdas[i](scheduler.last_epoch)
+                    changes.append(f"lr {old:g} -> {new:g}")
+            elif key in group and group[key] != want.get(key):
+                changes.append(f"{key} {group[key]:g} -> {want[key]:g}")
+                group[key] = want[key]
+    return sorted(set(changes))
 
 
 # --- model files (best/, final/) -----------------------------------------------------------------
 
 def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
-    """model.safetensors + model.json (what predict/eval need to rebuild the model). Main process only;
-    written to a temp folder and swapped in, so a crash leaves the previous copy intact."""
+    """model.safetensors + model.json (what predict/export/--eval-only need to rebuild the model). Main
+    process only; written to a temp folder and swapped in, so a crash leaves the previous copy intact."""
     if not accelerator.is_main_process:
         return
     from safetensors.torch import save_file
@@ -128,6 +220,7 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     tmp.mkdir(parents=True)
     state = {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     save_file(state, str(tmp / WEIGHTS))
+    follow_umask(tmp / WEIGHTS)
     _fsync_write(tmp / MODEL_CARD, json.dumps(card, indent=2, sort_keys=True))
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -137,7 +230,7 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
 
 
 def find_model_dir(path: Path) -> Path:
-    """Accept a model dir, a run dir (prefers best/, then final/) or a checkpoint dir's run."""
+    """Accept a model dir, or a run dir (prefers best/, then final/)."""
     path = Path(path)
     for cand in (path, path / "best", path / "final"):
         if (cand / WEIGHTS).is_file() and (cand / MODEL_CARD).is_file():

@@ -27,6 +27,16 @@ def knob(default, help: str, choices=None):
     return field(default=default, metadata=meta)
 
 
+MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation produces, and which way is better
+# Technique flags some recipes have and others don't: naming one where it does not exist gets a clear
+# message instead of argparse's bare "unrecognized arguments".
+TECHNIQUE_FLAGS = {
+    "--translate": "mnist_convnet, cifar_cnn", "--flip": "cifar_cnn", "--tta": "cifar_cnn",
+    "--ema-decay": "cifar_cnn", "--channels-last": "cifar_cnn", "--whiten-init": "cifar_cnn",
+    "--sync-bn": "mnist_convnet, cifar_cnn", "--momentum": "cifar_cnn", "--widths": "cifar_cnn",
+    "--width": "mnist_convnet", "--depth": "mnist_convnet", "--hidden": "fashion_mnist_mlp",
+}
+
 DATASET_HELP = ("Hub dataset id, or a local directory datasets.load_dataset reads (a clone of the Hub repo "
                 "with parquet files, or an image folder with one sub-folder per class)")
 
@@ -44,11 +54,6 @@ class CommonConfig:
     channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = keep the data's)")
     cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)")
     data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory")
-    # --- augmentation (on the device, whole batches) ---
-    translate: int = knob(0, "random translation of each training image by up to N pixels (reflection padding)")
-    flip: bool = knob(False, "random horizontal flip of each training image")
-    tta: bool = knob(False, "evaluate on each image and its mirror image and average the logits")
-    channels_last: bool = knob(False, "channels_last memory format for the model and batches")
     # --- train ---
     epochs: int = knob(2, "number of passes over the training split")
     batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps")
@@ -59,14 +64,12 @@ class CommonConfig:
     schedule: str = knob("cosine", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
     grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
-    label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
-    ema_decay: float = knob(0.0, "evaluate and save an exponential moving average of the weights, this decay per "
-                            "optimizer step (0 = off), e.g. 0.99")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
     max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
                          "is still planned for all epochs, so a stopped run can be resumed exactly")
     # --- eval ---
     eval_every: int = knob(1, "evaluate on the validation split every N epochs")
+    eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)")
     target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99")
     eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split")
     checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates")
@@ -75,10 +78,14 @@ class CommonConfig:
     resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path")
     checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)")
     keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)")
-    monitor: str = knob("eval/accuracy", "metric that decides the best model kept in best/")
-    mode: str = knob("max", "whether a larger or smaller --monitor value is better", choices=["max", "min"])
+    monitor: str = knob("eval/accuracy", "metric that decides the best model kept in best/",
+                        choices=list(MONITOR_MODES))
+    mode: str = knob("auto", "whether a larger or smaller --monitor value is better (auto: accuracy max, loss min)",
+                     choices=["auto", "max", "min"])
     # --- logging ---
     log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
+    progress_every_s: float = knob(30.0, "when output is not a terminal (nohup, SLURM), print a progress line this "
+                                   "often, in seconds (0 = at every --log-every step)")
     profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
     timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
@@ -103,7 +110,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear paragraph, exit code 2, no traceback
         self.print_usage(sys.stderr)
-        self.exit(2, f"error: {message}. Run with --help to see every option and its default.\n")
+        if message.startswith("unrecognized arguments"):
+            others = [f"{flag} (a knob of {TECHNIQUE_FLAGS[flag]})" for flag in message.split(":", 1)[1].split()
+                      if flag.split("=")[0] in TECHNIQUE_FLAGS]
+            if others:
+                message += (f"; {', '.join(others)}: this recipe does not use that technique. Copy its lines from "
+                            "the recipe that has it, or use that recipe")
+        self.exit(EXIT_BAD_INPUT, f"error: {message}. Run with --help to see every option and its default.\n")
 
 
 def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
@@ -130,13 +143,19 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
 
 def parse_config(cls, argv=None, description: str = ""):
     """Parse the command line into a validated ``cls`` instance; bad values exit with one paragraph."""
-    args = build_parser(cls, description).parse_args(argv)
-    cfg = cls(**vars(args))
+    parser = build_parser(cls, description)
+    args = parser.parse_args(argv)
+    # Which flags were given (not defaulted): --eval-only takes every other setting from the run it scores.
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = set(vars(parser.parse_args(argv)))
     try:
+        cfg = cls(**vars(args))
         validate(cfg)
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")
         raise SystemExit(EXIT_BAD_INPUT)
+    cfg.explicit = given  # not a dataclass field: not saved, not logged
     return cfg
 
 
@@ -154,8 +173,12 @@ def validate(cfg) -> None:
     need(cfg.grad_accum >= 1, f"--grad-accum must be at least 1 (got {cfg.grad_accum}).")
     need(0 <= cfg.val_fraction < 1, f"--val-fraction must be in [0, 1) (got {cfg.val_fraction}).")
     need(0 <= cfg.warmup_fraction < 1, f"--warmup-fraction must be in [0, 1) (got {cfg.warmup_fraction}).")
-    need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing}).")
-    need(0 <= cfg.ema_decay < 1, f"--ema-decay must be in [0, 1) (got {cfg.ema_decay}); 0 turns the average off.")
+    need(0 <= getattr(cfg, "label_smoothing", 0) < 1,
+         f"--label-smoothing must be in [0, 1) (got {getattr(cfg, 'label_smoothing', 0)}).")
+    need(0 <= getattr(cfg, "ema_decay", 0) < 1,
+         f"--ema-decay must be in [0, 1) (got {getattr(cfg, 'ema_decay', 0)}); 0 turns the average off.")
+    need(cfg.eval_every_steps >= 0, f"--eval-every-steps must be >= 0 (got {cfg.eval_every_steps}); 0 turns it off.")
+    need(cfg.progress_every_s >= 0, f"--progress-every-s must be >= 0 (got {cfg.progress_every_s}).")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm}); 0 turns clipping off.")
     need(cfg.channels in (0, 1, 3), f"--channels must be 0 (keep), 1 or 3 (got {cfg.channels}).")
     need(cfg.image_size >= 0, f"--image-size must be >= 0 (got {cfg.image_size}); 0 keeps the data's size.")
@@ -170,6 +193,8 @@ def validate(cfg) -> None:
     need(cfg.timeout_s >= 10, f"--timeout-s must be at least 10 seconds (got {cfg.timeout_s}).")
     need(not (cfg.eval_only and not cfg.checkpoint), "--eval-only needs --checkpoint <run or checkpoint directory> "
          "naming the weights to evaluate.")
+    if cfg.mode == "auto":  # loss: lower is better; accuracy: higher
+        cfg.mode = MONITOR_MODES[cfg.monitor]
     need(not (cfg.resume_from and cfg.eval_only), "--resume-from and --eval-only can't be combined; "
          "use --checkpoint to pick the weights to evaluate.")
 

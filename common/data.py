@@ -6,19 +6,48 @@ augmented there (``common.augment``). No per-sample Python runs in the training 
 
 Accepted sources (``--dataset``):
 - a Hub id such as ``ylecun/mnist`` (needs network the first time, then the Hub cache serves it);
-- a local clone of a Hub dataset repo (parquet files per split);
+- a local clone of a Hub dataset repo (parquet files per split; the files themselves, so clone with
+  git-lfs installed);
 - an image folder: ``<dir>/<class>/*.png`` (optionally under ``train/``, ``validation/``, ``test/``).
+
+Contract of ``load_image_data(cfg, default_dataset, is_main, log)``:
+- Call it on EVERY process at the same time; it needs no collective and no main-first ordering.
+  Each decoded split is cached in one file under ``--cache-dir`` (default
+  ``~/.cache/accelerate-recipes``), keyed by the split's fingerprint and the decode settings. The first
+  process of a node (of all nodes, when they share the cache directory) to take the file lock
+  ``<key>.lock`` decodes the split and writes the cache; the others wait on that lock, not on a
+  collective with a timeout, so a first decode may take as long as it needs. Then every process
+  memory-maps the same file, so the processes of a node share one copy of the images in the page cache
+  instead of holding one copy each. The images are mapped copy-on-write: writing to them never touches
+  the file.
+- Only the process with ``is_main=True`` prints (through ``log``) and shows a progress bar.
+- Bad data raises ``common.errors.DataError`` (one paragraph naming the problem and the fix) on every
+  process that meets it; a process that waited on a peer that failed raises the peer's message rather
+  than decoding again.
+- A cache file is written to a temporary name, fsynced and renamed, so it is complete or absent; one that
+  is damaged anyway (truncated by a crash, a full disk, a copy) is detected, reported in one line naming
+  it, and decoded again. Cache, lock and temporary files follow the umask like the rest of a run. The
+  cache files are safetensors files (``images`` uint8 N x C x H x W, ``labels`` int64 N).
+- A held-out validation split is an index into the train images, not a copy (``ImageSplit.index``).
+
+NOTE: the lock is ``fcntl.flock``. On a filesystem without it (Lustre mounted without ``flock``)
+every process decodes for itself and the last rename wins: correct, only slower.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
 import socket
 import sys
-import tempfile
+import time
+import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -27,19 +56,61 @@ import torch
 
 from common.errors import DataError
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"  # 2: images memory-mapped from a checked safetensors layout (labels first)
+CACHE_FORMAT = "accelerate-recipes-decoded/2"
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
 VALIDATION_SPLITS = ("validation", "valid", "val")
+LFS_POINTER = b"version https://git-lfs.github.com/spec"
+MAX_BAD_IMAGES_SHOWN = 5
 
 
-@dataclass
 class ImageSplit:
-    images: torch.Tensor  # (N, C, H, W) uint8
-    labels: torch.Tensor  # (N,) int64
+    """The images and labels of one split.
+
+    ``source_images`` (N, C, H, W) uint8 and ``source_labels`` (N,) int64 may be shared: by the train and
+    held-out splits, and (memory-mapped from the cache) by the processes of a node. ``index`` (int64, or
+    None for all N rows) names this split's rows of them, in order.
+
+    ``images`` and ``labels`` are this split's own rows: free when ``index`` is None, otherwise a gathered
+    COPY made on each access (for a 54,000-image MNIST train split, 42 MB). Code that needs only some rows
+    should call ``images_at`` (gathers only those); batches go through ``make_loader``/``TensorImages``,
+    which gather per batch.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None = None):
+        self.source_images, self.source_labels = images, labels
+        self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
 
     def __len__(self):
-        return self.labels.numel()
+        return (self.source_labels if self.index is None else self.index).numel()
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.source_images.shape[1:])
+
+    def images_at(self, positions) -> torch.Tensor:
+        """Images at ``positions`` (an int, slice or index tensor into this split); a slice of an unindexed
+        split is a view, everything else one gather."""
+        return self.source_images[positions if self.index is None else self.index[positions]]
+
+    @property
+    def images(self) -> torch.Tensor:
+        return self.source_images if self.index is None else self.source_images[self.index]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.source_labels if self.index is None else self.source_labels[self.index]
+
+    def select(self, positions: torch.Tensor) -> "ImageSplit":
+        """The rows at ``positions`` of this split, as a split sharing the same source tensors (no copy)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        return ImageSplit(self.source_images, self.source_labels,
+                          positions if self.index is None else self.index[positions])
+
+    def __repr__(self):
+        rows = "indexed" if self.index is not None else "all rows"
+        return f"ImageSplit({len(self)} images of {self.image_shape}, {rows})"
 
 
 @dataclass
@@ -52,7 +123,7 @@ class ImageData:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.train.images.shape[1:])
+        return self.train.image_shape
 
     @property
     def num_classes(self) -> int:
@@ -80,6 +151,61 @@ def _go_offline():
 
     datasets.config.HF_HUB_OFFLINE = True
     huggingface_hub.constants.HF_HUB_OFFLINE = True
+
+
+def _image_extensions() -> set[str]:
+    """The file endings datasets' image-folder loader reads (Pillow's formats)."""
+    try:
+        from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+        return {e.lower() for e in ImageFolder.EXTENSIONS}
+    except Exception:  # an older or newer datasets layout: the common ones
+        return {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+TABLE_ENDINGS = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
+EXTENSIONS_SHOWN = ".png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff and the other formats Pillow reads"
+
+
+def _survey(root: Path, limit: int = 200_000):
+    """What a local dataset folder holds: file endings counted, and git-lfs pointer files (the text stubs a
+    clone made without git-lfs leaves instead of the data). Walks the tree, so only called on error paths."""
+    endings, pointers, seen = Counter(), [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache
+        for fname in filenames:
+            if fname.startswith("."):
+                continue
+            seen += 1
+            if seen > limit:
+                return endings, pointers
+            p = Path(dirpath) / fname
+            endings[p.suffix.lower() or "(no ending)"] += 1
+            try:
+                if p.stat().st_size < 1024:  # pointer files are ~130 bytes
+                    with open(p, "rb") as f:
+                        if f.read(len(LFS_POINTER)) == LFS_POINTER:
+                            pointers.append(p)
+            except OSError:
+                pass
+    return endings, pointers
+
+
+def _lfs_error(name: str, pointers) -> DataError:
+    shown = ", ".join(str(p) for p in pointers[:3]) + (", ..." if len(pointers) > 3 else "")
+    return DataError(
+        f"{len(pointers)} file(s) in {name!r} are git-lfs pointer files, not data ({shown}): the repository was "
+        "cloned without git-lfs, which leaves a small text stub in place of each parquet file. Install git-lfs "
+        "(e.g. `apt install git-lfs` or `brew install git-lfs`), then run `git lfs install` and `git lfs pull` "
+        "inside the clone, and run again.")
+
+
+def _no_images_error(name: str, endings: Counter) -> DataError:
+    found = ", ".join(f"{n} {e}" for e, n in endings.most_common(5)) or "no files at all"
+    return DataError(
+        f"No images were found in {name!r} (found: {found}). The image-folder layout reads files ending "
+        f"{EXTENSIONS_SHOWN}, one sub-folder per class ({name}/<class>/<image>). Put the images there, or pass "
+        "--dataset a directory with the dataset's parquet files.")
 
 
 def load_source(name: str):
@@ -114,6 +240,11 @@ def load_source(name: str):
             raise DataError(f"The {split} split of {name!r} is empty. Add images to it, or remove its files so the "
                             "recipe holds out part of train instead.") from None
         if path.exists():
+            endings, pointers = _survey(path)
+            if pointers:
+                raise _lfs_error(name, pointers) from None
+            if not any(e in TABLE_ENDINGS | _image_extensions() for e in endings):
+                raise _no_images_error(name, endings) from None
             raise DataError(
                 f"datasets could not read {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
                 "Pass a directory laid out like the Hub repo (data/train-*.parquet, ...) or an image folder "
@@ -144,6 +275,27 @@ def _pick_column(features, wanted: str, candidates, kind: str, name: str) -> str
                     f"{', '.join(features)}. Pass --{kind}-column <name> to say which column holds the {kind}s.")
 
 
+def _pick_columns(train, cfg, name: str) -> tuple[str, str]:
+    """The image and label columns, with messages that name the layout fix for image folders."""
+    path = Path(name).expanduser()
+    builder = getattr(train.info, "builder_name", None)
+    if not cfg.image_column and not any(c in train.features for c in IMAGE_COLUMNS) and path.is_dir():
+        endings, pointers = _survey(path)
+        if pointers:
+            raise _lfs_error(name, pointers)
+        if not any(e in _image_extensions() | TABLE_ENDINGS for e in endings):  # a table says "no column" below
+            raise _no_images_error(name, endings)
+    img_col = _pick_column(train.features, cfg.image_column, IMAGE_COLUMNS, "image", name)
+    if builder == "imagefolder" and not cfg.label_column and not any(c in train.features for c in LABEL_COLUMNS):
+        # datasets' image folder labels images by their parent folder, and only when there are >= 2 of them
+        raise DataError(
+            f"The images in {name!r} are not sorted into class folders, so they have no labels. Put the images "
+            f"of each class in a sub-folder named after the class ({name}/<class>/<image>, at least two classes; "
+            "optionally under train/, validation/ and test/), then run again.")
+    lab_col = _pick_column(train.features, cfg.label_column, LABEL_COLUMNS, "label", name)
+    return img_col, lab_col
+
+
 # --- decoding ------------------------------------------------------------------------------------
 
 def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: int, label_map, what: str,
@@ -161,7 +313,7 @@ def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: 
     if n == 0:
         raise DataError(f"The {what} split is empty. Add images to it, or remove it so the recipe holds out "
                         "part of train instead.")
-    arrays, labels = [], []
+    arrays, labels, bad = [], [], []
     mode, size = None, None
     bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
     for batch in split.iter(batch_size=2048):
@@ -172,8 +324,8 @@ def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: 
                 img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
                 img.load()
             except (UnidentifiedImageError, OSError, ValueError) as err:
-                raise DataError(f"Could not decode the image {src} in {what} ({err}). Remove or replace that "
-                                "file and run again.") from None
+                bad.append((src, err))  # keep going: one run names every bad file of the split
+                continue
             if mode is None:
                 gray = img.mode in ("1", "L", "LA", "I", "I;16", "F")
                 mode = {1: "L", 3: "RGB"}.get(channels) or ("L" if gray else "RGB")
@@ -190,6 +342,11 @@ def _decode_split(split, img_col: str, lab_col: str, channels: int, image_size: 
             arrays.append(np.asarray(img, dtype=np.uint8))
             labels.append(label_map(label, src))
     bar.close()
+    if bad:
+        shown = "; ".join(f"{src} ({err})" for src, err in bad[:MAX_BAD_IMAGES_SHOWN])
+        more = f"; and {len(bad) - MAX_BAD_IMAGES_SHOWN} more" if len(bad) > MAX_BAD_IMAGES_SHOWN else ""
+        raise DataError(f"{len(bad)} of the {n} images in {what} could not be decoded: {shown}{more}. Remove or "
+                        "replace those files and run again.")
     images = torch.from_numpy(np.stack(arrays))
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
     return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64))
@@ -211,41 +368,245 @@ def _class_names(train, lab_col: str):
     return names, {v: i for i, v in enumerate(values)}
 
 
+# --- cache ---------------------------------------------------------------------------------------
+# Layout: a safetensors file, labels (int64, 8-byte aligned after the padded header) then images (uint8),
+# so the images can be memory-mapped at a known offset. The header's metadata holds CRC32s of the labels
+# and of the images' last 64 KiB: with the exact file size they catch a truncated or zero-filled file
+# without reading the whole file (a full checksum would cost every process a pass over the data each run).
+
+TAIL_BYTES = 1 << 16
+
+
+class _Damaged(Exception):
+    """The cache file exists but cannot be trusted; the message says why."""
+
+
 def _cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
     key = hashlib.sha256(json.dumps([CACHE_VERSION, fingerprint, settings], sort_keys=True).encode()).hexdigest()
     return cache_dir / f"{key[:32]}.safetensors"
 
 
-def _load_cached(path: Path):
-    from safetensors import safe_open
+def _read_cache(path: Path, mmap: bool = True) -> ImageSplit:
+    """Open a cache file written by ``_write_cache``; FileNotFoundError if absent, _Damaged if not intact."""
+    import numpy as np
 
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        return ImageSplit(f.get_tensor("images"), f.get_tensor("labels")), json.loads(meta["class_names"])
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise _Damaged(f"{size} bytes, shorter than a header")
+        hlen = int.from_bytes(head, "little")
+        if hlen > min(size - 8, 1 << 26):
+            raise _Damaged(f"header of {hlen} bytes in a {size}-byte file")
+        try:
+            header = json.loads(f.read(hlen))
+            meta = header["__metadata__"]
+            assert meta["format"] == CACHE_FORMAT
+            lab, img = header["labels"], header["images"]
+            assert lab["dtype"] == "I64" and img["dtype"] == "U8" and len(img["shape"]) == 4
+            n = img["shape"][0]
+            n_img = n * img["shape"][1] * img["shape"][2] * img["shape"][3]
+            assert lab["shape"] == [n] and lab["data_offsets"] == [0, 8 * n]
+            assert img["data_offsets"] == [8 * n, 8 * n + n_img]
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise _Damaged("unreadable header") from None
+        start = 8 + hlen
+        if size != start + 8 * n + n_img:
+            raise _Damaged(f"{size} bytes, expected {start + 8 * n + n_img}")
+        labels = f.read(8 * n)
+        f.seek(start + 8 * n + n_img - min(TAIL_BYTES, n_img))
+        tail = f.read(TAIL_BYTES)
+        if f"{zlib.crc32(labels):08x}" != meta["labels_crc32"] or f"{zlib.crc32(tail):08x}" != meta["tail_crc32"]:
+            raise _Damaged("checksum mismatch")
+        shape = tuple(img["shape"])
+        # Map / read through the descriptor that was checked, not the name, which a peer may rename over.
+        if mmap:
+            # Copy-on-write mapping: pages are the page cache's, shared by every process of the node until one
+            # writes to them (nothing here does: batches are gathered copies). NOTE: the file must never be
+            # rewritten in place (a truncated mapped file faults its readers); writers rename a new file over it.
+            images = np.memmap(f, dtype=np.uint8, mode="c", offset=start + 8 * n, shape=shape)
+        else:
+            f.seek(start + 8 * n)
+            images = np.fromfile(f, dtype=np.uint8, count=n_img).reshape(shape)
+    labels = torch.from_numpy(np.frombuffer(labels, dtype="<i8").astype(np.int64))
+    return ImageSplit(torch.from_numpy(images), labels)
 
 
-def _save_cached(path: Path, split: ImageSplit, class_names):
-    from safetensors.torch import save_file
+def _fsync_dir(directory: Path):
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)  # makes the rename durable; some filesystems refuse, which costs only durability
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    save_file({"images": split.images, "labels": split.labels}, tmp,
-              metadata={"class_names": json.dumps(class_names)})
-    os.replace(tmp, path)  # atomic: a reader sees the old state or the whole file
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def _write_cache(path: Path, split: ImageSplit, class_names):
+    """Write to a temporary file, fsync, rename: a reader sees no file or the whole file, even after a crash."""
+    import numpy as np
+
+    images = split.images.contiguous().numpy()
+    labels = split.labels.numpy().astype("<i8").tobytes()
+    n, n_img = images.shape[0], images.size
+    header = {
+        "__metadata__": {"format": CACHE_FORMAT, "class_names": json.dumps(class_names),
+                         "labels_crc32": f"{zlib.crc32(labels):08x}",
+                         "tail_crc32": f"{zlib.crc32(images.reshape(-1)[-TAIL_BYTES:]):08x}"},
+        "labels": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
+        "images": {"dtype": "U8", "shape": list(images.shape), "data_offsets": [8 * n, 8 * n + n_img]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
+    tmp = _temp_name(path)
+    try:
+        # os.open with 0o666 follows the umask like every other file of a run (mkstemp would force 0600).
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            f.write(labels)
+            f.write(memoryview(np.ascontiguousarray(images).reshape(-1)))
+            f.flush()
+            os.fsync(f.fileno())  # data on disk before the rename publishes it
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DataError(f"Could not write the decoded-image cache {path} ({err.strerror or err}). Free space there, "
+                        "or pass --cache-dir a writable directory with room for the decoded images.") from None
+    _fsync_dir(path.parent)
+
+
+def _remove_stale_temps(path: Path, max_age_s: float = 86400):
+    """Temporary files of a writer that died. Called under the lock of ``path``, so this key's temporary files
+    are all stale; those of other keys only when a day old (their writers may be alive, unlocked)."""
+    now = time.time()
+    for tmp in path.parent.glob("*.tmp"):
+        try:
+            if tmp.name.startswith(path.name + ".") or now - tmp.stat().st_mtime > max_age_s:
+                tmp.unlink()
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path, on_wait):
+    """Hold an exclusive flock on ``lock_path``; yields False where the filesystem has no flock. The lock is
+    released when the file is closed, including when the process dies, so a crashed decoder frees it."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # follows the umask, like the cache files
+    except OSError as err:
+        raise DataError(f"Could not create {lock_path} ({err.strerror or err}). Pass --cache-dir a directory this "
+                        "user can write, or fix the permissions of that one.") from None
+    try:
+        locked = True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            locked = False
+        yield locked
+    finally:
+        os.close(fd)
+
+
+def _identity(path: Path):
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log, mmap: bool) -> ImageSplit:
+    """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
+    say = log if is_main else (lambda *_: None)
+    damage = None
+    try:
+        return _read_cache(path, mmap)
+    except FileNotFoundError:
+        pass
+    except PermissionError as err:
+        raise DataError(f"The decoded-image cache {path} is not readable by this user ({err.strerror}). Make it "
+                        "readable (a cache shared with a team wants a umask of 002 for whoever writes it), or pass "
+                        "--cache-dir a directory of your own.") from None
+    except _Damaged as err:
+        damage = err
+        say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"Could not create the cache directory {path.parent} ({err.strerror or err}). Pass "
+                        "--cache-dir a directory this user can write.") from None
+    error_file = path.with_suffix(".error")
+    before = _identity(error_file)
+
+    def waiting():
+        say(f"waiting for another process to decode {what} into {path} ...")
+
+    with _file_lock(path.with_suffix(".lock"), waiting) as locked:
+        try:
+            return _read_cache(path, mmap)  # a peer wrote it while this process waited
+        except FileNotFoundError:
+            pass
+        except _Damaged as err:
+            if damage is None:
+                say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
+        if locked:
+            after = _identity(error_file)
+            if after is not None and after != before:  # the peer that held the lock failed on this split
+                raise DataError(error_file.read_text())
+            _remove_stale_temps(path)
+        say(f"decoding {what} into {path} ...")
+        try:
+            split = decode()
+            _write_cache(path, split, class_names)
+        except DataError as err:
+            if locked:  # tell the processes waiting on this lock, so they do not decode again to fail alike
+                with contextlib.suppress(OSError):
+                    tmp = _temp_name(error_file)
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(str(err))
+                    os.replace(tmp, error_file)
+            raise
+        with contextlib.suppress(OSError):
+            error_file.unlink()
+        if not mmap:
+            return split
+        try:
+            return _read_cache(path, mmap)
+        except (OSError, _Damaged) as err:
+            raise DataError(f"The decoded-image cache {path} could not be read back right after writing it ({err}). "
+                            "Check the disk behind --cache-dir, or pass another --cache-dir.") from None
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ACCELERATE_RECIPES_CACHE", Path.home() / ".cache" / "accelerate-recipes"))
 
 
-def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print) -> ImageData:
-    """Load, decode (or read from cache), split. Call on the main process first, then on the others."""
+def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, *, mmap: bool = True) -> ImageData:
+    """Load, decode (or read from cache), split. Call on every process at once (see the module docstring).
+
+    ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed.
+    ``mmap=False`` reads the cached images into this process's own memory instead of mapping them (the
+    behaviour before memory-mapping; kept for measuring it)."""
     name = cfg.dataset or default_dataset
     ds = load_source(name)
     train = ds["train"]
-    img_col = _pick_column(train.features, cfg.image_column, IMAGE_COLUMNS, "image", name)
-    lab_col = _pick_column(train.features, cfg.label_column, LABEL_COLUMNS, "label", name)
+    img_col, lab_col = _pick_columns(train, cfg, name)
     class_names, str_map = _class_names(train, lab_col)
     num_classes = len(class_names)
 
@@ -270,20 +631,17 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print) 
             if col not in split.features:
                 raise DataError(f"The {split_name} split of {name!r} has no column {col!r}. Give every split the "
                                 "same columns.")
-        path = _cache_path(cache_dir, split._fingerprint, settings)
-        if path.exists():
-            splits[split_name] = _load_cached(path)[0]
-            continue
-        if is_main:
-            log(f"decoding {split_name} split of {name} ({len(split)} images) into {path} ...")
-        decoded = _decode_split(split, img_col, lab_col, cfg.channels, cfg.image_size,
-                                label_map_for(f"The {split_name} split"), f"the {split_name} split of {name!r}",
-                                progress=is_main and sys.stderr.isatty())
-        if is_main:
-            _save_cached(path, decoded, class_names)
-        splits[split_name] = decoded
 
-    shapes = {k: tuple(v.images.shape[1:]) for k, v in splits.items()}
+        def decode(split=split, split_name=split_name):
+            return _decode_split(split, img_col, lab_col, cfg.channels, cfg.image_size,
+                                 label_map_for(f"The {split_name} split"), f"the {split_name} split of {name!r}",
+                                 progress=is_main and sys.stderr.isatty())
+
+        splits[split_name] = _cached_split(_cache_path(cache_dir, split._fingerprint, settings), decode,
+                                           f"the {split_name} split of {name} ({len(split)} images)", class_names,
+                                           is_main, log, mmap)
+
+    shapes = {k: v.image_shape for k, v in splits.items()}
     if len(set(shapes.values())) > 1:
         raise DataError(f"The splits of {name!r} have different image shapes {shapes}. Pass --image-size N "
                         "(and --channels) so every split is decoded to the same shape.")
@@ -295,7 +653,8 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print) 
 
 
 def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit, ImageSplit]:
-    """A fixed, seeded random fraction of ``split`` becomes validation; the same for every process."""
+    """A fixed, seeded random fraction of ``split`` becomes validation; the same for every process. Both
+    results index ``split``'s images (no copy of them is made)."""
     n = len(split)
     n_val = max(1, int(round(n * fraction)))
     if n_val >= n:
@@ -303,30 +662,36 @@ def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit,
                         "Lower --val-fraction or add images.")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     val_idx, train_idx = perm[:n_val].sort().values, perm[n_val:].sort().values
-    return (ImageSplit(split.images[train_idx], split.labels[train_idx]),
-            ImageSplit(split.images[val_idx], split.labels[val_idx]))
+    return split.select(train_idx), split.select(val_idx)
 
 
 # --- batching ------------------------------------------------------------------------------------
 
 class TensorImages(torch.utils.data.Dataset):
     """A dataset over decoded tensors. ``__getitems__`` lets the DataLoader fetch a whole batch with one
-    index gather instead of one Python call per sample."""
+    index gather instead of one Python call per sample. An indexed split is gathered through its index,
+    so the shared (memory-mapped) source is never copied whole."""
 
     def __init__(self, split: ImageSplit):
-        self.images, self.labels = split.images, split.labels
+        self.images, self.labels, self.index = split.source_images, split.source_labels, split.index
 
     def __len__(self):
-        return self.labels.numel()
+        return (self.labels if self.index is None else self.index).numel()
 
     def __getitem__(self, i):
-        return self.images[i], self.labels[i]
+        j = i if self.index is None else self.index[i]
+        return self.images[j], self.labels[j]
 
     def __getitems__(self, indices):
-        idx = torch.as_tensor(indices, device=self.images.device)
+        idx = torch.as_tensor(indices, device=self.labels.device)
+        if self.index is not None:
+            idx = self.index[idx]
         return self.images[idx], self.labels[idx]
 
     def to(self, device):
+        """Move this split's rows (only those: not the whole shared source) to ``device``."""
+        if self.index is not None:
+            self.images, self.labels, self.index = self.images[self.index], self.labels[self.index], None
         self.images, self.labels = self.images.to(device), self.labels.to(device)
         return self
 

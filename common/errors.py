@@ -46,3 +46,11 @@ def fail(err: RecipeError) -> None:
     sys.stderr.write(f"{prefix}error: {err}\n")
     sys.stderr.flush()
     raise SystemExit(err.exit_code)
+
+
+class Preempted(Exception):
+    """Not an error: the run stopped early on request (a signal, a lost launcher) after writing a
+    checkpoint. The same command with --resume-from latest continues it."""
+
+    exit_code = EXIT_PREEMPTED
+    status = "preempted"

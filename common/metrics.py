@@ -12,15 +12,19 @@ import torch.nn.functional as F
 
 @torch.no_grad()
 def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: bool = False,
-             desc: str = "eval") -> dict:
+             desc: str = "eval") -> dict | None:
+    """Loss, accuracy, per-class accuracy and the confusion matrix over the whole split, exactly once per
+    image on any number of processes. ``loader`` None (no such split) gives None."""
+    if loader is None:
+        return None
     from tqdm.auto import tqdm
 
-    from common.runtime import show_progress
+    from common.tracking import on_terminal
 
     was_training = model.training
     model.eval()
     preds, labels_all, losses = [], [], []
-    for images, labels in tqdm(loader, desc=desc, disable=not show_progress(accelerator), leave=False):
+    for images, labels in tqdm(loader, desc=desc, disable=not on_terminal(accelerator), leave=False):
         x = transform.eval(images)
         with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap (the EMA)
             logits = model(x).float()

@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.errors import ConfigError, DataError
+
+RESIZE_HINT = "Pass --image-size N to resize the images (and --channels 1 or 3), or pick the recipe whose model fits the data."
+
 
 class MLP(nn.Module):
     """Flatten -> hidden layers (Linear, ReLU, Dropout) -> Linear. hidden=(512,) is the classic one-layer MLP."""
@@ -36,7 +40,7 @@ class ConvNet(nn.Module):
         super().__init__()
         c, h, w = in_shape
         if h < 4 or w < 4:
-            raise ValueError(f"ConvNet needs images of at least 4x4 pixels, got {h}x{w}")
+            raise DataError(f"The data can't feed this model: ConvNet needs images of at least 4x4 pixels, got {h}x{w}. {RESIZE_HINT}")
         layers, c_in = [], c
         for c_out in (width, 2 * width):
             for _ in range(depth):
@@ -58,7 +62,7 @@ class CifarCNN(nn.Module):
         super().__init__()
         c, h, w = in_shape
         if h < 8 or w < 8:
-            raise ValueError(f"CifarCNN needs images of at least 8x8 pixels, got {h}x{w}")
+            raise DataError(f"The data can't feed this model: CifarCNN needs images of at least 8x8 pixels, got {h}x{w}. {RESIZE_HINT}")
         act = nn.GELU
         stem = widths[0] // 2 if widths[0] >= 2 else widths[0]
         layers = [nn.Conv2d(c, stem, 3, padding=1, bias=False), nn.BatchNorm2d(stem), act()]
@@ -77,14 +81,16 @@ class CifarCNN(nn.Module):
         return self.head(self.pool(self.features(x)).flatten(1)) * self.head_scale
 
 
-def parse_ints(text: str) -> tuple[int, ...]:
-    """'64,256,256' -> (64, 256, 256); config fields stay scalar so they log as hparams."""
+def parse_ints(text: str, flag: str = "") -> tuple[int, ...]:
+    """'64,256,256' -> (64, 256, 256); config fields stay scalar so they log as hparams. ``flag`` names
+    the option in the error."""
     try:
         values = tuple(int(v) for v in str(text).split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        values = ()
     if not values or min(values) < 1:
-        raise ValueError(f"expected comma-separated positive integers, got {text!r}")
+        raise ConfigError(f"{flag or 'the value'} {text!r} is not a comma-separated list of positive integers; pass "
+                          "e.g. 64,256,256.")
     return values
 
 

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from common.errors import RecipeError
+
 
 def lr_multiplier(step: int, total: int, warmup: int, kind: str) -> float:
     if warmup and step < warmup:
@@ -24,12 +26,10 @@ def build_scheduler(optimizer, cfg, steps_per_epoch: int):
     """LambdaLR over the whole run. ``steps_per_epoch`` must be counted from the *prepared* loader
     (optimizer steps per process), so the LR trace is the same on 1 and N processes."""
     if steps_per_epoch < 1:
-        from common.runtime import RecipeError
-
         raise RecipeError(f"--batch-size {cfg.batch_size} (global) is larger than the training split, so not one "
                           "full batch fits in an epoch (incomplete training batches are dropped) and there is "
                           "nothing to train on. Pass a smaller --batch-size.")
     total = steps_per_epoch * cfg.epochs  # --max-steps stops early but does not reshape the schedule
     warmup = int(round(cfg.warmup_fraction * total))
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, total, warmup, cfg.schedule)), total
+        optimizer, lambda step: lr_multiplier(step, total, warmup, cfg.schedule))

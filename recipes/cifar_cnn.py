@@ -12,6 +12,7 @@ Every technique is a flag, on by default:
     --warmup-fraction 0.1 --schedule linear   LR warm-up, then linear decay to zero
     --lr 0.2 --momentum 0.9   SGD with Nesterov momentum, --weight-decay 5e-4, --batch-size 512
     --ema-decay 0.99          evaluate and save an exponential moving average of the weights
+    --sync-bn                 (off) BatchNorm statistics over all processes
     --tta                     average the logits of each test image and its mirror image
     --channels-last           channels_last memory layout (faster convolutions on GPUs)
 Turn one off with --no-<flag> (or 0 for numbers) to see what it buys.
@@ -30,37 +31,24 @@ Turn one off with --no-<flag> (or 0 for numbers) to see what it buys.
 Every knob: python recipes/cifar_cnn.py --help
 """
 
+
 from __future__ import annotations
 
 import math
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-
-# Make `common` importable when this file runs as a script, also from a copy next to the repo.
-for _parent in Path(__file__).resolve().parents:
-    if (_parent / "common" / "__init__.py").is_file():
-        sys.path.insert(0, str(_parent))
-        break
 
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
-from common import checkpoint as ckpt
-from common.augment import BatchTransform, batch_generator, channel_stats
-from common.config import DATASET_HELP, CommonConfig, ConfigError, knob, parse_config, save_config, to_dict
-from common.data import DataError, load_image_data, make_loader
+from common.augment import BatchTransform, channel_stats
+from common.config import DATASET_HELP, CommonConfig, knob, parse_config
 from common.ema import WeightEMA
-from common.models import CifarCNN, convert_sync_batchnorm, count_parameters, init_whitening, parse_ints
-from common.runtime import (EXIT_PREEMPTED, MetricsLog, NonFiniteLoss, RecipeError, StepGuard, StepProfiler,
-                            StopRequest, Throughput, fail, make_accelerator, per_process_batch, resolve_run_dir,
-                            set_run_dir, share_from_main, shared_stamp, show_progress, startup_line)
+from common.metrics import evaluate
+from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
+from common.run import TrainingRun
 from common.schedule import build_scheduler
-from common.lifecycle import (build_model, checkpoint_meta, evaluate_and_log, evaluate_weights, finish_run, is_better,
-                              resume_checkpoint)
 
 RECIPE = "cifar_cnn"
 
@@ -77,7 +65,6 @@ class Config(CommonConfig):
     schedule: str = knob("linear", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
     label_smoothing: float = knob(0.2, "label smoothing for the cross-entropy loss")
     widths: str = knob("64,256,256", "channels of the three conv blocks, comma-separated")
-    sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
     whiten_init: bool = knob(True, "initialize the stem conv to whiten 3x3 patches of the training images")
     ema_decay: float = knob(0.99, "evaluate and save an exponential moving average of the weights, this decay per "
                             "optimizer step (0 = off)")
@@ -85,165 +72,88 @@ class Config(CommonConfig):
     flip: bool = knob(True, "random horizontal flip of each training image")
     tta: bool = knob(True, "evaluate on each image and its mirror image and average the logits")
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
+    sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
+
+    def __post_init__(self):
+        parse_ints(self.widths, "--widths")  # a malformed list fails here, before any data is read
+
+
+def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
+    """The model this recipe trains; predict, export and --eval-only rebuild it from here."""
+    return CifarCNN(in_shape, num_classes, widths=parse_ints(cfg.widths, "--widths"))
 
 
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
-    try:
-        return train(cfg)
-    except (RecipeError, DataError, ConfigError) as err:
-        fail(err)
+    with TrainingRun(cfg, RECIPE) as run:  # errors become one paragraph; every ending lands in summary.json
+        train(cfg, run)
+    return run.exit_code
 
 
-def train(cfg: Config) -> int:
-    accelerator, precision_note = make_accelerator(cfg)
-    stamp = shared_stamp(accelerator)
-    run_dir, resuming = share_from_main(accelerator, lambda: resolve_run_dir(cfg, RECIPE, stamp))
-    set_run_dir(accelerator, run_dir)
-    say = accelerator.print
+def train(cfg: Config, run: TrainingRun) -> None:
+    accelerator = run.accelerator
 
     # --- data ---
-    data = share_from_main(accelerator, lambda: load_image_data(cfg, cfg.dataset, accelerator.is_main_process, say),
-                           others_run=True)
+    data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
     mean, std = channel_stats(data.train.images)
     transform = BatchTransform(mean, std, translate=cfg.translate, flip=cfg.flip, channels_last=cfg.channels_last)
-    device = accelerator.device if cfg.data_on_device else None
-    pin = accelerator.device.type == "cuda"
-    b = per_process_batch(cfg, accelerator.num_processes)
-    train_loader = make_loader(data.train, b, train=True, device=device, pin=pin)
-    val_loader = make_loader(data.val, cfg.eval_batch_size // accelerator.num_processes or 1, False, device, pin) \
-        if data.val is not None else None
-    test_loader = make_loader(data.test, cfg.eval_batch_size // accelerator.num_processes or 1, False, device, pin) \
-        if data.test is not None else None
+    train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
+    final_loader = run.loader(data.test) or val_loader
 
     # --- model ---
     set_seed(cfg.seed)
-    model = build_model(lambda: CifarCNN(data.shape, data.num_classes, widths=parse_ints(cfg.widths)))
+    model = build_model(cfg, data.shape, data.num_classes)
     if cfg.whiten_init:  # from the same images on every rank, so every rank starts from the same weights
         init_whitening(model.features[0], transform.eval(data.train.images[:5000]))
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    card = {"recipe": RECIPE, "model": "CifarCNN", "model_args": {"widths": list(parse_ints(cfg.widths))},
-            "input_shape": list(data.shape), "class_names": data.class_names, "mean": mean, "std": std,
-            "config": to_dict(cfg)}
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
                                 weight_decay=cfg.weight_decay, foreach=True)
-    model, optimizer, train_loader, val_loader, test_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, test_loader)
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
-    scheduler, total_steps = build_scheduler(optimizer, cfg, steps_per_epoch)
-    scheduler = accelerator.prepare(scheduler)
-    ema = WeightEMA(accelerator, model, cfg.ema_decay)  # before resuming: its state is in the checkpoint
+    model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, final_loader)
+    # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
+    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
+    # Before resuming (its state is in the checkpoint); --eval-only loads weights that already are the average.
+    ema = WeightEMA(accelerator, model, 0 if cfg.eval_only else cfg.ema_decay)
 
-    if cfg.eval_only:
-        return evaluate_weights(accelerator, cfg, model, test_loader or val_loader, transform, data, say)
+    def validate(loader):  # the weight average when --ema-decay is on (the same model on every rank)
+        return evaluate(accelerator, ema.for_eval(model), loader, transform, data.num_classes, tta_flip=cfg.tta)
 
-    # --- checkpoint: resume ---
-    state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
-    if resuming:
-        state = resume_checkpoint(accelerator, cfg, run_dir, model, say)
-    elif accelerator.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.json")
-    log = MetricsLog(accelerator, run_dir, state["global_step"] if resuming else None)
-    say(startup_line(accelerator, cfg, b, steps_per_epoch, precision_note))
-    say(f"run dir: {run_dir}  model: CifarCNN {count_parameters(model):,} params  data: {data.source} "
-        f"train={len(data.train)} val={len(data.val) if data.val else 0} test={len(data.test) if data.test else 0}")
+    if cfg.eval_only:  # score the weights in --checkpoint on the test split (else validation)
+        run.load_weights(model)
+        return run.report_eval_only(data, validate(final_loader))
 
     # --- train ---
-    stop, start_time = StopRequest(), time.time()
-    guard = StepGuard(accelerator, stop, fp16=accelerator.mixed_precision == "fp16")
-    profiler = StepProfiler(accelerator, cfg.profile, run_dir)
-    meter, loss_acc, loss_n, stopping, seen = Throughput(accelerator.device), 0.0, 0, False, 0
-    global_step, epoch = state["global_step"], state["epoch"]
-    done = bool(cfg.max_steps and global_step >= cfg.max_steps)
-    while epoch < cfg.epochs and not done:
+    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
+    for epoch in run.epochs():
         model.train()
-        train_loader.set_epoch(epoch)
-        batch_idx = state["batches_in_epoch"] if epoch == state["epoch"] else 0
-        loader = accelerator.skip_first_batches(train_loader, batch_idx) if batch_idx else train_loader
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", initial=batch_idx, total=len(train_loader),
-                   disable=not show_progress(accelerator), leave=False)
-        t_wait = time.perf_counter()
-        for images, labels in bar:
-            wait = time.perf_counter() - t_wait
+        for images, labels in run.batches(train_loader):  # resumes mid-epoch where the checkpoint left off
             with accelerator.accumulate(model):
-                gen = batch_generator(cfg.seed, epoch, batch_idx, accelerator.process_index)
-                logits = model(transform.train(images, gen))
+                logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
-                nonfinite, stop_now, mean_loss = guard.check(loss)
-                if nonfinite and not guard.fp16:
-                    last = ckpt.find_latest(run_dir)
-                    raise NonFiniteLoss(f"the training loss became non-finite at optimizer step {global_step + 1} "
-                                        f"(epoch {epoch + 1}, batch {batch_idx + 1}); nothing was written after it. "
-                                        f"Last good checkpoint: {last or 'none'}. Lower --lr, set --max-grad-norm, "
-                                        "or check the data, then resume with --resume-from latest.")
                 accelerator.backward(loss)
-                if accelerator.sync_gradients:  # clips only with --max-grad-norm; the norm is logged either way
-                    meter.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf))
+                run.track_loss(loss)  # summed on the device: no sync
+                if accelerator.sync_gradients:
+                    # --max-grad-norm clips; the norm is logged either way
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+                    run.guard_step(grad_norm)  # one all-reduce: a NaN loss or a stop signal on any rank stops all
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            batch_idx += 1
-            stopping = stopping or stop_now
-            meter.add(labels.shape[0] * accelerator.num_processes, wait)
-            seen += labels.shape[0] * accelerator.num_processes
-            loss_acc, loss_n = loss_acc + mean_loss, loss_n + 1
             if accelerator.sync_gradients:
-                step_lr = scheduler.get_last_lr()[0]  # the LR this step used, read before the scheduler moves it
-                if accelerator.optimizer_step_was_skipped:  # fp16 overflow: counted, LR does not advance
-                    state["skipped_steps"] += 1
-                else:
+                if run.step_was_taken():  # False when fp16 loss scaling skipped the step
                     scheduler.step()
-                    ema.update(accelerator, model)
-                global_step += 1
-                profiler.step()
-                if global_step % cfg.log_every == 0:
-                    log.log({"train/loss": loss_acc / loss_n, "train/lr": step_lr,
-                             **meter.read_and_reset()}, step=global_step)
-                    bar.set_postfix(loss=f"{loss_acc / loss_n:.4f}")
-                    loss_acc, loss_n = 0.0, 0
-                done = bool(cfg.max_steps and global_step >= cfg.max_steps)
-                if stopping or (cfg.checkpoint_every and global_step % cfg.checkpoint_every == 0):
-                    state.update(epoch=epoch, batches_in_epoch=batch_idx, global_step=global_step)
-                    path = ckpt.save_checkpoint(accelerator, run_dir, {**state, **checkpoint_meta(cfg, accelerator, model)},
-                                                cfg.keep_checkpoints)
-                    if stopping:
-                        profiler.close()
-                        log.close()
-                        say(f"stop signal received: checkpoint written to {path}; rerun the same command with "
-                            f"--output-dir {run_dir} --resume-from latest to continue.")
-                        return EXIT_PREEMPTED
-                if done:
-                    break
-            t_wait = time.perf_counter()
-        bar.close()
-        epoch_finished = not done or batch_idx == len(train_loader)
+                    ema.update(model)
+                if run.end_step():  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
+                    run.record_eval(validate(val_loader), ema.for_eval(model))  # --eval-every-steps
 
-        # --- eval ---
-        if val_loader is not None and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or done):
-            metrics = evaluate_and_log(accelerator, cfg, ema.for_eval(model), val_loader, transform, data, log, global_step)
-            say(f"epoch {epoch + 1}: eval loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
-                f"({metrics['count']} images)")
-            value = metrics[cfg.monitor.split("/", 1)[-1]]
-            if is_better(value, state["best"], cfg.mode):
-                state["best"] = value
-                ckpt.save_model_dir(accelerator, ema.for_eval(model), run_dir / "best",
-                                    {**card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1})
+        # --- eval and checkpoint ---
+        if run.eval_due():
+            run.record_eval(validate(val_loader), ema.for_eval(model))  # keeps the best --monitor value in best/
+        run.end_epoch()
 
-        # --- checkpoint ---
-        if epoch_finished:
-            epoch += 1
-            state.update(epoch=epoch, batches_in_epoch=0, global_step=global_step)
-        else:
-            state.update(epoch=epoch, batches_in_epoch=batch_idx, global_step=global_step)
-        ckpt.save_checkpoint(accelerator, run_dir, {**state, **checkpoint_meta(cfg, accelerator, model)},
-                             cfg.keep_checkpoints)
-
-    profiler.close()
-    return finish_run(accelerator, cfg, run_dir, ema.for_eval(model), test_loader or val_loader, transform, data, card, log,
-                      state, start_time, seen)
+    run.finish(ema.for_eval(model), validate(final_loader))  # final/ weights, summary.json, target check
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from conftest import check_ok, launch, read_jsonl
 class _Acc:
     """The two Accelerator methods WeightEMA uses, for a plain single-process model."""
 
+    num_processes = 1
+
     def __init__(self):
         self.registered = []
 
@@ -47,7 +49,7 @@ def test_ema_follows_the_formula_with_warmup_and_checkpoints():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
         model.train()(torch.randn(4, 1, 6, 6))  # moves the BatchNorm running stats and counter
-        ema.update(acc, model)
+        ema.update(model)
         d = min(0.9, (1 + n) / (10 + n))  # warm-up: 0.2, 0.27, ... then 0.9
         for k, v in model.state_dict().items():
             if v.is_floating_point():
@@ -69,8 +71,8 @@ def test_ema_follows_the_formula_with_warmup_and_checkpoints():
 def test_ema_off_is_the_model_itself():
     acc, model = _Acc(), _model()
     ema = WeightEMA(acc, model, decay=0.0)
-    ema.update(acc, model)
-    assert not ema.enabled and ema.for_eval(model) is model and acc.registered == []
+    ema.update(model)
+    assert ema.module is None and ema.for_eval(model) is model and acc.registered == []
 
 
 def test_whitening_init_decorrelates_patches():
@@ -109,8 +111,7 @@ def test_schedule_warms_up_then_decays(kind):
     class Cfg:
         epochs, warmup_fraction, schedule = 2, 0.2, kind
 
-    sched, total = build_scheduler(opt, Cfg, steps_per_epoch=10)
-    assert total == 20
+    sched, total = build_scheduler(opt, Cfg, steps_per_epoch=10), 20
     trace = []
     for _ in range(total):
         trace.append(opt.param_groups[0]["lr"])

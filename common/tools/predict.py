@@ -40,26 +40,53 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 
 # --- model ---------------------------------------------------------------------------------------
 
-def build_model_from_card(card: dict) -> torch.nn.Module:
-    """An untrained model of the architecture model.json describes (``model``, ``model_args``,
-    ``input_shape``, ``class_names``). Lists in model_args become tuples (``hidden``, ``widths``)."""
-    from common import models
+def load_recipe(card: dict, recipe_file=None):
+    """Import the recipe that trained the model, as a module: model.json's ``recipe_file``, else the
+    repository's ``recipes/<recipe>.py``; ``recipe_file`` overrides both (a run copied elsewhere)."""
+    import importlib.util
 
-    builders = {"MLP": models.MLP, "ConvNet": models.ConvNet, "CifarCNN": models.CifarCNN}
-    missing = [k for k in ("model", "input_shape", "class_names") if k not in card]
+    repo_recipe = Path(__file__).resolve().parents[2] / "recipes" / f"{card.get('recipe')}.py"
+    if recipe_file:
+        candidates = [Path(recipe_file).expanduser()]
+    else:
+        candidates = ([Path(card["recipe_file"])] if card.get("recipe_file") else []) + [repo_recipe]
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        raise RecipeError(f"The recipe that trained this model ({card.get('recipe')}, "
+                          f"{card.get('recipe_file') or 'no file recorded'}) is not on this machine, and its model is "
+                          "defined there. Pass --recipe path/to/that_recipe.py.")
+    spec = importlib.util.spec_from_file_location(f"_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look the module up while the Config class is made
+    try:
+        spec.loader.exec_module(module)  # recipes run nothing at import (their main is behind __name__)
+    except Exception as err:
+        raise RecipeError(f"Could not import the recipe {path}: {type(err).__name__}: {err}. Fix it, or pass "
+                          "--recipe with the recipe file the run was trained with.") from None
+    for name in ("build_model", "Config"):
+        if not hasattr(module, name):
+            raise RecipeError(f"The recipe {path} has no {name}; a recipe defines Config and build_model(cfg, "
+                              "in_shape, num_classes) so its runs can be predicted, exported and evaluated.")
+    return module
+
+
+def build_model_from_card(card: dict, recipe_file=None) -> torch.nn.Module:
+    """An untrained model as the run built it: the recipe's own ``build_model`` with the run's config,
+    input shape and class count (so a model class defined in a copied recipe works too)."""
+    import dataclasses
+
+    missing = [k for k in ("input_shape", "class_names", "config") if k not in card]
     if missing:
         raise RecipeError(f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
-                           "repository (or is damaged). Point at a best/ or final/ folder of a finished run.")
-    name = card["model"]
-    if name not in builders:
-        raise RecipeError(f"model.json names the model {name!r}, which this tool cannot rebuild (known: "
-                           f"{', '.join(builders)}). Add it to common.tools.predict.build_model_from_card.")
-    args = {k: tuple(v) if isinstance(v, list) else v for k, v in (card.get("model_args") or {}).items()}
+                          "repository (or is damaged). Point at a best/ or final/ folder of a finished run.")
+    recipe = load_recipe(card, recipe_file)
+    known = {f.name for f in dataclasses.fields(recipe.Config)}
     try:
-        return builders[name](tuple(card["input_shape"]), len(card["class_names"]), **args)
-    except (TypeError, ValueError) as err:
-        raise RecipeError(f"Could not rebuild {name} from model.json (input_shape {card['input_shape']}, "
-                           f"model_args {card.get('model_args')}): {err}.") from None
+        cfg = recipe.Config(**{k: v for k, v in card["config"].items() if k in known})
+        return recipe.build_model(cfg, tuple(card["input_shape"]), len(card["class_names"]))
+    except Exception as err:
+        raise RecipeError(f"Could not rebuild the model of {card.get('recipe')} from model.json (input_shape "
+                          f"{card['input_shape']}): {type(err).__name__}: {err}.") from None
 
 
 @dataclass
@@ -95,7 +122,8 @@ class Predictor:
         return torch.softmax(self.logits(images), dim=1)
 
 
-def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = None) -> Predictor:
+def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = None,
+                   recipe_file=None) -> Predictor:
     """Load model.safetensors + model.json from a run dir / best/ / final/ folder. ``tta=None``
     follows the run's config (``card["config"]["tta"]``)."""
     from common.checkpoint import find_model_dir, load_model_dir
@@ -117,12 +145,12 @@ def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = 
         if key not in card:
             raise RecipeError(f"{model_dir / 'model.json'} lacks {key!r}, which preprocessing needs. Point at a "
                                "best/ or final/ folder written by a recipe of this repository.")
-    model = build_model_from_card(card)
+    model = build_model_from_card(card, recipe_file)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
         raise RecipeError(f"The weights in {model_dir} do not fit the model model.json describes "
-                           f"({card['model']} {card.get('model_args')}): {str(err).splitlines()[0]} The folder "
+                           f"({card.get('model')} of {card.get('recipe')}): {str(err).splitlines()[0]} The folder "
                            "mixes files of different runs; re-copy it from one run.") from None
     device = torch.device(device)
     model.to(device).eval()
@@ -252,6 +280,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", help="write the output to this file instead of stdout")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--recipe", help="the recipe file that trained the model, when model.json's recipe_file "
+                        "is not on this machine")
     parser.add_argument("--no-tta", action="store_true", help="do not average with the mirror image even if "
                         "the run evaluated that way")
     return parser.parse_args(argv)
@@ -268,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
         raise RecipeError(f"--device {args.device!r} is not a torch device ({err}). Use cpu or cuda.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RecipeError(f"--device {args.device} was asked for but CUDA is not available here. Use --device cpu.")
-    predictor = load_predictor(args.model, device, tta=False if args.no_tta else None)
+    predictor = load_predictor(args.model, device, tta=False if args.no_tta else None, recipe_file=args.recipe)
     files = collect_images(args.inputs)
     resized = []
     results = predict_files(predictor, files, args.top_k, args.batch_size, on_resize=resized.append)

@@ -1,0 +1,115 @@
+"""The Accelerator every recipe uses, and the startup line that says what the launcher really gave.
+
+    accelerator, note = make_accelerator(cfg)
+    print(startup_line(accelerator, cfg, steps_per_epoch, note))
+
+Launcher concerns (process count, precision, machines) come from ``accelerate launch`` and its config,
+never from the recipe. Two traps are handled here (README, "Launcher configs"):
+
+- On a machine with no GPU the Accelerator is told ``cpu=True``: under a multi-process launch
+  (torchrun) that is what makes the processes join one gloo group instead of silently running N
+  independent single-process jobs.
+- ``accelerate launch --cpu`` (or a config with ``use_cpu: true``) asking for several processes starts
+  ONE process unless MPI is installed. The recipe sees that (the launcher set a rendezvous address but
+  started no process group) and warns in one line.
+- fp16 on a CPU is not real fp16 training: warn and use bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from functools import lru_cache
+
+import torch
+
+from common.errors import RecipeError
+
+CPU_2PROC_CONFIG = "accelerate_configs/cpu_2proc.yaml"
+
+
+def has_accelerator_device() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@lru_cache(maxsize=1)
+def cpu_bf16_support() -> str:
+    """'amx' or 'avx512_bf16' when this CPU computes bf16 natively (bf16 autocast then pays), else ''."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else ""
+
+
+def lost_processes_note() -> str:
+    """Non-empty when the launcher was asked for several processes but started only this one."""
+    single = "WORLD_SIZE" not in os.environ and not any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
+    if single and os.environ.get("MASTER_PORT") and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true"):
+        return (f"the launch config asks for several CPU processes but without MPI `accelerate launch --cpu` starts "
+                f"one: this run has 1 process. Use --config_file {CPU_2PROC_CONFIG} for real multi-process CPU training")
+    return ""
+
+
+def make_accelerator(cfg):
+    """Build the Accelerator. Returns (accelerator, note), the note being '' or a one-line warning."""
+    from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+
+    cpu = not has_accelerator_device()
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    notes = [lost_processes_note()]
+    if cpu and precision == "fp16":
+        precision = "bf16"
+        notes.append("fp16 was asked for but this is a CPU: using bf16 instead")
+    note = "; ".join(n for n in notes if n)
+    if note:
+        warnings.warn(note)
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                  non_blocking=not cpu),
+        step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
+        log_with="tensorboard",  # pointed at the run directory once all ranks agree on it
+        project_config=ProjectConfiguration(project_dir="."),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
+    )
+    return accelerator, note
+
+
+def per_process_batch(cfg, num_processes: int) -> int:
+    """--batch-size is the global batch per optimizer step: split over processes x accumulation steps."""
+    div = num_processes * cfg.grad_accum
+    if cfg.batch_size % div:
+        raise RecipeError(
+            f"--batch-size {cfg.batch_size} is the global batch and must split evenly over {num_processes} "
+            f"process(es) x {cfg.grad_accum} accumulation step(s) (= {div}); it leaves "
+            f"{cfg.batch_size / div:g} per process. Pass a multiple of {div}, e.g. --batch-size "
+            f"{max(div, cfg.batch_size // div * div)}.")
+    return cfg.batch_size // div
+
+
+def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
+    dev = accelerator.device
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+    else:
+        name = f"cpu x{torch.get_num_threads()} threads, bf16 {cpu_bf16_support() or 'emulated'}"
+    parts = [
+        f"processes={accelerator.num_processes}",
+        f"distributed={accelerator.distributed_type.value}",
+        f"backend={getattr(accelerator.state, 'backend', None) or 'none'}",
+        f"device={dev.type} ({name})",
+        f"precision={accelerator.mixed_precision}",
+        f"global_batch={cfg.batch_size}",
+        f"per_process_batch={per_process_batch(cfg, accelerator.num_processes)}",
+        f"grad_accum={cfg.grad_accum}",
+        f"steps_per_epoch={steps_per_epoch}",
+    ]
+    return "startup: " + " ".join(parts) + (f" NOTE: {note}" if note else "")

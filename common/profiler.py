@@ -1,0 +1,40 @@
+"""--profile N: a PyTorch profiler trace of N optimizer steps per process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class StepProfiler:
+    """--profile N: skip one optimizer step, warm up one, then record N with the PyTorch profiler. Each
+    rank writes a trace to <run dir>/profile (TensorBoard's PyTorch Profiler plugin, torch-tb-profiler,
+    shows it; so do Perfetto and chrome://tracing). Does nothing when N is 0."""
+
+    def __init__(self, accelerator, steps: int, run_dir: Path):
+        self.prof, self.accelerator = None, accelerator
+        if not steps:
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
+        self.dir, self.steps, self.left = run_dir / "profile", steps, steps + 2
+        self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+                            on_trace_ready=tensorboard_trace_handler(str(self.dir),
+                                                                     worker_name=f"rank{accelerator.process_index}"),
+                            record_shapes=True)
+        self.prof.start()
+
+    def step(self):
+        if self.prof is None:
+            return
+        self.prof.step()
+        self.left -= 1
+        if self.left <= 0:
+            self.close()
+            self.accelerator.print(f"profiler: trace of {self.steps} optimizer step(s) per process written to "
+                                   f"{self.dir} (tensorboard --logdir {self.dir.parent}, PyTorch Profiler tab)")
+
+    def close(self):
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None

@@ -1,0 +1,552 @@
+"""``TrainingRun``: the bookkeeping of a training run, so that a recipe's loop holds only the training math.
+
+A recipe reads like this (see recipes/mnist_convnet.py for the whole of one)::
+
+    with TrainingRun(cfg, RECIPE) as run:         # Accelerator, run directory (locked), signals
+        data = run.load_data()
+        ...build loaders, model, optimizer; accelerator.prepare(...); scheduler...
+        run.start(model, optimizer, scheduler, train_loader, data, transform)   # fresh or resumed
+        for epoch in run.epochs():
+            for images, labels in run.batches(train_loader):
+                ...forward, loss, accelerator.backward...
+                run.track_loss(loss)                   # no device sync
+                if accelerator.sync_gradients:
+                    run.guard_step(grad_norm)          # the one collective of a step
+                ...optimizer.step()...
+                if accelerator.sync_gradients:
+                    if run.step_was_taken(): scheduler.step()
+                    run.end_step()                     # log, checkpoint, preemption, --max-steps
+            if run.eval_due():
+                run.record_eval(evaluate(...), model)  # keeps best/
+            run.end_epoch()                            # checkpoint
+        run.finish(model, evaluate(...))               # final/ weights, summary.json, target check
+    return run.exit_code
+
+What each call promises:
+
+- **Exact resume.** ``start`` loads the newest complete checkpoint (or the one named) into everything
+  prepared, restores the epoch and batch position, and ``batches`` skips what was already consumed;
+  ``augment_generator`` seeds augmentation from (seed, epoch, batch, rank), so a resumed run draws
+  what the uninterrupted one drew. Learning rate, weight decay and momentum given on the resuming
+  command line are applied (and printed); a checkpoint of another model or global batch is refused.
+- **Every rank agrees.** ``guard_step`` does one small all-reduce per optimizer step carrying (any
+  non-finite loss?, any stop request?, loss sum): a NaN/inf loss on any rank stops every rank before
+  the optimizer step; a signal or a lost launcher on any rank makes every rank checkpoint at the same
+  step and exit 75. Between optimizer steps nothing syncs the device.
+- **fp16 skipped steps are detected from the loss scale** (a fused optimizer hides them from
+  ``optimizer_step_was_skipped``); they don't advance the schedule; too many in a row stop the run.
+- **Crash-safe, one writer**: checkpoints through ``common.checkpoint``; the run directory is locked
+  for the run's life (``common.rundir``).
+- **How it ended** is written to ``summary.json`` (``status``) for every ending after the start:
+  completed, target_missed, preempted, nonfinite_loss, bad_input, crashed. Through
+  ``accelerate launch`` every failure exits 1, so scripts should read that field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import checkpoint as ckpt
+from common import rundir
+from common.accelerator import make_accelerator, per_process_batch, startup_line
+from common.augment import batch_generator
+from common.config import sanitize_for_hparams, save_config
+from common.data import load_image_data, make_loader
+from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError
+from common.profiler import StepProfiler
+from common.stopping import StopFlag
+from common.tracking import MetricsLog, Progress, Throughput
+
+MAX_CONSECUTIVE_SKIPS = 25  # fp16: 25 halvings take the loss scale from 65536 below 0.002
+# --eval-only takes these from the command line; every other setting comes from the run's config.json.
+EVAL_ONLY_OWN = {"eval_only", "checkpoint", "target_accuracy", "output_dir", "resume_from", "eval_batch_size",
+                 "cache_dir", "timeout_s", "profile", "data_on_device", "compile"}
+SPLIT_SETTINGS = ("seed", "val_fraction")  # they decide which train images are held out for validation
+
+
+class TrainingRun:
+    def __init__(self, cfg, recipe: str):
+        self.cfg, self.recipe = cfg, recipe
+        self.exit_code, self.status = EXIT_OK, "running"
+        self.run_dir, self.resume_path, self.lock, self.made_dir, self.started = None, None, None, False, False
+        self.log, self.profiler, self.progress = None, None, None
+        self.accelerator, self.note = make_accelerator(cfg)
+        self.stop = StopFlag()
+        self.t_start, self.train_start = time.time(), None
+        if cfg.eval_only:
+            self._adopt_run_config()
+        else:
+            self._claim_run_dir()
+
+    # --- start and end ---------------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        handled = isinstance(err, (RecipeError, Preempted))
+        if err is not None:
+            self.status = getattr(err, "status", "crashed")
+            self.exit_code = getattr(err, "exit_code", 1)
+            if isinstance(err, Preempted):
+                self.say(str(err))
+            elif handled:
+                rank = f"[rank {self.accelerator.process_index}] " if self.accelerator.num_processes > 1 else ""
+                sys.stderr.write(f"{rank}error: {err}\n")
+                sys.stderr.flush()
+            if self.started:
+                self._write_summary({"error": str(err)} if not isinstance(err, Preempted) else {})
+        self.stop.close()
+        if self.profiler is not None:
+            self.profiler.close()
+        if self.log is not None and err is not None:
+            self.log.close()
+        if self.lock is not None:
+            self.lock.release()
+            if not self.started and self.made_dir and rundir.is_empty(self.run_dir):
+                (self.run_dir / rundir.LOCK_FILE).unlink(missing_ok=True)  # nothing was written: leave no trace
+                self.run_dir.rmdir()
+        return handled
+
+    def say(self, text: str) -> None:
+        """Print on the main process, through the progress bar when one is shown."""
+        if self.progress is not None:
+            self.progress.say(text)
+        else:
+            self.accelerator.print(text, flush=True)
+
+    def _on_main(self, fn):
+        """Run ``fn`` on the main process; its result, or its RecipeError, reaches every rank."""
+        from accelerate.utils import broadcast_object_list
+
+        result, error = None, None
+        if self.accelerator.is_main_process:
+            try:
+                result = fn()
+            except RecipeError as err:
+                error = err
+        if self.accelerator.num_processes > 1:
+            box = [result, None if error is None else str(error)]
+            broadcast_object_list(box, from_process=0)
+            result, error = box[0], error or (RecipeError(box[1]) if box[1] is not None else None)
+        if error is not None:
+            raise error
+        return result
+
+    def _claim_run_dir(self) -> None:
+        def claim():
+            run_dir, resume, made = rundir.resolve(self.cfg, self.recipe)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = rundir.RunDirLock(run_dir)
+            return run_dir, resume, made, self.lock.token
+
+        self.run_dir, self.resume_path, self.made_dir, token = self._on_main(claim)
+        self.accelerator.project_configuration.set_directories(str(self.run_dir))
+        self.accelerator.project_configuration.logging_dir = str(self.run_dir)
+        rundir.check_shared(self.accelerator, self.run_dir, token)
+
+    # --- data ------------------------------------------------------------------------------------
+
+    def load_data(self):
+        """Decode (once per node, cached) or read the cache; hold out validation from train if needed."""
+        return load_image_data(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
+
+    def loader(self, split, train: bool = False):
+        """A DataLoader over a decoded split: the global --batch-size split over processes and
+        accumulation steps for training, --eval-batch-size split over processes for evaluation."""
+        if split is None:
+            return None
+        n = self.accelerator.num_processes
+        batch = per_process_batch(self.cfg, n) if train else max(1, self.cfg.eval_batch_size // n)
+        device = self.accelerator.device if self.cfg.data_on_device else None
+        return make_loader(split, batch, train, device=device, pin=self.accelerator.device.type == "cuda")
+
+    # --- resume or fresh start -------------------------------------------------------------------
+
+    def start(self, model, optimizer, scheduler, train_loader, data, transform) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
+        self.data, self.transform = data, transform
+        self.steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+        self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
+        unwrapped = acc.unwrap_model(model)
+        self.card = {"recipe": self.recipe, "recipe_file": str(Path(sys.argv[0]).resolve()),
+                     "model": type(unwrapped).__name__, "input_shape": list(data.shape),
+                     "class_names": data.class_names, "mean": transform.mean, "std": transform.std,
+                     "config": dataclasses.asdict(cfg)}
+        state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
+        if self.resume_path is not None:
+            state = self._resume(self.resume_path)
+        else:
+            if cfg.resume_from == "latest":
+                self.say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
+            if acc.is_main_process:
+                save_config(cfg, self.run_dir / "config.json")
+        self.started = True
+        self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
+        self.best, self.skipped_steps = state["best"], state["skipped_steps"]
+        self.saved_step = self.global_step if self.resume_path is not None else None
+        self.done = self.global_step >= self.total_steps
+        self.log = MetricsLog(acc, self.run_dir, self.global_step if self.resume_path is not None else None)
+        self.profiler = StepProfiler(acc, cfg.profile, self.run_dir)
+        self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s)
+        self.meter = Throughput(acc.device)
+        self._zero_step_sums()
+        self.win_loss, self.win_n, self.epoch_loss, self.epoch_n = 0.0, 0, 0.0, 0
+        self.last_loss, self.last_speed, self.stopping, self.step_lr = None, None, False, None
+        self.consecutive_skips, self.last_scale = 0, self._loss_scale()
+        self.epoch_eval, self.eval_now = None, False
+        self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
+        self.say(f"run dir: {self.run_dir}  model: {self.card['model']} "
+                 f"{sum(p.numel() for p in unwrapped.parameters()):,} params  data: {data.source} "
+                 f"train={len(data.train)} val={len(data.val) if data.val else 0} "
+                 f"test={len(data.test) if data.test else 0}")
+        self.train_start = time.time()
+
+    def _resume(self, path: Path) -> dict:
+        cfg, acc = self.cfg, self.accelerator
+        state = ckpt.read_state(path)
+        notes = ckpt.check_resumable(path, state, cfg, acc, self.model)
+        if cfg.resume_from != "latest":
+            moved = self._on_main(lambda: ckpt.supersede_newer(self.run_dir, state["global_step"]))
+            if moved:
+                notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
+                             f"renamed ({', '.join(moved)}) and will not be resumed from.")
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        acc.load_state(str(path))
+        changes = ckpt.apply_hyperparameters(self.optimizer, self.scheduler, fresh)
+        for note in notes:
+            self.say(f"NOTE: {note}")
+        if changes:
+            self.say(f"NOTE: applied from the command line over the checkpoint's values: {', '.join(changes)}")
+        self.say(f"resumed from {path}: epoch {state['epoch'] + 1}, batch {state['batches_in_epoch']}, "
+                 f"step {state['global_step']}")
+        return state
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def epochs(self):
+        """Epoch numbers from the resumed one to --epochs; stops early at --max-steps."""
+        while self.epoch < self.cfg.epochs and not self.done:
+            self.train_loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
+            self.epoch_t0, self.epoch_eval = time.time(), None
+            yield self.epoch
+
+    def batches(self, loader):
+        """This epoch's batches, resuming mid-epoch where the checkpoint left off."""
+        first, self.start_batch = self.start_batch, 0
+        total = len(loader)
+        if self.cfg.max_steps:  # the bar's total and ETA respect --max-steps
+            total = min(total, first + (self.cfg.max_steps - self.global_step) * self.cfg.grad_accum)
+        batches = self.accelerator.skip_first_batches(loader, first) if first else loader
+        self.batch, self.consumed = first, first
+        t_wait = time.perf_counter()
+        for images, labels in self.progress.wrap(batches, self.epoch, first, total):
+            self.meter.add(labels.shape[0] * self.accelerator.num_processes, time.perf_counter() - t_wait)
+            yield images, labels
+            self.consumed = self.batch = self.batch + 1
+            if self.done:
+                break
+            t_wait = time.perf_counter()
+        self.progress.close_bar()
+
+    def augment_generator(self) -> torch.Generator:
+        """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
+        return batch_generator(self.cfg.seed, self.epoch, self.batch, self.accelerator.process_index)
+
+    def _zero_step_sums(self) -> None:
+        self.step_sums = torch.zeros(3, device=self.accelerator.device)  # non-finite count, loss sum, finite count
+
+    def track_loss(self, loss: torch.Tensor) -> None:
+        """Add a micro-step's loss to this optimizer step's sums, on the device (no sync)."""
+        d = loss.detach().float()
+        finite = torch.isfinite(d)
+        self.step_sums += torch.stack([(~finite).float(), torch.where(finite, d, 0.0), finite.float()])
+
+    def guard_step(self, grad_norm) -> None:
+        """Before the optimizer step, once per optimizer step: one small all-reduce (a CPU-GPU sync
+        point) tells every rank whether any rank saw a non-finite loss or a stop request, and sums the
+        loss for logging. A non-finite loss stops every rank here, before the weights change (with fp16
+        the loss scaler skips the step instead)."""
+        packed = torch.cat([self.step_sums, torch.tensor([1.0 if self.stop else 0.0], device=self.step_sums.device)])
+        nonfinite, loss_sum, finite_n, stops = self.accelerator.reduce(packed, reduction="sum").tolist()
+        self._zero_step_sums()
+        if nonfinite and self.accelerator.mixed_precision != "fp16":
+            last = ckpt.find_latest(self.run_dir)
+            raise NonFiniteLoss(
+                f"the training loss became non-finite at optimizer step {self.global_step + 1} (epoch {self.epoch + 1}, "
+                f"batch {self.batch + 1}); nothing was written after it. Last good checkpoint: {last or 'none'}. "
+                "Lower --lr, set --max-grad-norm, or check the data, then rerun the same command with "
+                "--resume-from latest (the new --lr / --max-grad-norm apply on resume).")
+        self.stopping = stops > 0
+        self.win_loss, self.win_n = self.win_loss + loss_sum, self.win_n + finite_n
+        self.epoch_loss, self.epoch_n = self.epoch_loss + loss_sum, self.epoch_n + finite_n
+        self.meter.add_grad_norm(grad_norm)
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the LR this step uses, before the scheduler moves it
+
+    def _loss_scale(self) -> float | None:
+        scaler = self.accelerator.scaler
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+
+    def step_was_taken(self) -> bool:
+        """False when fp16 loss scaling skipped this optimizer step (overflow). Read from the scale, which
+        halves on every skip: ``optimizer_step_was_skipped`` is always False with a fused optimizer."""
+        if self.last_scale is None:
+            return True
+        scale = self._loss_scale()  # a device sync, fp16 only
+        skipped, self.last_scale = scale < self.last_scale, scale
+        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
+        self.skipped_steps += int(skipped)
+        if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
+            raise NonFiniteLoss(
+                f"fp16 loss scaling skipped the last {self.consecutive_skips} optimizer steps in a row (loss scale "
+                f"now {scale:g}): the gradients overflow at every step, so the model no longer trains. Lower --lr, "
+                "set --max-grad-norm, or train in bf16 (accelerate_configs/multi_gpu_bf16.yaml), then rerun with "
+                "--resume-from latest.")
+        return not skipped
+
+    def end_step(self) -> bool:
+        """After each optimizer step: log, progress, checkpoint, stop. Returns True when an evaluation is
+        due at this step (--eval-every-steps)."""
+        cfg = self.cfg
+        self.global_step += 1
+        self.profiler.step()
+        self.done = self.global_step >= self.total_steps
+        if self.global_step % cfg.log_every == 0 or self.done:
+            self._log_window()
+        if self.stopping:
+            path = self._checkpoint(batches_in_epoch=self.batch + 1)
+            raise Preempted(f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
+                            f"{self.global_step}: checkpoint written to {path}. Rerun the same command with "
+                            f"--output-dir {self.run_dir} --resume-from latest to continue.")
+        if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
+            self._checkpoint(batches_in_epoch=self.batch + 1)
+        self.eval_now = bool(cfg.eval_every_steps and self.global_step % cfg.eval_every_steps == 0)
+        return self.eval_now
+
+    def _log_window(self) -> None:
+        if not self.win_n:
+            return
+        values = {"train/loss": self.win_loss / self.win_n, "train/lr": self.step_lr, **self.meter.read_and_reset()}
+        self.last_loss, self.last_speed = values["train/loss"], values["train/samples_per_sec"]
+        self.log.log(values, step=self.global_step)
+        self.win_loss, self.win_n = 0.0, 0
+        self.progress.update(self.global_step, self.epoch, self.last_loss, self.last_speed)
+
+    def _checkpoint(self, batches_in_epoch: int, epoch: int | None = None) -> Path:
+        state = {"epoch": self.epoch if epoch is None else epoch, "batches_in_epoch": batches_in_epoch,
+                 "global_step": self.global_step, "best": self.best, "skipped_steps": self.skipped_steps,
+                 **ckpt.checkpoint_meta(self.cfg, self.accelerator, self.model)}
+        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
+        self.saved_step = self.global_step
+        return path
+
+    # --- evaluation ------------------------------------------------------------------------------
+
+    def eval_due(self) -> bool:
+        """At the end of every --eval-every epochs, the last epoch, and where --max-steps stops."""
+        if self.data.val is None:
+            return False
+        return (self.epoch + 1) % self.cfg.eval_every == 0 or self.epoch + 1 == self.cfg.epochs or self.done
+
+    def record_eval(self, metrics: dict, model) -> None:
+        """Log a validation result (scalars, per-class accuracy, confusion matrix, misclassified images)
+        and keep the model in best/ when --monitor improved."""
+        self._log_eval("eval", metrics, self.data.val.images)
+        value = metrics[self.cfg.monitor.split("/", 1)[1]]
+        if self.best is None or (value > self.best if self.cfg.mode == "max" else value < self.best):
+            self.best = value
+            ckpt.save_model_dir(self.accelerator, model, self.run_dir / "best",
+                                {**self.card, "metrics": {self.cfg.monitor: value}, "epoch": self.epoch + 1,
+                                 "step": self.global_step})
+        if self.eval_now:  # mid-epoch (--eval-every-steps): its own line; epoch-end results go in the epoch line
+            self.say(f"eval at step {self.global_step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
+                     f"({metrics['count']} images)")
+            self.eval_now = False
+        else:
+            self.epoch_eval = metrics
+
+    def _log_eval(self, split: str, metrics: dict, images) -> None:
+        per_class = {f"{split}/accuracy_class/{name}": acc
+                     for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
+        self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
+                     step=self.global_step)
+        writer = self.log.writer
+        if writer is None or not metrics["count"]:
+            return
+        from common.plots import confusion_matrix_image, misclassified_grid
+
+        title = f"confusion matrix, {split} split ({metrics['count']} images, step {self.global_step})"
+        writer.add_image(f"{split}/confusion_matrix",
+                         confusion_matrix_image(metrics["confusion"], self.data.class_names),
+                         self.global_step, dataformats="HWC")
+        preds, labels = metrics["preds"], metrics["labels"]
+        wrong = (preds != labels).nonzero().flatten()[:36]
+        writer.add_image(f"{split}/misclassified", misclassified_grid(images[wrong], labels[wrong], preds[wrong],
+                                                                      self.data.class_names),
+                         self.global_step, dataformats="HWC")
+
+    def end_epoch(self) -> None:
+        """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
+        finished = self.consumed == len(self.train_loader)
+        line = f"epoch {self.epoch + 1}/{self.cfg.epochs}:"
+        if self.epoch_n:
+            line += f" train loss {self.epoch_loss / self.epoch_n:.4f}"
+        if self.epoch_eval is not None:
+            m = self.epoch_eval
+            line += f" | eval loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)"
+        self.say(f"{line} | {time.time() - self.epoch_t0:.1f} s")
+        self.epoch_loss, self.epoch_n = 0.0, 0
+        if finished:
+            self.epoch += 1
+        if self.saved_step != self.global_step:  # an epoch end right after a --checkpoint-every save: same state
+            self._checkpoint(batches_in_epoch=0 if finished else self.consumed)
+
+    # --- the end ---------------------------------------------------------------------------------
+
+    def finish(self, model, metrics: dict | None) -> None:
+        """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
+        curves.png and confusion_matrix.png, and the --target-accuracy check."""
+        cfg, acc = self.cfg, self.accelerator
+        self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too
+        split = "test" if self.data.test is not None else "val"
+        final = {}
+        if metrics is not None:
+            self._log_eval(split, metrics, (self.data.test if split == "test" else self.data.val).images)
+            final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"],
+                     f"{split}/count": metrics["count"]}
+        ckpt.save_model_dir(acc, model, self.run_dir / "final",
+                            {**self.card, "metrics": final, "epoch": self.epoch, "step": self.global_step})
+        self.log.hparams(sanitize_for_hparams(dataclasses.asdict(cfg)),
+                         {k: v for k, v in final.items() if not k.endswith("/count")})
+        self.log.close()
+        acc_value = final.get(f"{split}/accuracy")
+        missed = bool(cfg.target_accuracy) and (acc_value is None or acc_value < cfg.target_accuracy)
+        self.status = "target_missed" if missed else "completed"
+        self.exit_code = EXIT_TARGET_MISSED if missed else EXIT_OK
+        if acc.is_main_process:
+            from common.plots import confusion_matrix_image, save_curves_png, save_image_png
+
+            save_curves_png(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+            if final.get(f"{split}/count"):
+                title = f"confusion matrix, {split} split ({metrics['count']} images)"
+                save_image_png(confusion_matrix_image(metrics["confusion"], self.data.class_names),
+                               self.run_dir / "confusion_matrix.png")
+        summary = self._write_summary({"final": final})
+        rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
+        rows += [("best " + cfg.monitor, f"{self.best:.4f}" if self.best is not None else "-"),
+                 ("epochs completed", str(self.epoch)), ("optimizer steps", str(self.global_step)),
+                 ("wall time", f"{summary['wall_time_s']:.1f} s"), ("processes", str(acc.num_processes)),
+                 ("precision", acc.mixed_precision), ("run dir", str(self.run_dir))]
+        width = max(len(k) for k, _ in rows)
+        self.say("summary:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows))
+        if missed:
+            self.say(f"TARGET MISSED: final {split} accuracy {acc_value if acc_value is None else f'{acc_value:.4f}'} "
+                     f"is below --target-accuracy {cfg.target_accuracy:.4f}.")
+        elif cfg.target_accuracy:
+            self.say(f"target reached: final {split} accuracy {acc_value:.4f} >= {cfg.target_accuracy:.4f}")
+
+    def _write_summary(self, extra: dict) -> dict:
+        """summary.json: how the run ended (``status``) and what it reached; written for every ending."""
+        import accelerate
+        import datasets
+
+        acc = self.accelerator
+        wall = time.time() - self.t_start
+        summary = {
+            "recipe": self.recipe, "status": self.status, "final": {}, "best": {self.cfg.monitor: self.best},
+            "epochs_completed": self.epoch, "global_step": self.global_step, "skipped_steps": self.skipped_steps,
+            "wall_time_s": round(wall, 2),
+            "timing": {"train_start": self.train_start, "train_s": round(time.time() - (self.train_start or time.time()), 2),
+                       "compile_s": 0.0},
+            "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "accelerate": accelerate.__version__, "datasets": datasets.__version__,
+                         "platform": platform.platform()},
+            **extra,
+        }
+        if acc.is_main_process:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    # --- --eval-only -----------------------------------------------------------------------------
+
+    def _adopt_run_config(self) -> None:
+        """--eval-only: take the dataset, split and model settings from the run's config.json, so the
+        weights are scored on the images the run held out; refuse overrides that would change the split."""
+        cfg = self.cfg
+        root = Path(cfg.checkpoint).expanduser()
+        found = next((d / "config.json" for d in (root, root.parent, root.parent.parent) if (d / "config.json").is_file()),
+                     None)
+        self.eval_note = ""
+        if found is None:
+            self.say(f"NOTE: no config.json found beside {root}: evaluating with this command line's settings.")
+            return
+        recorded = json.loads(found.read_text())
+        explicit = getattr(cfg, "explicit", set())
+        for key, value in recorded.items():
+            if not hasattr(cfg, key) or key in EVAL_ONLY_OWN:
+                continue
+            mine = getattr(cfg, key)
+            if key in explicit and mine != value:
+                if key in SPLIT_SETTINGS:
+                    raise RecipeError(
+                        f"--{key.replace('_', '-')} {mine} differs from the run's {value} ({found}), which chose the images "
+                        "held out of train for validation: evaluating with it would score images the model trained "
+                        f"on. Drop --{key.replace('_', '-')}; --eval-only uses the run's settings.")
+                if key == "dataset":
+                    self.eval_note = f"dataset {mine!r} (the run trained on {value!r})"
+                continue
+            setattr(cfg, key, value)
+
+    def load_weights(self, model) -> None:
+        """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder)."""
+        from safetensors.torch import load_file
+
+        root = Path(self.cfg.checkpoint).expanduser()
+        candidates = [root, root / "best", root / "final", ckpt.find_latest(root)]
+        found = next((c / ckpt.WEIGHTS for c in candidates if c is not None and (c / ckpt.WEIGHTS).is_file()), None)
+        if found is None:
+            raise RecipeError(f"--checkpoint {self.cfg.checkpoint} holds no {ckpt.WEIGHTS} (looked in it, its best/ and "
+                              "final/ folders and its newest checkpoint). Pass a run directory or one of those folders.")
+        try:
+            self.accelerator.unwrap_model(model).load_state_dict(load_file(str(found)))
+        except RuntimeError as err:
+            raise RecipeError(f"The weights in {found} don't fit this recipe's model with these settings "
+                              f"({str(err).splitlines()[0]}). Use the recipe the run was trained with (model.json "
+                              "beside the weights names it).") from None
+        self.weights = found
+
+    def report_eval_only(self, data, metrics: dict | None) -> None:
+        """Print and write eval-<split>.json beside the weights (a new file if one exists); target check."""
+        if metrics is None:
+            raise RecipeError(f"The dataset {data.source!r} has no test or validation split to evaluate on. Add a "
+                              "test split, or set --val-fraction above 0.")
+        split = "test" if data.test is not None else "val"
+        result = {"weights": str(self.weights), "split": split, "dataset": data.source, "loss": metrics["loss"],
+                  "accuracy": metrics["accuracy"], "count": metrics["count"],
+                  "per_class_accuracy": dict(zip(data.class_names, metrics["per_class_accuracy"])),
+                  "processes": self.accelerator.num_processes, "seed": self.cfg.seed,
+                  "val_fraction": self.cfg.val_fraction}
+        if self.eval_note:
+            result["note"] = self.eval_note
+        out = self.weights.parent / f"eval-{split}.json"
+        if out.exists():  # earlier results are kept: a new file per evaluation
+            out = out.with_name(f"eval-{split}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        self.say(f"eval-only: {split} accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f} "
+                 f"({metrics['count']} images) weights {self.weights}"
+                 + (f"; NOTE: {self.eval_note}" if self.eval_note else "") + f"; wrote {out}")
+        if self.accelerator.is_main_process:
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        if self.cfg.target_accuracy and metrics["accuracy"] < self.cfg.target_accuracy:
+            self.say(f"TARGET MISSED: {split} accuracy {metrics['accuracy']:.4f} is below --target-accuracy "
+                     f"{self.cfg.target_accuracy:.4f}.")
+            self.exit_code, self.status = EXIT_TARGET_MISSED, "target_missed"

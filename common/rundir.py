@@ -1,0 +1,138 @@
+"""The run directory: where a run writes, whether it resumes, and who may write there.
+
+- ``--output-dir`` names it; by default ``runs/<recipe>-<timestamp>`` (a new name, never an existing one).
+- ``--resume-from latest`` resumes the newest complete checkpoint in it, or starts fresh (and says so).
+- A folder that holds something other than a run (a dataset, say) is refused, with nothing written.
+- One writer per run directory: the main process holds an exclusive lock on ``<run>/.lock`` for the
+  whole run. The operating system drops the lock when the process dies, however it dies, so a crash
+  never leaves a stale lock; a second launch on a held directory is refused at once, naming the holder.
+- Every process of the job must see the same directory: a run whose processes sit on nodes without a
+  shared filesystem is refused at startup (checkpoints are written by one process and read by all).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+
+from common.checkpoint import find_latest, is_complete
+from common.errors import RecipeError
+
+RUN_MARKERS = ("config.json", "checkpoints", "metrics.jsonl", "summary.json")
+LOCK_FILE = ".lock"
+
+
+def holds_run(path: Path) -> bool:
+    return any((path / m).exists() for m in RUN_MARKERS)
+
+
+def is_empty(path: Path) -> bool:
+    """True for a missing folder or one holding nothing but a released lock file."""
+    return not path.exists() or all(p.name == LOCK_FILE for p in path.iterdir())
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``<run>/.lock``, held until ``release`` or the process's death. The
+    file says who holds it (PID, host, start time) and carries a token other ranks use to check that
+    they see the same folder."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK_FILE
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().split()
+            self.file.close()
+            who = f"PID {holder[0]} on {holder[1]}" if len(holder) >= 2 else "another process"
+            raise RecipeError(
+                f"The run directory {run_dir} is in use by another run ({who}); two runs writing one folder would "
+                "mix their checkpoints and logs. Wait for that run to end (or stop it), or pass another "
+                "--output-dir.") from None
+        self.token = secrets.token_hex(8)
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"{os.getpid()} {socket.gethostname()} {int(time.time())} {self.token}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
+    """Decide the run directory, the checkpoint to resume (or None) and whether the folder was made
+    for this run. Main process only; create the folder and take its lock before anything is written."""
+    if cfg.resume_from and cfg.resume_from != "latest":
+        ckpt = Path(cfg.resume_from).expanduser()
+        if not is_complete(ckpt):
+            raise RecipeError(
+                f"--resume-from {cfg.resume_from} is not a complete checkpoint (no such folder, or it lacks the "
+                "completion marker because its write was interrupted). Pass --resume-from latest to pick the "
+                "newest complete one, or another checkpoint folder under <run>/checkpoints/.")
+        return (Path(cfg.output_dir).expanduser() if cfg.output_dir else ckpt.parent.parent), ckpt, False
+    if not cfg.output_dir:
+        if cfg.resume_from == "latest":
+            raise RecipeError("--resume-from latest needs --output-dir <run directory> to know which run to "
+                              "continue. Pass the same --output-dir as the run you want to resume.")
+        return new_default_dir(recipe), None, True
+    run_dir = Path(cfg.output_dir).expanduser()
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RecipeError(f"--output-dir {run_dir} is a file, not a folder. Pass a folder path for the run.")
+    if not is_empty(run_dir) and not holds_run(run_dir):
+        raise RecipeError(
+            f"--output-dir {run_dir} already holds files that are not a run (e.g. "
+            f"{sorted(p.name for p in run_dir.iterdir())[0]}); writing a run into it would mix the two. Nothing "
+            "was written. Pass a new or empty folder.")
+    made = not run_dir.exists()
+    if cfg.resume_from == "latest":
+        return run_dir, find_latest(run_dir), made
+    if holds_run(run_dir):
+        raise RecipeError(
+            f"The output directory {run_dir} already holds a run. Nothing was overwritten. Pass "
+            "--resume-from latest to continue that run, or choose a new --output-dir.")
+    return run_dir, None, made
+
+
+def new_default_dir(recipe: str) -> Path:
+    """runs/<recipe>-<timestamp>, created here; a folder made by someone else in the same second gets a
+    suffix (mkdir is atomic, so two launches never share a name)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    Path("runs").mkdir(exist_ok=True)
+    for i in range(1, 1000):
+        path = Path("runs") / (f"{recipe}-{stamp}" if i == 1 else f"{recipe}-{stamp}-{i}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RecipeError(f"Could not create a new run folder under runs/ for {recipe}. Pass --output-dir.")
+
+
+def check_shared(accelerator, run_dir: Path, token: str | None) -> None:
+    """Every rank must read the lock token the main process wrote: else the folder is not shared."""
+    if accelerator.num_processes == 1:
+        return
+    import torch
+    from accelerate.utils import broadcast_object_list
+
+    box = [token]
+    broadcast_object_list(box, from_process=0)
+    try:
+        seen = (run_dir / LOCK_FILE).read_text().split()[-1] == box[0]
+    except (OSError, IndexError):
+        seen = False
+    missing = accelerator.reduce(torch.tensor([0.0 if seen else 1.0], device=accelerator.device), "sum")
+    if missing.item():
+        raise RecipeError(
+            f"The run directory {run_dir} is not one folder shared by every process: {int(missing.item())} "
+            f"process(es) (e.g. on {socket.gethostname() if not seen else 'another node'}) cannot see the files the "
+            "main process writes there. Checkpoints are written by one process and read by all, so a multi-node "
+            "run needs --output-dir on a filesystem every node mounts (NFS, Lustre, ...).")

@@ -1,0 +1,45 @@
+"""Why a run should stop early, noticed on any rank: a signal, or a launcher that is gone.
+
+- SIGTERM, SIGINT, SIGHUP and SIGUSR1 set a flag; the training loop sees it at the next optimizer step
+  (``common.run``), every rank writes a checkpoint, and the run exits with 75 ("preempted").
+  torchrun forwards TERM/INT/HUP/QUIT to its workers, not USR1: under SLURM, slurm/train.sbatch turns
+  the USR1 warning into a TERM for the launcher. torchrun kills its workers 30 s after forwarding a
+  TERM, so the checkpoint must be written well inside that (it takes about a second for these models).
+- A launcher killed outright (``kill -9``) leaves its workers running under PID 1; a watcher thread sees
+  the parent change within a second and raises the same flag, so the orphans checkpoint and exit
+  instead of racing a rerun in the same run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+WATCH_INTERVAL_S = 1.0
+
+
+class StopFlag:
+    def __init__(self, watch_parent: bool = True):
+        self.reason = ""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+        self._parent = os.getppid()
+        self._done = threading.Event()
+        if watch_parent and self._parent != 1:
+            threading.Thread(target=self._watch_parent, name="launcher-watch", daemon=True).start()
+
+    def __bool__(self) -> bool:
+        return bool(self.reason)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.reason = self.reason or f"signal {signal.Signals(signum).name}"
+
+    def _watch_parent(self) -> None:
+        while not self._done.wait(WATCH_INTERVAL_S):
+            if os.getppid() != self._parent:
+                self.reason = self.reason or f"the launcher (PID {self._parent}) is gone"
+                return
+
+    def close(self) -> None:
+        self._done.set()

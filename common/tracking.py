@@ -1,0 +1,173 @@
+"""What a run reports while it trains: TensorBoard scalars and ``metrics.jsonl`` (main process only),
+throughput and memory, and progress where the user reads it (a bar in a terminal, a line every
+``--progress-every-s`` seconds in a log file)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+class MetricsLog:
+    """TensorBoard (through Accelerate's tracker) plus ``metrics.jsonl``, one JSON line per step: values
+    logged at a step already written are merged into its line. Main process only; other ranks no-op.
+
+    ``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a
+    crashed run wrote after its checkpoint (TensorBoard hides its events past the step, ``purge_step``)."""
+
+    def __init__(self, accelerator, run_dir: Path, resume_step: int | None):
+        self.accelerator, self.path = accelerator, Path(run_dir) / "metrics.jsonl"
+        self.last: dict | None = None  # the file's last line, rewritten when its step logs more values
+        if not accelerator.is_main_process:
+            return
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            kept = [row for row in kept if row.get("step", 0) <= resume_step]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        self.last = kept[-1] if kept else None
+        purge = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
+        accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
+
+    @property
+    def writer(self):
+        return self.accelerator.get_tracker("tensorboard", unwrap=True) if self.accelerator.is_main_process else None
+
+    def log(self, values: dict, step: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        values = {k: float(v) for k, v in values.items()}
+        self.accelerator.log(values, step=step)
+        now = round(time.time(), 3)
+        if self.last is not None and self.last["step"] == step:
+            self.last.update(values, time=now)
+            lines = self.path.read_text().splitlines(keepends=True)[:-1]  # a few KB: cheap next to a log step
+            self.path.write_text("".join(lines) + json.dumps(self.last) + "\n")
+        else:
+            self.last = {"step": step, "time": now, **values}
+            with self.path.open("a") as f:
+                f.write(json.dumps(self.last) + "\n")
+
+    def hparams(self, hparams: dict, metrics: dict) -> None:
+        """One HParams session in the main event file: the sanitized config and the final metrics."""
+        if not self.accelerator.is_main_process:
+            return
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
+
+        file_writer = self.writer._get_file_writer()
+        for summary in hparams_summary(hparams, metrics):
+            file_writer.add_summary(summary)
+
+    def close(self) -> None:
+        if self.accelerator.is_main_process:
+            self.accelerator.end_training()
+
+
+class Throughput:
+    """Per log window: global samples/s, the share of wall time spent waiting for data, the mean
+    gradient norm, peak memory."""
+
+    def __init__(self, device):
+        self.device = device
+        self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = time.perf_counter(), 0, 0.0, None, 0
+
+    def add(self, samples: int, wait: float) -> None:
+        self.samples += samples
+        self.data_wait += wait
+
+    def add_grad_norm(self, norm) -> None:
+        """A tensor: summed on the device, read (one sync) only when the window is logged."""
+        norm = torch.as_tensor(norm).detach().float()
+        self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
+        self.norms += 1
+
+    def read_and_reset(self) -> dict:
+        now = time.perf_counter()
+        elapsed = max(now - self.t0, 1e-9)
+        out = {"train/samples_per_sec": self.samples / elapsed, "train/data_wait_fraction": self.data_wait / elapsed,
+               "train/peak_memory_mb": peak_memory_mb(self.device)}
+        if self.norms:
+            out["train/grad_norm"] = self.norm_sum.item() / self.norms
+        self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = now, 0, 0.0, None, 0
+        return out
+
+
+def peak_memory_mb(device) -> float:
+    """Peak CUDA memory allocated by this process, or its peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    except ImportError:  # pragma: no cover
+        return math.nan
+
+
+def on_terminal(accelerator) -> bool:
+    """Progress bars on the local main process only, and only on a terminal (not in log files)."""
+    return accelerator.is_local_main_process and sys.stderr.isatty()
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class Progress:
+    """A tqdm bar per epoch in a terminal; in a log file a line every ``every_s`` seconds:
+    ``step 120/1407 (epoch 1/3) loss 0.2345 1,234 samples/s ETA 3m12s``. ``say`` prints through the
+    bar (tqdm.write) so messages never land on top of it. Main process only."""
+
+    def __init__(self, accelerator, total_steps: int, epochs: int, every_s: float):
+        self.accelerator, self.total, self.epochs, self.every_s = accelerator, total_steps, epochs, every_s
+        self.tty, self.bar = on_terminal(accelerator), None
+        self.t_start, self.step_start, self.last_line = time.time(), None, time.time()
+
+    def say(self, text: str) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        if self.bar is not None:
+            from tqdm.auto import tqdm
+
+            tqdm.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def wrap(self, iterable, epoch: int, initial: int, total: int):
+        if not self.tty:
+            return iterable
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.epochs}", initial=initial, total=total, leave=False)
+        return self.bar
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def update(self, step: int, epoch: int, loss: float | None, samples_per_s: float | None) -> None:
+        """After each optimizer step: postfix the bar, or print a line when ``every_s`` has passed."""
+        now = time.time()
+        if self.step_start is None:
+            self.step_start, self.t_start = step - 1, now
+        if self.bar is not None:
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            return
+        if not self.accelerator.is_main_process or now - self.last_line < self.every_s or loss is None:
+            return
+        self.last_line = now
+        rate = (step - self.step_start) / max(now - self.t_start, 1e-9)
+        eta = format_duration((self.total - step) / rate) if rate > 0 else "?"
+        speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
+        print(f"step {step}/{self.total} (epoch {epoch + 1}/{self.epochs}) loss {loss:.4f}{speed} ETA {eta}",
+              flush=True)
