@@ -382,11 +382,11 @@ class TrainingRun:
         writer = self.log.writer
         if writer is None or not metrics["count"]:
             return
-        from common.plots import confusion_matrix_image, misclassified_grid
+        from common.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
 
-        title = f"confusion matrix, {split} split ({metrics['count']} images, step {self.global_step})"
+        title = f"{confusion_matrix_title(split, metrics['count'])}, step {self.global_step}"
         writer.add_image(f"{split}/confusion_matrix",
-                         confusion_matrix_image(metrics["confusion"], self.data.class_names),
+                         confusion_matrix_image(metrics["confusion"], self.data.class_names, title=title),
                          self.global_step, dataformats="HWC")
         preds, labels = metrics["preds"], metrics["labels"]
         wrong = (preds != labels).nonzero().flatten()[:36]
@@ -433,12 +433,12 @@ class TrainingRun:
         self.status = "target_missed" if missed else "completed"
         self.exit_code = EXIT_TARGET_MISSED if missed else EXIT_OK
         if acc.is_main_process:
-            from common.plots import confusion_matrix_image, save_curves_png, save_image_png
+            from common.plots import confusion_matrix_image, confusion_matrix_title, save_curves_png, save_image_png
 
             save_curves_png(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             if final.get(f"{split}/count"):
-                title = f"confusion matrix, {split} split ({metrics['count']} images)"
-                save_image_png(confusion_matrix_image(metrics["confusion"], self.data.class_names),
+                title = confusion_matrix_title(split, metrics["count"])
+                save_image_png(confusion_matrix_image(metrics["confusion"], self.data.class_names, title=title),
                                self.run_dir / "confusion_matrix.png")
         summary = self._write_summary({"final": final})
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]

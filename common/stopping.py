@@ -22,8 +22,8 @@ WATCH_INTERVAL_S = 1.0
 class StopFlag:
     def __init__(self, watch_parent: bool = True):
         self.reason = ""
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
+        self._previous = {sig: signal.signal(sig, self._on_signal)
+                          for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
         self._parent = os.getppid()
         self._done = threading.Event()
         if watch_parent and self._parent != 1:
@@ -42,4 +42,7 @@ class StopFlag:
                 return
 
     def close(self) -> None:
+        """Stop watching and put the previous handlers back (a run inside a longer-lived process)."""
         self._done.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
