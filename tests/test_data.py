@@ -1,0 +1,266 @@
+"""The decoded-image cache and the data error messages: damage is detected and decoded again, writes are
+durable and follow the umask, processes racing for the cache decode once and share one memory-mapped copy,
+the held-out split is an index (no copy), and layout mistakes get messages that name their fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, recipe_env, write_image_folder, write_parquet_dataset
+from common.config import CommonConfig
+from common.data import DataError, ImageSplit, TensorImages, hold_out, load_image_data, make_loader
+
+
+@pytest.fixture(autouse=True)
+def private_hf_cache(tmp_path, monkeypatch):
+    """datasets' arrow cache under the test's folder, and no network."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Hub-layout parquet, 1x28x28, 4 classes: train 60 (no validation split), test 20."""
+    return write_parquet_dataset(tmp_path_factory.mktemp("small"), {"train": 60, "test": 20})
+
+
+def config(dataset, cache_dir, **kw) -> CommonConfig:
+    return CommonConfig(dataset=str(dataset), cache_dir=str(cache_dir), **kw)
+
+
+def cache_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+
+
+def load(dataset, cache_dir, logs=None, **kw):
+    return load_image_data(config(dataset, cache_dir, **kw), "", True, (logs if logs is not None else []).append)
+
+
+# --- 11.11: damage, durability, stale temporary files ---------------------------------------------
+
+@pytest.mark.parametrize("keep", [0, 7, 1000])
+def test_damaged_cache_is_reported_once_and_decoded_again(small, tmp_path, keep):
+    first = load(small, tmp_path / "c")
+    ref = first.train.images, first.val.labels  # gathered copies: truncating a mapped file would fault its pages
+    del first
+    train_file = cache_files(tmp_path / "c")[-1]  # the larger file is train
+    with open(train_file, "r+b") as f:
+        f.truncate(keep)
+    stale = train_file.with_name(train_file.name + ".otherhost.4242.tmp")
+    stale.write_bytes(b"half a file from a killed run")
+    logs = []
+    again = load(small, tmp_path / "c", logs)
+    damaged = [line for line in logs if "is damaged" in line]
+    assert len(damaged) == 1 and str(train_file) in damaged[0], logs
+    assert torch.equal(again.train.images, ref[0]) and torch.equal(again.val.labels, ref[1])
+    assert not stale.exists()
+    logs.clear()
+    load(small, tmp_path / "c", logs)  # repaired: read, not decoded
+    assert not any("decoding" in line or "is damaged" in line for line in logs), logs
+
+
+def test_cache_is_fsynced_before_it_is_renamed_into_place(small, tmp_path, monkeypatch):
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        events.append(("replace", str(src), str(dst)))
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    load(small, tmp_path / "c")
+    for target in cache_files(tmp_path / "c"):
+        rename = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(target))
+        assert ("fsync", events[rename][1]) in events[:rename], events
+
+
+# --- 11.13: permissions follow the umask ------------------------------------------------------------
+
+def test_cache_and_lock_files_follow_the_umask(small, tmp_path):
+    old = os.umask(0o002)  # a group-shared cache
+    try:
+        load(small, tmp_path / "c")
+    finally:
+        os.umask(old)
+    files = cache_files(tmp_path / "c")
+    locks = sorted((tmp_path / "c").glob("*.lock"))
+    assert len(files) == 2 and len(locks) == 2
+    for p in files + locks:
+        assert p.stat().st_mode & 0o777 == 0o664, (p, oct(p.stat().st_mode))
+
+
+# --- 11.12: every process calls at once; one decodes per cache file, the others wait on its lock -------
+
+RACER = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    import common.data as data
+    from common.config import CommonConfig
+
+    cache, rank, out, go, *datasets = sys.argv[1:]
+    real = data._decode_split
+
+    def counted(split, *args, **kw):
+        with open(Path(out) / "decodes", "a") as f:
+            f.write(f"{Path(dataset).name}:{args[-1].split()[1]}\\n")  # `what` is "the <split> split of ..."
+        time.sleep(1.0)  # hold the lock long enough that the peer really waits on it
+        return real(split, *args, **kw)
+
+    data._decode_split = counted
+    while not Path(go).exists():  # start both processes' loads together
+        time.sleep(0.01)
+    results = []
+    for dataset in datasets:
+        try:
+            d = data.load_image_data(CommonConfig(dataset=dataset, cache_dir=cache), "", rank == "0", print)
+            results.append({"train": d.train.images.sum().item(), "val": d.val.labels.tolist(),
+                            "test": d.test.images.sum().item()})
+        except data.DataError as err:
+            results.append({"error": str(err)})
+    print(json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def raced(small, tmp_path_factory):
+    """Two processes load the same two datasets at the same moment with one cache directory: a good one
+    (train and test splits), then an image folder with a corrupt image."""
+    tmp = tmp_path_factory.mktemp("race")
+    bad = write_image_folder(tmp / "bad", n_per_class=3)
+    (bad / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    go = tmp / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp / "c"), str(rank), str(tmp), str(go),
+                               str(small), str(bad)], env=recipe_env(tmp), cwd=str(REPO), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    time.sleep(0.5)
+    go.touch()
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    decodes = (tmp / "decodes").read_text().split() if (tmp / "decodes").exists() else []
+    return [o[0] for o in outs], [json.loads(o[0].strip().splitlines()[-1]) for o in outs], decodes, small.name
+
+
+def test_two_processes_racing_for_the_cache_decode_each_split_once(raced):
+    stdouts, results, decodes, good = raced
+    assert results[0][0] == results[1][0] and "error" not in results[0][0]
+    assert sorted(d for d in decodes if d.startswith(good)) == [f"{good}:test", f"{good}:train"], decodes
+    assert stdouts[1].strip().count("\n") == 0  # only the main process prints: here the results line alone
+
+
+def test_a_waiting_process_raises_its_peers_data_error(raced):
+    stdouts, results, decodes, good = raced
+    for r in results:
+        assert "broken.png" in r[1]["error"], r
+    assert decodes.count("bad:train") == 1, decodes  # the waiter took the peer's error instead of failing alike
+
+
+# --- 11.14: one memory-mapped copy per node; the held-out split is an index ------------------------------
+
+def mapped_files() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+def test_images_are_memory_mapped_and_the_hold_out_copies_nothing(small, tmp_path):
+    data = load(small, tmp_path / "c", val_fraction=0.25, seed=3)
+    full = load(small, tmp_path / "c", val_fraction=0.0).train
+    train_file = cache_files(tmp_path / "c")[-1]
+    if Path("/proc/self/maps").exists():
+        assert str(train_file) in mapped_files()
+    assert data.train.source_images.data_ptr() == data.val.source_images.data_ptr()  # one tensor, two indexes
+    assert data.train.index is not None and len(data.train.source_images) == 60
+    assert len(data.train) == 45 and len(data.val) == 15
+
+    # the same rows, in the same order, as the copying hold-out gave
+    perm = torch.randperm(60, generator=torch.Generator().manual_seed(3))
+    val_idx, train_idx = perm[:15].sort().values, perm[15:].sort().values
+    assert torch.equal(data.train.images, full.images[train_idx])
+    assert torch.equal(data.val.labels, full.labels[val_idx])
+    assert torch.equal(data.train.images_at(slice(0, 5)), full.images[train_idx[:5]])
+    for split in (data.train, data.val):
+        for device in (None, "cpu"):
+            got = list(make_loader(split, 7, train=False, device=device))
+            assert torch.equal(torch.cat([b[0] for b in got]), split.images)
+            assert torch.equal(torch.cat([b[1] for b in got]), split.labels)
+        ds = TensorImages(split)
+        assert torch.equal(ds.__getitems__([4, 0, 4])[0], torch.stack([ds[4][0], ds[0][0], ds[4][0]]))
+    assert sum(len(b[1]) for b in make_loader(data.train, 8, train=True)) == 40  # drop_last over 45
+
+    # copy-on-write: writing to the mapped images never changes the cache
+    data.train.source_images[0] += 1
+    assert torch.equal(load(small, tmp_path / "c", val_fraction=0.0).train.images, full.images)
+    in_memory = load_image_data(config(small, tmp_path / "c", val_fraction=0.25, seed=3), "", True, print, mmap=False)
+    assert torch.equal(in_memory.val.images, full.images[val_idx])
+
+
+def test_hold_out_of_an_indexed_split_and_of_a_plain_one():
+    images = torch.arange(20 * 2 * 2, dtype=torch.uint8).view(20, 1, 2, 2)
+    plain = ImageSplit(images, torch.arange(20))
+    a_train, a_val = hold_out(plain, 0.25, 0)
+    sub = plain.select(torch.arange(10, 20))
+    b_train, b_val = hold_out(sub, 0.2, 1)
+    assert len(a_train) + len(a_val) == 20 and a_train.source_images is images
+    assert torch.equal(b_val.images, images[b_val.labels])
+    assert sorted(b_train.labels.tolist() + b_val.labels.tolist()) == list(range(10, 20))
+
+
+# --- 12.9: messages that name the fix ----------------------------------------------------------------
+
+def test_flat_image_folder_says_one_sub_folder_per_class(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "flat"
+    root.mkdir()
+    for i in range(6):
+        Image.new("L", (8, 8), i * 20).save(root / f"{i}.png")
+    with pytest.raises(DataError, match="sub-folder named after the class") as err:
+        load(root, tmp_path / "c")
+    assert "--label-column" not in str(err.value)
+
+
+def test_class_folders_without_images_say_no_images_and_the_extensions_read(tmp_path):
+    for cls in ("cat", "dog"):
+        (tmp_path / "d" / cls).mkdir(parents=True)
+        (tmp_path / "d" / cls / "notes.txt").write_text("not an image\n")
+    with pytest.raises(DataError, match="No images were found") as err:
+        load(tmp_path / "d", tmp_path / "c")
+    assert ".png" in str(err.value) and ".jpg" in str(err.value) and ".txt" in str(err.value)
+
+
+def test_parquet_files_that_are_git_lfs_pointers_say_git_lfs_pull(tmp_path):
+    (tmp_path / "d" / "data").mkdir(parents=True)
+    for split in ("train", "test"):
+        (tmp_path / "d" / "data" / f"{split}-00000-of-00001.parquet").write_text(
+            "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 123456\n")
+    with pytest.raises(DataError, match="git lfs pull") as err:
+        load(tmp_path / "d", tmp_path / "c")
+    assert "git-lfs" in str(err.value) and "magic bytes" not in str(err.value)
+
+
+def test_every_corrupt_image_of_a_split_is_reported_in_one_pass(tmp_path):
+    root = write_image_folder(tmp_path / "imgs", n_per_class=3)
+    bad = [root / "dog" / "broken.png", root / "cat" / "empty.png", root / "frog" / "text.png"]
+    bad[0].write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    bad[1].write_bytes(b"")
+    bad[2].write_text("hello")
+    with pytest.raises(DataError) as err:
+        load(root, tmp_path / "c")
+    msg = str(err.value)
+    assert "3 of the 12 images" in msg and "Remove or replace" in msg
+    assert all(p.name in msg for p in bad), msg
+    assert not list((tmp_path / "c").glob("*.safetensors"))  # nothing cached for a split that failed
