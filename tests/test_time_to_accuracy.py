@@ -1,0 +1,171 @@
+"""benchmarks/time_to_accuracy.py, mechanics only, on tiny generated data: the first-crossing logic, the
+reading of a recipe run, the baseline trained in-process, and the whole CLI end to end. No timing is
+ever asserted: the times are whatever this machine gives."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, recipe_env, write_parquet_dataset
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import time_to_accuracy as tta  # noqa: E402
+
+
+def points(*accs):
+    return [{"time_s": float(i + 1), "step": 10 * (i + 1), "accuracy": a} for i, a in enumerate(accs)]
+
+
+@pytest.mark.parametrize("accs, target, expected", [
+    ((), 0.9, None),                          # no evaluation at all
+    ((0.5, 0.8, 0.89), 0.9, None),            # never reached
+    ((0.5, 0.9, 0.95), 0.9, 1),               # exact equality counts
+    ((0.5, 0.92, 0.85, 0.95), 0.9, 1),        # non-monotonic: the first crossing, not the last
+    ((0.95, 0.5), 0.9, 0),                    # reached at the first evaluation
+    ((float("nan"), None, 0.91), 0.9, 2),     # missing and NaN accuracies never count
+])
+def test_first_crossing(accs, target, expected):
+    assert tta.first_crossing(points(*accs), target) == expected
+
+
+def test_crossing_report_never_reached_keeps_best():
+    rep = tta.crossing_report(points(0.5, 0.8, 0.7), 0.9)
+    assert rep["reached"] is False and rep["time_to_target_s"] is None and rep["step"] is None
+    assert rep["best_accuracy"] == 0.8 and rep["evals"] == 3
+
+
+def metrics_rows(start: float):
+    """Training takes 0.1 s per step, each evaluation 3 s, and the recipe spends 2 s after logging the
+    first evaluation (images, best/ weights); evaluations at steps 30 and 60."""
+    return [{"step": 10, "time": start + 1, "train/loss": 1.0},
+            {"step": 20, "time": start + 2, "train/loss": 0.9},
+            {"step": 30, "time": start + 6, "train/loss": 0.8, "eval/accuracy": 0.85, "eval/loss": 0.5},
+            {"step": 40, "time": start + 9, "train/loss": 0.7},
+            {"step": 50, "time": start + 10, "train/loss": 0.6},
+            {"step": 60, "time": start + 14, "train/loss": 0.5, "eval/accuracy": 0.95, "eval/loss": 0.2}]
+
+
+def test_recipe_points_time_from_train_start_minus_compile():
+    pts = tta.recipe_eval_points(metrics_rows(100.0), train_start=100.0, compile_s=0.5)
+    assert [p["step"] for p in pts] == [30, 60]
+    assert [p["time_s"] for p in pts] == pytest.approx([5.5, 13.5])
+    assert [p["eval_s"] for p in pts] == pytest.approx([3.0, 3.0])
+    assert [p["post_eval_s"] for p in pts] == pytest.approx([2.0, 0.0])
+    assert not any(p["time_includes_final_eval"] for p in pts)
+    rep = tta.crossing_report(pts, 0.9)
+    assert rep["reached"] and rep["step"] == 60 and rep["time_to_target_s"] == pytest.approx(13.5)
+    assert rep["evals"] == 2 and rep["eval_s_included"] == pytest.approx(3.0 + 2.0 + 3.0)
+    first = tta.crossing_report(pts, 0.8)  # the crossing's own after-work comes after its time stamp
+    assert first["step"] == 30 and first["eval_s_included"] == pytest.approx(3.0)
+
+
+def test_recipe_point_merged_with_final_eval_is_flagged():
+    rows = metrics_rows(100.0)
+    rows[-1] = {**rows[-1], "val/accuracy": 0.95, "val/loss": 0.2}  # the final evaluation, same step
+    pts = tta.recipe_eval_points(rows, train_start=100.0)
+    assert [p["time_includes_final_eval"] for p in pts] == [False, True]
+
+
+def write_run(run, summary, rows, tail=""):
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    (run / "config.json").write_text(json.dumps({"batch_size": 128, "val_fraction": 0.1, "seed": 1}))
+
+
+def test_read_recipe_run(tmp_path):
+    ok = {"status": "completed", "timing": {"train_start": 100.0, "compile_s": 0.0}}
+    write_run(tmp_path / "ok", ok, metrics_rows(100.0), tail='{"step": 70, "ti')  # cut short by a kill
+    run = tta.read_recipe_run(tmp_path / "ok")
+    assert len(run["rows"]) == 6 and run["train_start"] == 100.0 and run["config"]["batch_size"] == 128
+
+    write_run(tmp_path / "missed", {**ok, "status": "target_missed"}, metrics_rows(100.0))  # trained to the end
+    assert tta.read_recipe_run(tmp_path / "missed")["train_start"] == 100.0
+    write_run(tmp_path / "preempted", {**ok, "status": "preempted"}, metrics_rows(100.0))
+    with pytest.raises(RuntimeError, match="preempted"):
+        tta.read_recipe_run(tmp_path / "preempted")
+    write_run(tmp_path / "no_timing", {"status": "completed"}, metrics_rows(100.0))
+    with pytest.raises(RuntimeError, match="train_start"):
+        tta.read_recipe_run(tmp_path / "no_timing")
+
+
+def test_ratio_and_spread():
+    reached = {"reached": True, "time_to_target_s": 10.0}
+    assert tta.ratio_of(reached, {"reached": True, "time_to_target_s": 80.0}) == (8.0, False)
+    assert tta.ratio_of(reached, {"reached": False, "train_wall_s": 50.0}) == (5.0, True)  # a lower bound
+    assert tta.ratio_of({"reached": False}, {"reached": True, "time_to_target_s": 1.0}) == (None, False)
+    assert tta.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "mean": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert tta.spread([]) is None
+
+
+def test_bad_input_exits_2(capsys):
+    for argv in (["--target", "99.3"], ["--target", "0.99", "--seeds", "a,b"],
+                 ["--target", "0.99", "--recipe-args", "--seed 3"]):
+        with pytest.raises(SystemExit) as exc:
+            tta.parse_args(["--recipe", "mnist_convnet", "--dataset", "x", *argv])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "percentage" in err and "Pass --target 0.993" in err and "sets itself" in err
+    assert tta.data_settings(["--val-fraction=0.2", "--channels", "3", "--width", "8"]) == \
+        {"val_fraction": 0.2, "channels": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Hub-layout parquet, 4 learnable classes, train only (the validation split is held out). 16x16, not
+    28x28: the baseline's fc layer (64 x 6 x 6 inputs instead of 9216) keeps its steps cheap."""
+    return write_parquet_dataset(tmp_path_factory.mktemp("tta_data"), {"train": 200}, shape=(1, 16, 16))
+
+
+def test_baseline_trains_and_evaluates_in_process(tiny, tmp_path):
+    import torch
+
+    torch.set_num_threads(1)
+    args = type("A", (), {"dataset": str(tiny), "recipe_argv": ["--val-fraction", "0.2"]})()
+    train, val = tta.load_split(args, 1, tmp_path / "cache")
+    assert (len(train), len(val)) == (160, 40)  # the recipes' hold-out: round(0.2 x 200)
+
+    # 160 images at batch 64: 3 steps per epoch. Every 2 steps mid-epoch, and at each epoch end.
+    never = tta.run_baseline(train, val, 1.5, seed=1, max_epochs=2, eval_every_steps=2)
+    assert [p["step"] for p in never["curve"]] == [2, 3, 4, 6]
+    assert [p["epoch"] for p in never["curve"]] == pytest.approx([2 / 3, 1, 1 + 1 / 3, 2], abs=1e-3)
+    assert not never["reached"] and never["time_to_target_s"] is None and never["steps"] == 6
+    assert all(0 <= p["accuracy"] <= 1 and math.isfinite(p["loss"]) for p in never["curve"])
+    times = [p["time_s"] for p in never["curve"]]
+    assert times == sorted(times)
+
+    # A target the first evaluation meets: it stops there.
+    low = tta.run_baseline(train, val, 0.01, seed=1, max_epochs=2, eval_every_steps=2)
+    assert low["reached"] and low["step"] == 2 and len(low["curve"]) == 1 and low["evals"] == 1
+    assert low["time_to_target_s"] == low["curve"][0]["time_s"]
+
+
+def test_cli_end_to_end(tiny, tmp_path):
+    """Both sides on tiny data, one seed, a low target: the real recipe as a subprocess, the baseline
+    in-process, the table printed and the JSON written."""
+    out = tmp_path / "tta.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "time_to_accuracy.py"), "--recipe", "mnist_convnet",
+           "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
+           "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
+           "--eval-every-steps", "2",
+           "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=recipe_env(tmp_path), cwd=str(REPO), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    assert "ratio" in proc.stdout and "median" in proc.stdout
+
+    report = json.loads(out.read_text())
+    (seed,) = report["seeds"]
+    assert seed["seed"] == 1 and seed["recipe"]["reached"] and seed["baseline"]["reached"]
+    assert seed["recipe"]["curve"] and seed["recipe"]["step"] == seed["recipe"]["curve"][0]["step"]
+    assert seed["recipe"]["global_batch"] == 32
+    assert seed["baseline"]["eval_every_steps"] == 1  # 2 recipe steps x 32 images = 1 baseline step of 64
+    assert seed["ratio"] is not None and not seed["ratio_is_lower_bound"]
+    assert report["decode_s"] >= 0 and report["summary"]["recipe_time_s"]["n"] == 1
+    assert report["settings"]["recipe"] == "mnist_convnet" and report["machine"]["cpu_count"] >= 1
+    assert (tmp_path / "work" / "run-seed1" / "metrics.jsonl").is_file()
