@@ -1,13 +1,20 @@
-"""Shared fixtures: tiny datasets written to disk in the layouts users have, and a launcher that
-runs the recipes the way users do (`accelerate launch` with a shipped config, a free port)."""
+"""Shared fixtures: tiny datasets written to disk in the layouts users have, a launcher that runs the
+recipes the way users do (`accelerate launch` with a shipped config, a free port), an in-process runner
+for one-process behaviour that is not about the launcher, and reference runs: one full run per recipe
+and process count, shared by the tests that only read it or compare against it."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import traceback
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +103,87 @@ def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, ti
     return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
 
 
+@dataclass
+class InProcessResult:
+    """What the tests read from a finished subprocess.CompletedProcess."""
+
+    args: list
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+_RECIPE_MODULES: dict[Path, object] = {}
+
+
+def recipe_path(recipe) -> Path:
+    """A recipe name (recipes/<name>.py) or a path to a recipe file."""
+    path = Path(recipe)
+    return (path if path.suffix == ".py" else REPO / "recipes" / f"{recipe}.py").resolve()
+
+
+def import_recipe(recipe):
+    """The recipe file imported as a module (once per file); recipes run nothing at import."""
+    path = recipe_path(recipe)
+    if path not in _RECIPE_MODULES:
+        spec = importlib.util.spec_from_file_location(f"_test_recipe_{len(_RECIPE_MODULES)}_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while the Config class is made
+        spec.loader.exec_module(module)
+        _RECIPE_MODULES[path] = module
+    return _RECIPE_MODULES[path]
+
+
+def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
+    """``main(argv)`` of a recipe in this process, as ``python recipe.py ARGS`` with ``env`` would run it
+    on one process: the environment applied to os.environ, sys.argv[0] the recipe file, torch threads
+    from OMP_NUM_THREADS, stdout and stderr captured, and Accelerate's singletons reset before and after.
+    An exception that escapes main() is printed with its traceback to the captured stderr (exit 1), as
+    Python would; SystemExit gives its code."""
+    import datasets.config
+    import huggingface_hub.constants
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    path = recipe_path(recipe)
+    module = import_recipe(path)
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k not in env]:
+            mp.delenv(key)
+        for key, value in env.items():
+            if os.environ.get(key) != value:
+                mp.setenv(key, value)
+        # datasets and huggingface_hub read these from the environment once, at import
+        if "HF_HOME" in env:
+            mp.setattr(datasets.config, "HF_DATASETS_CACHE", Path(env["HF_HOME"]) / "datasets")
+        offline = env.get("HF_HUB_OFFLINE", "").lower() in ("1", "true")
+        mp.setattr(datasets.config, "HF_HUB_OFFLINE", offline)
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+        mp.setattr(sys, "argv", [str(path), *argv])
+        if cwd is not None:
+            mp.chdir(cwd)
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", threads)))
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        try:
+            with redirect_stdout(out), redirect_stderr(err):
+                try:
+                    code = module.main(argv)
+                except SystemExit as exit_:
+                    code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+                except Exception:
+                    traceback.print_exc()
+                    code = 1
+        finally:
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            torch.set_num_threads(threads)
+    return InProcessResult([str(path), *argv], code or 0, out.getvalue(), err.getvalue())
+
+
 def check_ok(proc: subprocess.CompletedProcess):
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
     return proc
@@ -129,3 +217,73 @@ def cifar_like(tmp_path_factory):
     """Hub-layout parquet with CIFAR's column name `img`, 3x32x32, 4 classes."""
     return write_parquet_dataset(tmp_path_factory.mktemp("cifar_like"), {"train": 256, "test": 64},
                                  shape=(3, 32, 32), image_col="img")
+
+
+@pytest.fixture(scope="session")
+def awkward(tmp_path_factory):
+    """Hub-layout parquet with its own validation split of an awkward size: train 256, validation 99, test 82."""
+    return write_parquet_dataset(tmp_path_factory.mktemp("awkward"), {"train": 256, "validation": 99, "test": 82})
+
+
+# --- reference runs --------------------------------------------------------------------------------
+# One full run per recipe and process count. The settings keep the models tiny; the extra flags change
+# nothing in the training math (checkpoint cadence, EMA decay, target check, profiling), so the same
+# run serves the end-to-end checks, the pinned losses and the uninterrupted side of the resume tests.
+
+SMALL = {
+    "fashion_mnist_mlp": ["--hidden", "32"],
+    "mnist_convnet": ["--width", "8"],
+    "cifar_cnn": ["--widths", "8,16,16"],
+}
+TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-every", 1]
+REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resumes must repeat
+    ("fashion_mnist_mlp", 1): ("mnist_like", [*TRAIN, *SMALL["fashion_mnist_mlp"]]),
+    # 2 processes: given validation split of 99 images, eval batch 10 per process; no dropout, so that
+    # 1 process x batch 32 must give the same weights
+    ("fashion_mnist_mlp", 2): ("awkward", [*TRAIN, *SMALL["fashion_mnist_mlp"], "--dropout", 0,
+                                           "--eval-batch-size", 20]),
+    ("mnist_convnet", 1): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5]),
+    ("mnist_convnet", 2): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5]),
+    ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--ema-decay", 0.9]),
+    ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--ema-decay", 0.9]),
+}
+REFERENCE_EXTRA = {  # read-only checks riding on the reference run
+    ("mnist_convnet", 1): ["--target-accuracy", 0.9],
+    ("fashion_mnist_mlp", 2): ["--profile", 2],
+}
+
+
+@dataclass
+class ReferenceRun:
+    run: Path          # its run directory
+    proc: object       # the finished process (stdout, stderr, returncode)
+    dataset: Path
+    train_args: list   # dataset and training flags, without --output-dir
+
+    def ok(self) -> "ReferenceRun":
+        check_ok(self.proc)
+        return self
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, mnist_like, cifar_like, awkward):
+    """reference_run(recipe, nproc) -> ReferenceRun, run once per session: in this process for 1 process,
+    `accelerate launch` with real gloo processes for 2."""
+    root = tmp_path_factory.mktemp("reference")
+    env = recipe_env(root)
+    done: dict = {}
+    datasets = {"mnist_like": mnist_like, "cifar_like": cifar_like, "awkward": awkward}
+
+    def get(recipe: str, nproc: int) -> ReferenceRun:
+        key = (recipe, nproc)
+        if key not in done:
+            fixture, flags = REFERENCE_TRAIN[key]
+            data = datasets[fixture]
+            train_args = ["--dataset", data, *flags]
+            run = root / f"{recipe}-{nproc}proc"
+            args = [*train_args, *REFERENCE_EXTRA.get(key, []), "--output-dir", run]
+            proc = run_in_process(recipe, args, env) if nproc == 1 else launch(recipe, args, env, nproc=nproc)
+            done[key] = ReferenceRun(run, proc, data, train_args)
+        return done[key].ok()
+
+    return get

@@ -70,9 +70,7 @@ def make_run(tmp_path):
             [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(20.0)
         model.eval()
         c = shape[0]
-        card = {"recipe": "tiny_recipe", "recipe_file": str(recipe_file), "model": kind,
-                "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in recipe.ARGS[kind].items()},
-                "input_shape": shape, "class_names": names, "mean": [0.45] * c, "std": [0.25] * c,
+        card = {"recipe": "tiny_recipe", "recipe_file": str(recipe_file), "model": kind, "input_shape": shape, "class_names": names, "mean": [0.45] * c, "std": [0.25] * c,
                 "config": {"model": kind, "tta": tta}}
         stub = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
         checkpoint.save_model_dir(stub, model, tmp_path / "run" / "best", card)
@@ -81,16 +79,24 @@ def make_run(tmp_path):
     return make
 
 
-@pytest.mark.parametrize("kind,tta", [("CifarCNN", True), ("ConvNet", False), ("MLP", False)])
-def test_export_cli_checks_with_onnxruntime(tmp_path, make_run, kind, tta):
-    """README's command, from a folder outside the repository, with the default exporter."""
+@pytest.mark.parametrize("kind,tta,how", [("CifarCNN", True, "cli"), ("ConvNet", False, "in_process"),
+                                         ("MLP", False, "in_process")])
+def test_export_checks_with_onnxruntime(tmp_path, make_run, kind, tta, how, capsys, monkeypatch):
+    """README's command, from a folder outside the repository, with the default exporter: as a real
+    command once, through main() for the other model kinds."""
     run_dir, card, model = make_run(kind, tta)
     out = tmp_path / "model.onnx"
-    proc = subprocess.run([sys.executable, "-m", "common.tools.export", str(run_dir), "--onnx", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "onnxruntime check passed" in proc.stdout and "TorchScript exporter" in proc.stdout
-    assert "skipped" not in proc.stdout
+    if how == "cli":
+        proc = subprocess.run([sys.executable, "-m", "common.tools.export", str(run_dir), "--onnx", str(out)],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    else:
+        monkeypatch.chdir(tmp_path)
+        code = main([str(run_dir), "--onnx", str(out)])
+        stdout, stderr = capsys.readouterr()
+    assert code == 0, stdout + stderr
+    assert "onnxruntime check passed" in stdout and "TorchScript exporter" in stdout
+    assert "skipped" not in stdout
     assert out.is_file()
 
     meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl
+from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, run_in_process
 
 MLP = ["--hidden", "32"]
 CONV = ["--width", "8"]
@@ -33,28 +33,34 @@ def checkpoints(run: Path) -> list[Path]:
     return complete_checkpoints(run)
 
 
+def run(recipe, args, env, nproc=1):
+    """1 process in this process; 2 processes as real gloo processes through `accelerate launch`."""
+    return run_in_process(recipe, args, env) if nproc == 1 else launch(recipe, args, env, nproc=nproc)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, mnist_like):
-    """Stopped mid-epoch (step 5 of 9 in epoch 1) and resumed: same weights and per-step losses.
-    ConvNet with BatchNorm and dropout, so data order, RNG and BN statistics all have to continue."""
-    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *CONV, "--log-every", 1,
-            "--checkpoint-every", 5]
-    full, part = tmp_path / "full", tmp_path / "part"
-    check_ok(launch("mnist_convnet", [*args, "--output-dir", full], env, nproc=nproc))
-    check_ok(launch("mnist_convnet", [*args, "--output-dir", part, "--max-steps", 5], env, nproc=nproc))
+def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
+    """Stopped mid-epoch (step 5 of 9 in epoch 1) and resumed: same weights and per-step losses as the
+    uninterrupted reference run (--checkpoint-every 5). ConvNet with BatchNorm and dropout, so data
+    order, RNG and BN statistics all have to continue."""
+    ref = reference_run("mnist_convnet", nproc)
+    args, full, part = ref.train_args, ref.run, tmp_path / "part"
+    assert "--checkpoint-every" in args and "--dropout" not in args
+    check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--max-steps", 5], env, nproc))
     state = json.loads((checkpoints(part)[-1] / "trainer_state.json").read_text())
     assert (state["epoch"], state["batches_in_epoch"], state["global_step"]) == (0, 5, 5)
-    check_ok(launch("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc=nproc))
+    assert json.loads((part / "summary.json").read_text())["global_step"] == 5
+    check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc))
     a, b = weights(full), weights(part)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert losses(full) == losses(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(full) == losses(part) and len(losses(full)) == 18
 
 
 def test_incomplete_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_path, env, mnist_like):
     run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2,
             "--keep-checkpoints", 2, "--output-dir", run]
-    check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", 6], env))
+    check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 6], env))
     kept = checkpoints(run)
     assert [json.loads((p / "trainer_state.json").read_text())["global_step"] for p in kept] == [4, 6]
     # a crash during a write leaves a temp folder, or a renamed folder without the marker
@@ -62,7 +68,7 @@ def test_incomplete_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_p
     fake = run / "checkpoints" / "step-00000099"
     fake.mkdir()
     (fake / "trainer_state.json").write_text(json.dumps({"global_step": 99}))
-    proc = check_ok(launch("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env))
+    proc = check_ok(run_in_process("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env))
     assert "resumed from" in proc.stdout and "step-00000006" in proc.stdout
     assert not fake.exists() and checkpoints(run)[-1].name == "step-00000018"
 
@@ -84,7 +90,8 @@ def test_sigterm_checkpoints_and_the_same_command_resumes(tmp_path, env, mnist_l
     os.killpg(proc.pid, signal.SIGTERM)  # as SLURM does: every process of the job gets the signal
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert "stop signal received" in out, out + err
+    assert "stopped by signal SIGTERM at step" in out and "--resume-from latest to continue" in out, out + err
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
     ckpts = checkpoints(run)
     assert ckpts, "no checkpoint written on SIGTERM"
     step = json.loads((ckpts[-1] / "trainer_state.json").read_text())["global_step"]
@@ -108,8 +115,8 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mn
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     last = json.loads((checkpoints(run)[-1] / "trainer_state.json").read_text())["global_step"]
-    again = check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", last + 3], env))
-    assert "resumed from" in again.stdout
+    again = check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", last + 3], env))
+    assert "resumed from" in again.stdout and f"step {last}" in again.stdout
 
 
 def test_nonfinite_loss_stops_every_rank_before_the_step(tmp_path, env, mnist_like):
@@ -127,7 +134,8 @@ def test_nonfinite_loss_stops_every_rank_before_the_step(tmp_path, env, mnist_li
 
 
 def test_one_failing_rank_ends_the_job(tmp_path, env, mnist_like):
-    """Rank 1 raises at its 3rd loss computation; the job ends non-zero, quickly, with the error shown."""
+    """Rank 1 raises at its 3rd loss computation; the job ends non-zero with the error shown, well before
+    the launch's timeout (a job that hangs in a collective fails here with TimeoutExpired)."""
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(
@@ -142,27 +150,26 @@ def test_one_failing_rank_ends_the_job(tmp_path, env, mnist_like):
         "        return _ce(*a, **k)\n"
         "    F.cross_entropy = cross_entropy\n")
     env = {**env, "PYTHONPATH": str(inject)}
-    t0 = time.time()
     proc = launch("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 50, "--batch-size", 32, *MLP,
-                                        "--timeout-s", 30, "--output-dir", tmp_path / "run"], env, nproc=2)
+                                        "--timeout-s", 30, "--output-dir", tmp_path / "run"], env, nproc=2,
+                  timeout=150)
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr
-    assert time.time() - t0 < 90
 
 
 def test_resume_refuses_another_model(tmp_path, env, mnist_like):
     run = tmp_path / "run"
     base = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, "--max-steps", 2, "--output-dir", run]
-    check_ok(launch("fashion_mnist_mlp", [*base, "--hidden", "32"], env))
-    proc = launch("fashion_mnist_mlp", [*base, "--hidden", "64", "--resume-from", "latest"], env)
-    assert proc.returncode != 0
-    assert "different model" in proc.stderr
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--hidden", "32"], env))
+    proc = run_in_process("fashion_mnist_mlp", [*base, "--hidden", "64", "--resume-from", "latest"], env)
+    assert proc.returncode == 2
+    assert "different model" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, mnist_like):
     run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run]
-    check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", 9], env, nproc=1))
+    check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 9], env))
     proc = check_ok(launch("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env, nproc=2))
     assert "written by 1 process(es), this run has 2" in proc.stdout
     assert "per_process_batch=16" in proc.stdout
@@ -173,7 +180,7 @@ def test_sync_bn_two_processes_equals_one_process_full_batch(tmp_path, env, mnis
     args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0,
             "--max-steps", 4, "--sync-bn"]
     one, two = tmp_path / "one", tmp_path / "two"
-    check_ok(launch("mnist_convnet", [*args, "--output-dir", one], env, nproc=1))
+    check_ok(run_in_process("mnist_convnet", [*args, "--output-dir", one], env))
     check_ok(launch("mnist_convnet", [*args, "--output-dir", two], env, nproc=2))
     a, b = weights(one), weights(two)
     for k in a:

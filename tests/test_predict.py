@@ -1,10 +1,14 @@
-"""common.predict: rebuild a model from model.json, preprocess like eval, top-k output, clear errors.
+"""common.tools.predict: rebuild a model from model.json through its recipe's build_model, preprocess like
+eval, top-k output, clear errors.
 
-Model folders are written with common.checkpoint.save_model_dir from untrained models (no training);
-the CLI runs as a subprocess, its JSON is checked against the torch model run directly."""
+Model folders are written with common.checkpoint.save_model_dir from untrained models (no training), with
+the card a recipe writes (recipe, recipe_file, config, input shape, classes, mean/std); one of them comes
+from a recipe file of the user's own with a model class of its own. The CLI runs as a subprocess, its
+JSON is checked against the torch model run directly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,38 +19,84 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from common import checkpoint, models  # noqa: E402
-from common.augment import normalize  # noqa: E402
-from common.predict import build_model_from_card, collect_images, load_predictor, predict_files  # noqa: E402
+from common import checkpoint
+from common.augment import normalize
+from common.tools.predict import build_model_from_card, collect_images, load_predictor, predict_files
+from conftest import REPO, import_recipe
 
 STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
 
-SPECS = {
-    "ConvNet": dict(model_args={"width": 4, "dropout": 0.1}, input_shape=[1, 28, 28],
+# A recipe of the user's own (as common.tools.copy_recipe starts one), defining a model class that
+# common.models does not have: predict must build it from this file.
+OWN_RECIPE = """
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from common.config import CommonConfig, knob
+
+RECIPE = "my_tiny_net"
+
+
+class TinyNet(nn.Module):
+    def __init__(self, in_shape, num_classes, hidden):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(in_shape[0] * in_shape[1] * in_shape[2], hidden),
+                                  nn.Tanh(), nn.Linear(hidden, num_classes))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@dataclass
+class Config(CommonConfig):
+    hidden: int = knob(24, "hidden units")
+
+
+def build_model(cfg, in_shape, num_classes):
+    return TinyNet(in_shape, num_classes, cfg.hidden)
+"""
+
+SPECS = {  # model class -> the recipe that builds it, its settings, and the data it was "trained" on
+    "ConvNet": dict(recipe="mnist_convnet", settings={"width": 4, "dropout": 0.1}, input_shape=[1, 28, 28],
                     class_names=["zero", "one", "two", "three", "four"], mean=[0.13], std=[0.31]),
-    "CifarCNN": dict(model_args={"widths": [8, 16, 16]}, input_shape=[3, 32, 32],
+    "CifarCNN": dict(recipe="cifar_cnn", settings={"widths": "8,16,16"}, input_shape=[3, 32, 32],
                      class_names=["cat", "dog", "bird", "fish"], mean=[0.49, 0.48, 0.45], std=[0.25, 0.24, 0.26]),
-    "MLP": dict(model_args={"hidden": [16], "dropout": 0.0}, input_shape=[1, 12, 12],
+    "MLP": dict(recipe="fashion_mnist_mlp", settings={"hidden": "16", "dropout": 0.0}, input_shape=[1, 12, 12],
                 class_names=["shirt", "shoe", "bag"], mean=[0.29], std=[0.35]),
+    "TinyNet": dict(recipe="my_tiny_net", settings={"hidden": 7}, input_shape=[1, 10, 10],
+                    class_names=["left", "right"], mean=[0.5], std=[0.2]),
 }
 
 
+def recipe_file(root: Path, kind: str) -> Path:
+    if kind != "TinyNet":
+        return REPO / "recipes" / f"{SPECS[kind]['recipe']}.py"
+    path = root / "my_recipes" / "my_tiny_net.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OWN_RECIPE)
+    return path
+
+
 def make_model_dir(root: Path, kind: str, tta: bool = False, seed: int = 0):
-    """Write <root>/run/best (model.safetensors + model.json) for an untrained model; returns
-    (run_dir, card, model). The last layer is scaled up so the logits are well apart."""
+    """Write <root>/run/best (model.safetensors + model.json) for an untrained model built by its recipe's
+    build_model; returns (run_dir, card, model). The last layer is scaled up so the logits are well apart."""
     spec = SPECS[kind]
+    path = recipe_file(root, kind)
+    recipe = import_recipe(path)
+    settings = {**spec["settings"], "seed": seed, **({"tta": tta} if kind == "CifarCNN" else {})}
+    cfg = recipe.Config(**settings)
     torch.manual_seed(seed)
-    builder = {"ConvNet": models.ConvNet, "CifarCNN": models.CifarCNN, "MLP": models.MLP}[kind]
-    args = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["model_args"].items()}
-    model = builder(tuple(spec["input_shape"]), len(spec["class_names"]), **args)
+    model = recipe.build_model(cfg, tuple(spec["input_shape"]), len(spec["class_names"]))
+    assert type(model).__name__ == kind
     last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
     with torch.no_grad():
         last.weight.mul_(40.0)
     model.eval()
-    card = {"recipe": f"test_{kind.lower()}", "model": kind, **spec, "config": {"tta": tta, "seed": seed}}
+    card = {"recipe": spec["recipe"], "recipe_file": str(path), "model": kind,
+            "input_shape": spec["input_shape"], "class_names": spec["class_names"], "mean": spec["mean"],
+            "std": spec["std"], "config": dataclasses.asdict(cfg)}
     run_dir = root / "run"
     checkpoint.save_model_dir(STUB_ACCELERATOR, model, run_dir / "best", card)
     return run_dir, card, model
@@ -85,8 +135,8 @@ def reference_logits(model, card, path: Path) -> torch.Tensor:
     return logits[0]
 
 
-def run_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "common.predict", *map(str, args)], cwd=REPO,
+def run_cli(*args, timeout=120, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "common.tools.predict", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -95,8 +145,37 @@ def test_build_model_from_card_matches_saved_weights(tmp_path, kind):
     run_dir, card, model = make_model_dir(tmp_path, kind)
     state, loaded_card = checkpoint.load_model_dir(run_dir)
     rebuilt = build_model_from_card(loaded_card)
-    rebuilt.load_state_dict(state)  # strict: same architecture
-    assert type(rebuilt) is type(model)
+    rebuilt.load_state_dict(state)  # strict: same architecture, settings from the card's config
+    assert type(rebuilt).__name__ == kind == loaded_card["model"]
+    rebuilt.eval()
+    x = torch.randn(2, *card["input_shape"])
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), model(x))
+
+
+def test_model_class_of_a_users_own_recipe_file(tmp_path):
+    """A recipe file outside the repository with its own model class: predicted from the file model.json
+    names, from a folder outside the repository; once moved, --recipe points at it."""
+    run_dir, card, model = make_model_dir(tmp_path, "TinyNet")
+    images = write_images(tmp_path / "imgs", 3, (10, 10), "L")
+    proc = run_cli(run_dir, *images, "--format", "json", "--top-k", 1, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["model"] == "TinyNet" and doc["recipe"] == "my_tiny_net"
+    for path, result in zip(images, doc["results"]):
+        ref = torch.softmax(reference_logits(model, card, path), 0)
+        assert result["predictions"][0]["index"] == int(ref.argmax())
+        assert result["predictions"][0]["probability"] == pytest.approx(float(ref.max()), abs=1e-5)
+
+    moved = tmp_path / "elsewhere" / "renamed_recipe.py"
+    moved.parent.mkdir()
+    Path(card["recipe_file"]).rename(moved)
+    gone = run_cli(run_dir, *images, cwd=tmp_path)
+    assert gone.returncode == 2 and "--recipe" in gone.stderr and "Traceback" not in gone.stderr
+    again = run_cli(run_dir, *images, "--recipe", moved, "--format", "json", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert [r["predictions"][0]["index"] for r in json.loads(again.stdout)["results"]] == \
+        [r["predictions"][0]["index"] for r in doc["results"]]
 
 
 @pytest.mark.parametrize("kind,tta", [("ConvNet", False), ("CifarCNN", True)])
@@ -180,7 +259,7 @@ def test_cli_errors_name_the_problem(tmp_path):
 
 @pytest.mark.parametrize("case", ["no_such_run", "no_model_files", "empty_folder", "bad_top_k"])
 def test_model_and_argument_errors_exit_2(tmp_path, capsys, case):
-    from common.predict import main
+    from common.tools.predict import main
 
     run_dir, _, _ = make_model_dir(tmp_path, "MLP")
     good = write_images(tmp_path / "imgs", 1, (12, 12), "L")[0]

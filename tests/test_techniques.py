@@ -16,7 +16,7 @@ from common.ema import WeightEMA
 from common.metrics import evaluate
 from common.models import CifarCNN, init_whitening
 from common.schedule import build_scheduler, lr_multiplier
-from conftest import check_ok, launch, read_jsonl
+from conftest import check_ok, launch, read_jsonl, run_in_process
 
 
 class _Acc:
@@ -162,18 +162,20 @@ def test_flip_tta_averages_each_image_with_its_mirror():
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_cifar_resume_with_ema_and_whitening_is_exact(nproc, tmp_path, env, cifar_like):
+def test_cifar_resume_with_ema_and_whitening_is_exact(nproc, tmp_path, env, reference_run):
     """Stopped after 3 optimizer steps and resumed: the EMA weights (what final/ holds) and the per-step
-    losses equal an uninterrupted run's, so the average is checkpointed and restored."""
-    args = ["--dataset", cifar_like, "--epochs", 2, "--batch-size", 32, "--widths", "8,16,16", "--log-every", 1,
-            "--checkpoint-every", 3, "--ema-decay", 0.9]
-    full, part = tmp_path / "full", tmp_path / "part"
-    check_ok(launch("cifar_cnn", [*args, "--output-dir", full], env, nproc=nproc))
-    check_ok(launch("cifar_cnn", [*args, "--output-dir", part, "--max-steps", 3], env, nproc=nproc))
-    check_ok(launch("cifar_cnn", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc=nproc))
+    losses equal the uninterrupted reference run's (--ema-decay 0.9, --checkpoint-every 3), so the
+    average is checkpointed and restored. 1 process in this process, 2 as real gloo processes."""
+    ref = reference_run("cifar_cnn", nproc)
+    args, full, part = ref.train_args, ref.run, tmp_path / "part"
+    assert "--ema-decay" in args and "--checkpoint-every" in args
+    run = (lambda a: run_in_process("cifar_cnn", a, env)) if nproc == 1 else \
+        (lambda a: launch("cifar_cnn", a, env, nproc=nproc))
+    check_ok(run([*args, "--output-dir", part, "--max-steps", 3]))
+    check_ok(run([*args, "--output-dir", part, "--resume-from", "latest"]))
     a = load_file(str(full / "final" / "model.safetensors"))
     b = load_file(str(part / "final" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     loss = [(r["step"], r["train/loss"]) for r in read_jsonl(full / "metrics.jsonl") if "train/loss" in r]
     assert loss == [(r["step"], r["train/loss"]) for r in read_jsonl(part / "metrics.jsonl") if "train/loss" in r]
     summary = json.loads((full / "summary.json").read_text())
@@ -191,7 +193,7 @@ def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
     differ only by where a bright block sits, which a global-max-pool model sees only through the image
     border, so the bar is well above chance rather than near 100%.)"""
     run = tmp_path / "run"
-    check_ok(launch("cifar_cnn", ["--dataset", mnist_like, "--channels", 3, "--image-size", 32, "--no-flip",
+    check_ok(run_in_process("cifar_cnn", ["--dataset", mnist_like, "--channels", 3, "--image-size", 32, "--no-flip",
                                   "--no-tta", "--widths", "8,16,16", "--epochs", 6, "--batch-size", 32, "--lr", 0.05, "--ema-decay", 0.9,
                                   "--output-dir", run], env))
     card = json.loads((run / "final" / "model.json").read_text())

@@ -1,5 +1,7 @@
-"""TensorBoard as users open it: a real 2-process run, then a real `tensorboard` server on its run directory,
-read back over the HTTP API the TensorBoard frontend uses (Scalars, Images and HParams tabs)."""
+"""TensorBoard as users open it: a real 2-process run (the fashion_mnist_mlp reference run of conftest:
+train 256, a validation split of its own, 2 epochs of batch 32, one log line per step), then a real
+`tensorboard` server on its run directory, read back over the HTTP API the TensorBoard frontend uses
+(Scalars, Images and HParams tabs)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from conftest import check_ok, free_port, launch, read_scalars, recipe_env, write_parquet_dataset
+from conftest import free_port, read_scalars, recipe_env
 
 N_TRAIN, BATCH, EPOCHS = 256, 32, 2
 STEPS = EPOCHS * (N_TRAIN // BATCH)  # a validation split is given, so nothing is held out of train
@@ -41,14 +43,13 @@ def _post_json(url: str, body: dict):
 
 
 @pytest.fixture(scope="module")
-def tb(tmp_path_factory):
+def tb(tmp_path_factory, reference_run):
     """(server base URL, run dir, the run's model.json, the run's summary.json, scalars read from disk)."""
     root = tmp_path_factory.mktemp("tb")
-    data = write_parquet_dataset(root / "data", {"train": N_TRAIN, "validation": 64, "test": 48})
-    run = root / "run"
-    check_ok(launch("fashion_mnist_mlp", ["--dataset", data, "--epochs", EPOCHS, "--batch-size", BATCH,
-                                          "--log-every", 1, "--hidden", "32", "--output-dir", run], recipe_env(root),
-                    nproc=2))
+    run = reference_run("fashion_mnist_mlp", 2).run
+    args = [str(a) for a in reference_run("fashion_mnist_mlp", 2).train_args]
+    assert [args[args.index(f) + 1] for f in ("--epochs", "--batch-size", "--log-every", "--hidden")] == \
+        [str(EPOCHS), str(BATCH), "1", "32"]
     on_disk = read_scalars(run)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
