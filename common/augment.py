@@ -67,9 +67,11 @@ class BatchTransform:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last else x
 
 
-def channel_stats(images: torch.Tensor, max_images: int = 10000) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std (in [0, 1] units) of up to ``max_images`` uint8 images."""
-    x = images[:max_images].float().div_(255.0)
+def channel_stats(split, max_images: int = 10000) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std (in [0, 1] units) of the first ``max_images`` uint8 images of a split
+    (``common.data.ImageSplit``, read without copying the rest) or of an image tensor."""
+    images = split.images_at(slice(0, max_images)) if hasattr(split, "images_at") else split[:max_images]
+    x = images.float().div_(255.0)
     mean = x.mean(dim=(0, 2, 3))
     std = x.std(dim=(0, 2, 3)).clamp_min(1e-3)
     return mean.tolist(), std.tolist()

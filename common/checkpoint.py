@@ -190,6 +190,7 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict]) -> list[str]:
     rate, weight decay and momentum this command line asked for (``fresh``: the param groups' values
     before loading), keeping the schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
     changes = []
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # the LambdaLR inside Accelerate's wrapper
     for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
         for key in HYPERPARAMETERS:
             if key == "lr":
@@ -202,6 +203,7 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict]) -> list[str]:
             elif key in group and group[key] != want.get(key):
                 changes.append(f"{key} {group[key]:g} -> {want[key]:g}")
                 group[key] = want[key]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
     return sorted(set(changes))
 
 

@@ -61,11 +61,11 @@ from common.augment import batch_generator
 from common.config import sanitize_for_hparams, save_config
 from common.data import load_image_data, make_loader
 from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError
+from common.guard import LossScaleWatch, StepGuard
 from common.profiler import StepProfiler
 from common.stopping import StopFlag
 from common.tracking import MetricsLog, Progress, Throughput
 
-MAX_CONSECUTIVE_SKIPS = 25  # fp16: 25 halvings take the loss scale from 65536 below 0.002
 # --eval-only takes these from the command line; every other setting comes from the run's config.json.
 EVAL_ONLY_OWN = {"eval_only", "checkpoint", "target_accuracy", "output_dir", "resume_from", "eval_batch_size",
                  "cache_dir", "timeout_s", "profile", "data_on_device", "compile"}
@@ -192,17 +192,16 @@ class TrainingRun:
                 save_config(cfg, self.run_dir / "config.json")
         self.started = True
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
-        self.best, self.skipped_steps = state["best"], state["skipped_steps"]
+        self.best, self.skipped_before = state["best"], state["skipped_steps"]
         self.saved_step = self.global_step if self.resume_path is not None else None
         self.done = self.global_step >= self.total_steps
         self.log = MetricsLog(acc, self.run_dir, self.global_step if self.resume_path is not None else None)
         self.profiler = StepProfiler(acc, cfg.profile, self.run_dir)
         self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s)
         self.meter = Throughput(acc.device)
-        self._zero_step_sums()
+        self.guard, self.scale_watch = StepGuard(acc), LossScaleWatch(acc.scaler)
         self.win_loss, self.win_n, self.epoch_loss, self.epoch_n = 0.0, 0, 0.0, 0
         self.last_loss, self.last_speed, self.stopping, self.step_lr = None, None, False, None
-        self.consecutive_skips, self.last_scale = 0, self._loss_scale()
         self.epoch_eval, self.eval_now = None, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
         self.say(f"run dir: {self.run_dir}  model: {self.card['model']} "
@@ -262,56 +261,43 @@ class TrainingRun:
         """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
         return batch_generator(self.cfg.seed, self.epoch, self.batch, self.accelerator.process_index)
 
-    def _zero_step_sums(self) -> None:
-        self.step_sums = torch.zeros(3, device=self.accelerator.device)  # non-finite count, loss sum, finite count
-
     def track_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-step's loss to this optimizer step's sums, on the device (no sync)."""
-        d = loss.detach().float()
-        finite = torch.isfinite(d)
-        self.step_sums += torch.stack([(~finite).float(), torch.where(finite, d, 0.0), finite.float()])
+        self.guard.track(loss)
 
     def guard_step(self, grad_norm) -> None:
         """Before the optimizer step, once per optimizer step: one small all-reduce (a CPU-GPU sync
-        point) tells every rank whether any rank saw a non-finite loss or a stop request, and sums the
-        loss for logging. A non-finite loss stops every rank here, before the weights change (with fp16
-        the loss scaler skips the step instead)."""
-        packed = torch.cat([self.step_sums, torch.tensor([1.0 if self.stop else 0.0], device=self.step_sums.device)])
-        nonfinite, loss_sum, finite_n, stops = self.accelerator.reduce(packed, reduction="sum").tolist()
-        self._zero_step_sums()
+        point, ``common.guard``) tells every rank whether any rank saw a non-finite loss or a stop
+        request. A non-finite loss stops every rank here, before the weights change (with fp16 the loss
+        scaler skips the step instead); a stop request is honoured after this step (``end_step``)."""
+        nonfinite, self.stopping, loss_sum, count = self.guard.check(bool(self.stop))
         if nonfinite and self.accelerator.mixed_precision != "fp16":
-            last = ckpt.find_latest(self.run_dir)
-            raise NonFiniteLoss(
-                f"the training loss became non-finite at optimizer step {self.global_step + 1} (epoch {self.epoch + 1}, "
-                f"batch {self.batch + 1}); nothing was written after it. Last good checkpoint: {last or 'none'}. "
-                "Lower --lr, set --max-grad-norm, or check the data, then rerun the same command with "
-                "--resume-from latest (the new --lr / --max-grad-norm apply on resume).")
-        self.stopping = stops > 0
-        self.win_loss, self.win_n = self.win_loss + loss_sum, self.win_n + finite_n
-        self.epoch_loss, self.epoch_n = self.epoch_loss + loss_sum, self.epoch_n + finite_n
+            raise NonFiniteLoss(self._nonfinite_advice())
+        self.win_loss, self.win_n = self.win_loss + loss_sum, self.win_n + count
+        self.epoch_loss, self.epoch_n = self.epoch_loss + loss_sum, self.epoch_n + count
         self.meter.add_grad_norm(grad_norm)
-        self.step_lr = self.scheduler.get_last_lr()[0]  # the LR this step uses, before the scheduler moves it
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
 
-    def _loss_scale(self) -> float | None:
-        scaler = self.accelerator.scaler
-        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+    def _nonfinite_advice(self) -> str:
+        """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
+        step = self.global_step + 1
+        usable = [p for p in ckpt.complete_checkpoints(self.run_dir) if ckpt.read_state(p)["global_step"] < step - 1]
+        where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
+                 f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
+                 if usable else "No checkpoint predates the update that led here: start a new run with a lower --lr "
+                 "(or --max-grad-norm).")
+        return (f"the training loss became non-finite at optimizer step {step} (epoch {self.epoch + 1}, batch "
+                f"{self.batch + 1}) on at least one process; every process stopped before the optimizer step and "
+                f"nothing was written after it. {where} If the loss is non-finite from the first step, check the data.")
 
     def step_was_taken(self) -> bool:
-        """False when fp16 loss scaling skipped this optimizer step (overflow). Read from the scale, which
-        halves on every skip: ``optimizer_step_was_skipped`` is always False with a fused optimizer."""
-        if self.last_scale is None:
-            return True
-        scale = self._loss_scale()  # a device sync, fp16 only
-        skipped, self.last_scale = scale < self.last_scale, scale
-        self.consecutive_skips = self.consecutive_skips + 1 if skipped else 0
-        self.skipped_steps += int(skipped)
-        if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS:
-            raise NonFiniteLoss(
-                f"fp16 loss scaling skipped the last {self.consecutive_skips} optimizer steps in a row (loss scale "
-                f"now {scale:g}): the gradients overflow at every step, so the model no longer trains. Lower --lr, "
-                "set --max-grad-norm, or train in bf16 (accelerate_configs/multi_gpu_bf16.yaml), then rerun with "
-                "--resume-from latest.")
-        return not skipped
+        """False when fp16 loss scaling skipped this optimizer step (overflow): then the schedule and a
+        weight average must not advance. Too many skips in a row stop the run (``common.guard``)."""
+        return self.scale_watch.step_taken()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.skipped_before + self.scale_watch.skipped
 
     def end_step(self) -> bool:
         """After each optimizer step: log, progress, checkpoint, stop. Returns True when an evaluation is
@@ -360,7 +346,7 @@ class TrainingRun:
     def record_eval(self, metrics: dict, model) -> None:
         """Log a validation result (scalars, per-class accuracy, confusion matrix, misclassified images)
         and keep the model in best/ when --monitor improved."""
-        self._log_eval("eval", metrics, self.data.val.images)
+        self._log_eval("eval", metrics, self.data.val)
         value = metrics[self.cfg.monitor.split("/", 1)[1]]
         if self.best is None or (value > self.best if self.cfg.mode == "max" else value < self.best):
             self.best = value
@@ -374,7 +360,7 @@ class TrainingRun:
         else:
             self.epoch_eval = metrics
 
-    def _log_eval(self, split: str, metrics: dict, images) -> None:
+    def _log_eval(self, split: str, metrics: dict, data_split) -> None:
         per_class = {f"{split}/accuracy_class/{name}": acc
                      for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
         self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
@@ -390,7 +376,7 @@ class TrainingRun:
                          self.global_step, dataformats="HWC")
         preds, labels = metrics["preds"], metrics["labels"]
         wrong = (preds != labels).nonzero().flatten()[:36]
-        writer.add_image(f"{split}/misclassified", misclassified_grid(images[wrong], labels[wrong], preds[wrong],
+        writer.add_image(f"{split}/misclassified", misclassified_grid(data_split.images_at(wrong), labels[wrong], preds[wrong],
                                                                       self.data.class_names),
                          self.global_step, dataformats="HWC")
 
@@ -420,7 +406,7 @@ class TrainingRun:
         split = "test" if self.data.test is not None else "val"
         final = {}
         if metrics is not None:
-            self._log_eval(split, metrics, (self.data.test if split == "test" else self.data.val).images)
+            self._log_eval(split, metrics, self.data.test if split == "test" else self.data.val)
             final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"],
                      f"{split}/count": metrics["count"]}
         ckpt.save_model_dir(acc, model, self.run_dir / "final",

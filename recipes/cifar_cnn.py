@@ -95,7 +95,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
 
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
-    mean, std = channel_stats(data.train.images)
+    mean, std = channel_stats(data.train)
     transform = BatchTransform(mean, std, translate=cfg.translate, flip=cfg.flip, channels_last=cfg.channels_last)
     train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader
@@ -104,7 +104,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
     if cfg.whiten_init:  # from the same images on every rank, so every rank starts from the same weights
-        init_whitening(model.features[0], transform.eval(data.train.images[:5000]))
+        init_whitening(model.features[0], transform.eval(data.train.images_at(slice(0, 5000))))
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
     if cfg.channels_last:

@@ -76,7 +76,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
 
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
-    transform = BatchTransform(*channel_stats(data.train.images))  # normalisation only, on the device
+    transform = BatchTransform(*channel_stats(data.train))  # normalisation only, on the device
     train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader
 

@@ -78,7 +78,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
 
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
-    mean, std = channel_stats(data.train.images)
+    mean, std = channel_stats(data.train)
     transform = BatchTransform(mean, std, translate=cfg.translate)  # on the device, whole batches
     train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader

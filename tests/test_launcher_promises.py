@@ -1,0 +1,259 @@
+"""Promises that must hold under the real launcher: a killed launcher leaves no orphans, one writer per
+run directory, the outcome recorded in summary.json, no hang without a shared filesystem, saves that never
+keep an abandoned run's state, hyperparameters applied on resume, fp16 skipped steps detected, the weight
+average equal on every rank, one metrics.jsonl line per step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl
+
+MLP = ["--hidden", "32"]
+
+
+def status(run: Path) -> str:
+    return json.loads((run / "summary.json").read_text())["status"]
+
+
+def pids_running(needle: str) -> list[int]:
+    """Python processes whose command line mentions ``needle`` (the test's unique run directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if needle in cmd and "recipes/" in cmd and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def start(recipe: str, args, env, config: str, cwd=REPO) -> subprocess.Popen:
+    cmd = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / config), "--main_process_port",
+           str(free_port()), str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)]
+    # A session of its own, as a terminal or a batch system would give it; we signal only the launcher.
+    return subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def wait_for(cond, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def logged_steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.parametrize("nproc,sig", [(1, signal.SIGKILL), (2, signal.SIGKILL), (1, signal.SIGTERM)])
+def test_killed_launcher_leaves_no_orphans(nproc, sig, tmp_path, env, mnist_like):
+    """The launcher is killed (kill -9, or TERM which the single-process launcher does not forward): its
+    workers notice within seconds, write a checkpoint, record 'preempted' and exit; a rerun resumes."""
+    run = tmp_path / f"run-{nproc}-{sig}"
+    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
+            "--output-dir", run, "--resume-from", "latest"]
+    proc = start("fashion_mnist_mlp", args, env, "cpu.yaml" if nproc == 1 else "cpu_2proc.yaml")
+    try:
+        wait_for(lambda: logged_steps(run) >= 3, 120, "the run to train a few steps")
+        assert len(pids_running(str(run))) == nproc + 1  # the launcher and its workers
+        os.kill(proc.pid, sig)  # the launcher only, not its process group
+        proc.communicate(timeout=30)
+        wait_for(lambda: not pids_running(str(run)), 20, "the orphaned workers to exit")
+    finally:
+        for pid in pids_running(str(run)):
+            os.kill(pid, signal.SIGKILL)
+    assert status(run) == "preempted"
+    from common.checkpoint import find_latest
+
+    assert find_latest(run) is not None
+    again = check_ok(launch("fashion_mnist_mlp", [*args[:-4], "--epochs", 1, "--output-dir", run, "--resume-from",
+                                                  "latest"], env, nproc=1))
+    assert "resumed from" in again.stdout
+
+
+def test_one_writer_per_run_directory(tmp_path, env, mnist_like):
+    """A second launch on a directory a live run holds is refused in seconds, naming the holder's PID;
+    the lock dies with its holder, so after a kill -9 the same command resumes."""
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--output-dir", run,
+            "--resume-from", "latest", "--checkpoint-every", 2]
+    first = start("fashion_mnist_mlp", args, env, "cpu.yaml")
+    try:
+        wait_for(lambda: logged_steps(run) >= 1, 120, "the first run to start training")
+        t0 = time.time()
+        second = launch("fashion_mnist_mlp", args, env)
+        assert second.returncode != 0 and time.time() - t0 < 60
+        holder = (run / ".lock").read_text().split()[0]
+        assert f"in use by another run (PID {holder}" in second.stderr
+        assert int(holder) in pids_running(str(run))
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate(timeout=30)
+    wait_for(lambda: not pids_running(str(run)), 20, "the killed run to be gone")
+    check_ok(launch("fashion_mnist_mlp", [*args[:2], "--epochs", 1, *args[4:]], env))
+
+
+def test_default_run_names_never_collide(tmp_path, monkeypatch):
+    from common.rundir import new_default_dir
+
+    monkeypatch.chdir(tmp_path)
+    names = {new_default_dir("mlp") for _ in range(5)}  # the same second
+    assert len(names) == 5 and all(p.is_dir() for p in names)
+
+
+def test_no_shared_filesystem_is_refused_on_every_node(tmp_path, env, mnist_like):
+    """Two loopback 'nodes' whose relative --output-dir resolves to different folders: both refuse at
+    startup with the reason, instead of hanging in a collective until the timeout."""
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        node = tmp_path / f"node{rank}"
+        node.mkdir()
+        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
+               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+               str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
+               "--max-steps", "3", "--output-dir", "runs/shared", "--timeout-s", "60"]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=str(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode != 0
+        assert "not one folder shared by every process" in err, err[-2000:]
+    assert not (tmp_path / "node1" / "runs" / "shared" / "config.json").exists()
+
+
+def test_resume_from_an_older_checkpoint_with_new_hyperparameters(tmp_path, env, mnist_like):
+    """Resuming from step 3 while steps 6 and 9 of the first continuation exist: the new run's saves are
+    written (not skipped because a folder of that step exists), the abandoned ones are set aside, and the
+    --lr given on the resuming command is applied, and said so."""
+    run = tmp_path / "run"
+    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--log-every", 1,
+            "--checkpoint-every", 3, "--keep-checkpoints", 5, "--output-dir", run, "--max-steps", 9]
+    check_ok(launch("fashion_mnist_mlp", base, env))
+    again = check_ok(launch("fashion_mnist_mlp", [*base, "--resume-from", run / "checkpoints" / "step-00000003",
+                                                  "--lr", "1e-5"], env))
+    assert "applied from the command line over the checkpoint's values: lr 0.001 -> 1e-05" in again.stdout
+    from common.checkpoint import complete_checkpoints, read_state
+
+    latest = complete_checkpoints(run)
+    assert [read_state(p)["global_step"] for p in latest] == [3, 6, 9]
+    assert all(read_state(p)["config"]["lr"] == 1e-5 for p in latest[1:])  # this run's saves, not the old ones
+    assert len(list((run / "checkpoints").glob("superseded-*-step-00000006"))) == 1
+    lrs = {r["step"]: r["train/lr"] for r in read_jsonl(run / "metrics.jsonl") if "train/lr" in r}
+    assert lrs[3] > 1e-4 and 0 < lrs[4] <= 1e-5  # the step after the resume uses the new peak LR's schedule
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
+    assert steps == sorted(set(steps))  # one line per step
+
+
+def test_nonfinite_advice_works_when_followed(tmp_path, env, mnist_like):
+    """A run diverges after a resume with a far too high --lr. The message names the checkpoint to resume
+    and says to lower --lr; doing exactly that finishes the run (the lower --lr really applies)."""
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--warmup-fraction", 0,
+            "--checkpoint-every", 3, "--keep-checkpoints", 5, "--log-every", 1, "--output-dir", run]
+    check_ok(launch("fashion_mnist_mlp", [*args, "--max-steps", 3], env))
+    bad = launch("fashion_mnist_mlp", [*args, "--lr", "1e30", "--resume-from", "latest"], env)
+    assert "lr 0.001 -> 1e+30" in bad.stdout  # the resuming command's --lr applies (it used to be ignored)
+    assert bad.returncode != 0 and "lower --lr" in bad.stderr and status(run) == "nonfinite_loss"
+    named = bad.stderr.split("--resume-from ")[1].split(";")[0]
+    assert named.endswith("step-00000003")
+    good = check_ok(launch("fashion_mnist_mlp", [*args, "--lr", "1e-3", "--resume-from", named], env))
+    assert status(run) == "completed"
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in read_jsonl(run / "metrics.jsonl")
+               if "train/loss" in r)
+
+
+def test_metrics_one_line_per_step_across_fresh_starts_and_finished_resumes(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--log-every", 2,
+            "--output-dir", run, "--resume-from", "latest"]
+    first = check_ok(launch("fashion_mnist_mlp", args, env))
+    assert "nothing to resume in" in first.stdout and "starting fresh" in first.stdout
+    rows = read_jsonl(run / "metrics.jsonl")
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)) and "test/accuracy" in rows[-1] and "train/loss" in rows[-1]
+    check_ok(launch("fashion_mnist_mlp", args, env))  # resuming the finished run
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == steps
+    import shutil
+
+    shutil.rmtree(run / "checkpoints")  # no complete checkpoint left: the next start is a fresh one
+    check_ok(launch("fashion_mnist_mlp", args, env))
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == steps
+
+
+def test_ema_is_the_same_model_on_every_rank(tmp_path, env, cifar_like):
+    """2 processes, BatchNorm, weight average: the final evaluation on 2 processes equals --eval-only of the
+    saved final/ weights on 1 process, so every rank evaluated the model that was saved."""
+    run = tmp_path / "run"
+    check_ok(launch("cifar_cnn", ["--dataset", cifar_like, "--epochs", 2, "--batch-size", 32, "--widths", "8,16,16",
+                                  "--ema-decay", 0.9, "--output-dir", run], env, nproc=2))
+    final = json.loads((run / "summary.json").read_text())["final"]
+    check_ok(launch("cifar_cnn", ["--eval-only", "--checkpoint", run / "final"], env, nproc=1))
+    result = json.loads((run / "final" / "eval-test.json").read_text())
+    assert result["count"] == final["test/count"] == 64
+    assert result["accuracy"] == final["test/accuracy"]
+    assert result["loss"] == pytest.approx(final["test/loss"], rel=1e-5)
+
+
+def test_fp16_skipped_steps_are_detected_with_a_fused_optimizer():
+    """GradScaler('cpu') and fused AdamW: an overflowing step is skipped by the scaler while
+    optimizer_step_was_skipped-style checks see nothing; the scale tells, and a run of skips stops."""
+    from common.errors import NonFiniteLoss
+    from common.guard import MAX_CONSECUTIVE_SKIPS, LossScaleWatch
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    watch = LossScaleWatch(scaler)
+
+    def step(overflow: bool) -> bool:
+        loss = model(torch.ones(3, 4)).sum() * (float("inf") if overflow else 1.0)
+        scaler.scale(loss).backward()
+        before = model.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        taken = watch.step_taken()
+        assert taken == (not torch.equal(before, model.weight))  # what really happened to the weights
+        return taken
+
+    assert step(False) and not step(True) and step(False)
+    assert watch.skipped == 1
+    with pytest.raises(NonFiniteLoss, match="skipped the last"):
+        for _ in range(MAX_CONSECUTIVE_SKIPS):
+            step(True)
+
+
+def test_step_guard_never_logs_a_nonfinite_loss_as_zero():
+    from common.guard import StepGuard
+
+    class OneProcess:
+        device = torch.device("cpu")
+
+        def reduce(self, tensor, reduction):
+            return tensor
+
+    guard = StepGuard(OneProcess())
+    guard.track(torch.tensor(2.0))
+    guard.track(torch.tensor(float("nan")))
+    guard.track(torch.tensor(4.0))
+    nonfinite, stop, loss_sum, count = guard.check(stop_requested=True)
+    assert nonfinite and stop and loss_sum / count == 3.0
+    assert guard.check(stop_requested=False) == (False, False, 0.0, 0.0)  # sums start again per step
