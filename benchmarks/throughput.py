@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from common.augment import BatchTransform, batch_generator, channel_stats
 from common.data import ImageSplit, TensorImages, keep_batch, make_loader
 from common.models import MLP, CifarCNN, ConvNet, count_parameters, parse_ints
-from common.runtime import StepGuard, make_accelerator
+from common.accelerator import make_accelerator
 
 NUM_CLASSES = 10
 
@@ -162,7 +162,7 @@ def build_transform(spec: dict, split: ImageSplit) -> BatchTransform:
 
 
 def new_accelerator(args):
-    """The recipes' own Accelerator (common.runtime.make_accelerator), fp32. bf16 is measured with an
+    """The recipes' own Accelerator (common.accelerator.make_accelerator), fp32. bf16 is measured with an
     explicit autocast, so that one Accelerator serves every path."""
     os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
     accelerator, _ = make_accelerator(types.SimpleNamespace(grad_accum=1, seed=args.seed, timeout_s=300))
@@ -243,16 +243,30 @@ def pure_compute_step(spec, args, device, batch) -> Callable[[], None]:
     return step
 
 
+def step_guard(accelerator) -> Callable[[torch.Tensor], None]:
+    """What ``TrainingRun.track_loss`` + ``guard_step`` cost once per optimizer step: the loss sums kept
+    on the device, then one all-reduce of (non-finite count, loss sum, finite count, stop request)
+    read back on the host (a device sync)."""
+
+    def guard(loss):
+        d = loss.detach().float()
+        finite = torch.isfinite(d)
+        sums = torch.stack([(~finite).float(), torch.where(finite, d, 0.0), finite.float()])
+        packed = torch.cat([sums, torch.zeros(1, device=sums.device)])
+        accelerator.reduce(packed, reduction="sum").tolist()
+    return guard
+
+
 def accelerate_step(spec, args, accelerator, loader, transform, bf16: bool = False) -> Callable[[], None]:
     """2. The recipe's training step (recipes/*.py, minus logging/checkpointing): prepared model,
     optimizer and loader, on-device BatchTransform with the per-step generator, the per-step
-    StepGuard all-reduce, accelerator.backward, optimizer.step. ``transform=None`` feeds the batch
+    guard all-reduce (``TrainingRun.guard_step``), accelerator.backward, optimizer.step. ``transform=None`` feeds the batch
     as it comes (the seed-style loader already normalizes); ``bf16`` runs the forward under bf16
     autocast, as Accelerate's mixed_precision='bf16' does."""
     model = build_model(spec, args)
     optimizer = build_optimizer(spec, model, accelerator.device)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    guard = StepGuard(accelerator, types.SimpleNamespace(signum=0), fp16=False)
+    guard = step_guard(accelerator)
     stream, rank = batches(loader), accelerator.process_index
     device_type = accelerator.device.type
 
@@ -263,8 +277,8 @@ def accelerate_step(spec, args, accelerator, loader, transform, bf16: bool = Fal
             with torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), labels, label_smoothing=spec["label_smoothing"])
-            guard.check(loss)
             accelerator.backward(loss)
+            guard(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return step

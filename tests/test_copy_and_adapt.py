@@ -1,18 +1,19 @@
 """The user's path to their own data, end to end: a folder of class sub-folders with images that are not
-CIFAR- or MNIST-sized, `python -m common.copy_recipe`, then `accelerate launch` of the copy from outside the
-repository with only --dataset and run-length flags. Classes and image shape must come from the data, and
-the copy must learn."""
+CIFAR- or MNIST-sized, `python -m common.tools.copy_recipe`, then the copy trained from outside the
+repository with only --dataset and run-length flags (`accelerate launch` of the copy as printed for the
+CIFAR recipe; main() of the copy in this process for the MNIST one). Classes and image shape must come from
+the data, and the copy must learn."""
 
 from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ACCELERATE, CONFIGS, REPO, check_ok, free_port
+from common.tools.copy_recipe import main as copy_recipe
+from conftest import ACCELERATE, CONFIGS, check_ok, free_port, run_in_process
 
 SHAPES = ("circle", "square", "triangle")
 SIZE = 20  # neither 28 (MNIST) nor 32 (CIFAR)
@@ -44,27 +45,30 @@ def draw_shapes(root: Path, n_per_class: int, mode: str, seed: int) -> Path:
     return root
 
 
-def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags: list) -> tuple[Path, Path]:
+def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags: list, capsys,
+                   launched: bool) -> tuple[Path, Path]:
     data = draw_shapes(tmp_path / "my_shapes", 30, mode, seed=1)
     dest = tmp_path / "my_recipe.py"
-    proc = subprocess.run([sys.executable, "-m", "common.copy_recipe", recipe, str(dest)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    assert copy_recipe([recipe, str(dest)]) == 0
+    out = capsys.readouterr().out
     # the copy lies outside the repository: do what the printed next steps say
-    assert f"accelerate launch {dest} --dataset /path/to/image_folder" in proc.stdout, proc.stdout
-    pythonpath = re.search(r"PYTHONPATH=(\S+?)\.?$", proc.stdout, flags=re.MULTILINE)
-    assert pythonpath and Path(pythonpath.group(1)) == REPO, proc.stdout
+    assert f"accelerate launch {dest} --dataset /path/to/image_folder" in out, out
+    assert "PYTHONPATH" not in out  # common is installed: the copy imports it from anywhere
     run = tmp_path / "runs" / "shapes"
-    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--main_process_port", str(free_port()),
-           str(dest), "--dataset", str(data), *map(str, run_flags), "--output-dir", str(run)]
-    check_ok(subprocess.run(cmd, cwd=tmp_path, env={**env, "PYTHONPATH": pythonpath.group(1)},
-                            capture_output=True, text=True, timeout=240))
+    args = ["--dataset", str(data), *map(str, run_flags), "--output-dir", str(run)]
+    if launched:
+        cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--main_process_port",
+               str(free_port()), str(dest), *args]
+        env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+        check_ok(subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240))
+    else:
+        check_ok(run_in_process(dest, args, env, cwd=tmp_path))
     return data, run
 
 
 def check_trained(run: Path, channels: int, min_accuracy: float = 0.75):
     card = json.loads((run / "final" / "model.json").read_text())
-    assert card["recipe"] == "my_recipe"
+    assert card["recipe"] == "my_recipe" and card["recipe_file"] == str(run.parents[1] / "my_recipe.py")
     assert card["class_names"] == list(SHAPES)  # the folder names, in order
     assert card["input_shape"] == [channels, SIZE, SIZE]  # taken from the images, not the recipe's dataset
     summary = json.loads((run / "summary.json").read_text())
@@ -75,24 +79,27 @@ def check_trained(run: Path, channels: int, min_accuracy: float = 0.75):
 
 
 def predict_accuracy(run: Path, images: Path, env: dict) -> float:
-    """Step 4 of the printed next steps: common.predict on freshly drawn images the run never saw."""
-    proc = subprocess.run([sys.executable, "-m", "common.predict", str(run), str(images), "--format", "json",
-                           "--top-k", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    """Step 4 of the printed next steps: common.tools.predict on freshly drawn images the run never saw,
+    from a folder outside the repository (the model is rebuilt from the copied recipe file)."""
+    proc = subprocess.run([sys.executable, "-m", "common.tools.predict", str(run), str(images), "--format", "json",
+                           "--top-k", "1"], cwd=run.parents[1], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout)["results"]
     assert len(results) == 3 * 10
     return sum(Path(r["file"]).parent.name == r["predictions"][0]["label"] for r in results) / len(results)
 
 
-def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env):
+def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env, capsys):
     # --batch-size: the recipe's 512 is more than this folder holds (81 training images)
-    data, run = copy_and_train(tmp_path, env, "cifar_cnn", "RGB", ["--epochs", 5, "--batch-size", 16])
+    data, run = copy_and_train(tmp_path, env, "cifar_cnn", "RGB", ["--epochs", 5, "--batch-size", 16], capsys,
+                               launched=True)
     check_trained(run, channels=3)
     # final/, not the run dir: the run dir means best/, the first epoch to score 9/9 on validation, less trained
     unseen = draw_shapes(tmp_path / "unseen", 10, "RGB", seed=2)
     assert predict_accuracy(run / "final", unseen, env) >= 0.8
 
 
-def test_mnist_convnet_copy_on_20x20_grayscale_shapes(tmp_path, env):
-    data, run = copy_and_train(tmp_path, env, "mnist_convnet", "L", ["--epochs", 5, "--batch-size", 16])
+def test_mnist_convnet_copy_on_20x20_grayscale_shapes(tmp_path, env, capsys):
+    data, run = copy_and_train(tmp_path, env, "mnist_convnet", "L", ["--epochs", 5, "--batch-size", 16], capsys,
+                               launched=False)
     check_trained(run, channels=1)
