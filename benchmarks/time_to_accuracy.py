@@ -158,9 +158,11 @@ def recipe_eval_points(rows: list[dict], train_start: float, compile_s: float = 
     for row, (eval_s, post_s) in zip(rows, estimates):
         if "eval/accuracy" not in row:
             continue
-        points.append({"time_s": row["time"] - train_start - compile_s, "step": row.get("step"),
-                       "accuracy": float(row["eval/accuracy"]), "loss": row.get("eval/loss"), "eval_s": eval_s,
-                       "post_eval_s": post_s, "time_includes_final_eval": any(k in row for k in FINAL_EVAL_KEYS)})
+        exact = "eval_time" in row  # the recipes record when each evaluation finished and how long it took
+        points.append({"time_s": row.get("eval_time", row["time"]) - train_start - compile_s, "step": row.get("step"),
+                       "accuracy": float(row["eval/accuracy"]), "loss": row.get("eval/loss"),
+                       "eval_s": row.get("eval_seconds", eval_s), "post_eval_s": post_s,
+                       "time_includes_final_eval": not exact and any(k in row for k in FINAL_EVAL_KEYS)})
     return points
 
 

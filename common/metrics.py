@@ -21,6 +21,9 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: 
 
     from common.tracking import on_terminal
 
+    import time
+
+    t0 = time.perf_counter()
     was_training = model.training
     model.eval()
     preds, labels_all, losses = [], [], []
@@ -38,7 +41,8 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: 
     model.train(was_training)
     if not labels_all:
         return {"loss": float("nan"), "accuracy": float("nan"), "count": 0}
-    return summarize(torch.cat(preds), torch.cat(labels_all), torch.cat(losses), num_classes)
+    metrics = summarize(torch.cat(preds), torch.cat(labels_all), torch.cat(losses), num_classes)
+    return {**metrics, "seconds": time.perf_counter() - t0}
 
 
 def summarize(preds: torch.Tensor, labels: torch.Tensor, losses: torch.Tensor, num_classes: int) -> dict:

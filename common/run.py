@@ -364,7 +364,8 @@ class TrainingRun:
         per_class = {f"{split}/accuracy_class/{name}": acc
                      for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
         self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
-                     step=self.global_step)
+                     step=self.global_step, extra={f"{split}_time": round(time.time(), 3),
+                                                   f"{split}_seconds": round(metrics["seconds"], 3)})
         writer = self.log.writer
         if writer is None or not metrics["count"]:
             return

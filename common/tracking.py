@@ -15,7 +15,9 @@ import torch
 
 class MetricsLog:
     """TensorBoard (through Accelerate's tracker) plus ``metrics.jsonl``, one JSON line per step: values
-    logged at a step already written are merged into its line. Main process only; other ranks no-op.
+    logged at a step already written are merged into its line, whose ``time`` is then that of its last
+    value (an evaluation row also carries ``eval_time``, when the evaluation finished, and
+    ``eval_seconds``). Main process only; other ranks no-op.
 
     ``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a
     crashed run wrote after its checkpoint (TensorBoard hides its events past the step, ``purge_step``)."""
@@ -38,12 +40,15 @@ class MetricsLog:
     def writer(self):
         return self.accelerator.get_tracker("tensorboard", unwrap=True) if self.accelerator.is_main_process else None
 
-    def log(self, values: dict, step: int) -> None:
+    def log(self, values: dict, step: int, extra: dict | None = None) -> None:
+        """``values`` go to TensorBoard and metrics.jsonl; ``extra`` (e.g. when an evaluation finished and
+        how long it took) only to metrics.jsonl."""
         if not self.accelerator.is_main_process:
             return
         values = {k: float(v) for k, v in values.items()}
         self.accelerator.log(values, step=step)
         now = round(time.time(), 3)
+        values.update(extra or {})
         if self.last is not None and self.last["step"] == step:
             self.last.update(values, time=now)
             lines = self.path.read_text().splitlines(keepends=True)[:-1]  # a few KB: cheap next to a log step
