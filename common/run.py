@@ -1,8 +1,8 @@
 """``TrainingRun``: the bookkeeping of a training run, so that a recipe's loop holds only the training math.
 
-A recipe reads like this (see recipes/mnist_convnet.py for the whole of one)::
+A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
 
-    with TrainingRun(cfg, RECIPE) as run:         # Accelerator, run directory (locked), signals
+    def train(cfg, run):                          # called by TrainingRun(cfg, RECIPE).execute(train)
         data = run.load_data()
         ...build loaders, model, optimizer; accelerator.prepare(...); scheduler...
         run.start(model, optimizer, scheduler, train_loader, data, transform)   # fresh or resumed
@@ -20,7 +20,6 @@ A recipe reads like this (see recipes/mnist_convnet.py for the whole of one)::
                 run.record_eval(evaluate(...), model)  # keeps best/
             run.end_epoch()                            # checkpoint
         run.finish(model, evaluate(...))               # final/ weights, summary.json, target check
-    return run.exit_code
 
 What each call promises:
 
@@ -76,35 +75,47 @@ class TrainingRun:
     def __init__(self, cfg, recipe: str):
         self.cfg, self.recipe = cfg, recipe
         self.exit_code, self.status = EXIT_OK, "running"
+        self.accelerator, self.stop = None, None
         self.run_dir, self.resume_path, self.lock, self.made_dir, self.started = None, None, None, False, False
         self.log, self.profiler, self.progress = None, None, None
-        self.accelerator, self.note = make_accelerator(cfg)
-        self.stop = StopFlag()
         self.t_start, self.train_start = time.time(), None
-        if cfg.eval_only:
-            self._adopt_run_config()
-        else:
-            self._claim_run_dir()
 
     # --- start and end ---------------------------------------------------------------------------
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, err, tb) -> bool:
-        handled = isinstance(err, (RecipeError, Preempted))
-        if err is not None:
-            self.status = getattr(err, "status", "crashed")
-            self.exit_code = getattr(err, "exit_code", 1)
-            if isinstance(err, Preempted):
-                self.say(str(err))
-            elif handled:
-                rank = f"[rank {self.accelerator.process_index}] " if self.accelerator.num_processes > 1 else ""
-                sys.stderr.write(f"{rank}error: {err}\n")
+    def execute(self, train) -> int:
+        """Set up (Accelerator, signals, the run directory and its lock), call ``train(cfg, run)``, and
+        turn how it ended into an exit code, a one-paragraph message and summary.json's ``status``."""
+        err = None
+        try:
+            self.accelerator, self.note = make_accelerator(self.cfg)
+            self.stop = StopFlag()
+            if self.cfg.eval_only:
+                self._adopt_run_config()
+            else:
+                self._claim_run_dir()
+            train(self.cfg, self)
+        except (RecipeError, Preempted) as caught:
+            err = caught
+            self.status, self.exit_code = caught.status, caught.exit_code
+            if isinstance(caught, Preempted):
+                self.say(str(caught))
+            else:
+                rank = self.accelerator.process_index if self.accelerator is not None else 0
+                world = self.accelerator.num_processes if self.accelerator is not None else 1
+                sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {caught}\n")
                 sys.stderr.flush()
-            if self.started:
-                self._write_summary({"error": str(err)} if not isinstance(err, Preempted) else {})
-        self.stop.close()
+        except BaseException as caught:  # a bug or an interrupt: recorded, then raised with its traceback
+            err, self.status = caught, "crashed"
+            raise
+        finally:
+            self._close(err)
+        return self.exit_code
+
+    def _close(self, err) -> None:
+        if err is not None and self.started:
+            self._write_summary({} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+        if self.stop is not None:
+            self.stop.close()
         if self.profiler is not None:
             self.profiler.close()
         if self.log is not None and err is not None:
@@ -114,14 +125,13 @@ class TrainingRun:
             if not self.started and self.made_dir and rundir.is_empty(self.run_dir):
                 (self.run_dir / rundir.LOCK_FILE).unlink(missing_ok=True)  # nothing was written: leave no trace
                 self.run_dir.rmdir()
-        return handled
 
     def say(self, text: str) -> None:
         """Print on the main process, through the progress bar when one is shown."""
         if self.progress is not None:
             self.progress.say(text)
-        else:
-            self.accelerator.print(text, flush=True)
+        elif self.accelerator is None or self.accelerator.is_main_process:
+            print(text, flush=True)
 
     def _on_main(self, fn):
         """Run ``fn`` on the main process; its result, or its RecipeError, reaches every rank."""

@@ -66,9 +66,9 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
-    with TrainingRun(cfg, RECIPE) as run:  # errors become one paragraph; every ending lands in summary.json
-        train(cfg, run)
-    return run.exit_code
+    # Sets up the Accelerator and the run directory, calls train(cfg, run), and turns how it ended into an
+    # exit code, a one-paragraph error and summary.json's status.
+    return TrainingRun(cfg, RECIPE).execute(train)
 
 
 def train(cfg: Config, run: TrainingRun) -> None:
