@@ -53,6 +53,7 @@ from common.augment import BatchTransform, batch_generator, channel_stats
 from common.data import ImageSplit, TensorImages, keep_batch, make_loader
 from common.models import MLP, CifarCNN, ConvNet, count_parameters, parse_ints
 from common.accelerator import make_accelerator
+from common.guard import StepGuard
 
 NUM_CLASSES = 10
 
@@ -243,30 +244,16 @@ def pure_compute_step(spec, args, device, batch) -> Callable[[], None]:
     return step
 
 
-def step_guard(accelerator) -> Callable[[torch.Tensor], None]:
-    """What ``TrainingRun.track_loss`` + ``guard_step`` cost once per optimizer step: the loss sums kept
-    on the device, then one all-reduce of (non-finite count, loss sum, finite count, stop request)
-    read back on the host (a device sync)."""
-
-    def guard(loss):
-        d = loss.detach().float()
-        finite = torch.isfinite(d)
-        sums = torch.stack([(~finite).float(), torch.where(finite, d, 0.0), finite.float()])
-        packed = torch.cat([sums, torch.zeros(1, device=sums.device)])
-        accelerator.reduce(packed, reduction="sum").tolist()
-    return guard
-
-
 def accelerate_step(spec, args, accelerator, loader, transform, bf16: bool = False) -> Callable[[], None]:
     """2. The recipe's training step (recipes/*.py, minus logging/checkpointing): prepared model,
-    optimizer and loader, on-device BatchTransform with the per-step generator, the per-step
-    guard all-reduce (``TrainingRun.guard_step``), accelerator.backward, optimizer.step. ``transform=None`` feeds the batch
-    as it comes (the seed-style loader already normalizes); ``bf16`` runs the forward under bf16
+    optimizer and loader, on-device BatchTransform with the per-step generator, accelerator.backward,
+    the per-step StepGuard all-reduce (``common.guard``, as ``TrainingRun`` runs it), optimizer.step.
+    ``transform=None`` feeds the batch as it comes (the seed-style loader already normalizes); ``bf16`` runs the forward under bf16
     autocast, as Accelerate's mixed_precision='bf16' does."""
     model = build_model(spec, args)
     optimizer = build_optimizer(spec, model, accelerator.device)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    guard = step_guard(accelerator)
+    guard = StepGuard(accelerator)
     stream, rank = batches(loader), accelerator.process_index
     device_type = accelerator.device.type
 
@@ -277,8 +264,9 @@ def accelerate_step(spec, args, accelerator, loader, transform, bf16: bool = Fal
             with torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), labels, label_smoothing=spec["label_smoothing"])
+            guard.track(loss)
             accelerator.backward(loss)
-            guard(loss)
+            guard.check(stop_requested=False)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     return step

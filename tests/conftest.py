@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -114,6 +115,7 @@ class InProcessResult:
 
 
 _RECIPE_MODULES: dict[Path, object] = {}
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 
 
 def recipe_path(recipe) -> Path:
@@ -150,6 +152,7 @@ def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     threads = torch.get_num_threads()
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k not in env]:
             mp.delenv(key)
@@ -181,6 +184,8 @@ def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
             torch.set_num_threads(threads)
+            for sig, handler in handlers.items():  # a run that failed before its stop handlers were
+                signal.signal(sig, handler)         # restored must not leave them in this process
     return InProcessResult([str(path), *argv], code or 0, out.getvalue(), err.getvalue())
 
 
@@ -242,15 +247,36 @@ REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resume
     # 1 process x batch 32 must give the same weights
     ("fashion_mnist_mlp", 2): ("awkward", [*TRAIN, *SMALL["fashion_mnist_mlp"], "--dropout", 0,
                                            "--eval-batch-size", 20]),
-    ("mnist_convnet", 1): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5]),
-    ("mnist_convnet", 2): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5]),
-    ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--ema-decay", 0.9]),
-    ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--ema-decay", 0.9]),
+    # every checkpoint kept: a 2-process resume test starts from a copy of one of them
+    ("mnist_convnet", 1): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
+                                          "--keep-checkpoints", 10]),
+    ("mnist_convnet", 2): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
+                                          "--keep-checkpoints", 10]),
+    ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10,
+                                      "--ema-decay", 0.9]),
+    ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10,
+                                      "--ema-decay", 0.9]),
 }
 REFERENCE_EXTRA = {  # read-only checks riding on the reference run
+    ("fashion_mnist_mlp", 1): ["--progress-every-s", 0],
     ("mnist_convnet", 1): ["--target-accuracy", 0.9],
     ("fashion_mnist_mlp", 2): ["--profile", 2],
 }
+
+
+def stopped_at(ref_run: Path, step: int, dest: Path) -> Path:
+    """``dest`` as a run of the reference's command stopped at ``step`` leaves it: its config.json, its
+    complete checkpoint of that step (written at the same point of the loop as a stopped run writes
+    it), and a metrics.jsonl that goes on past the checkpoint, as after a crash (a resume must drop
+    those lines and write them again)."""
+    import shutil
+
+    name = f"step-{step:08d}"
+    (dest / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref_run / "checkpoints" / name, dest / "checkpoints" / name)
+    for f in ("config.json", "metrics.jsonl"):
+        shutil.copy(ref_run / f, dest / f)
+    return dest
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, run_in_process
+from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, run_in_process, stopped_at
 
 MLP = ["--hidden", "32"]
 CONV = ["--width", "8"]
@@ -42,15 +42,21 @@ def run(recipe, args, env, nproc=1):
 def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
     """Stopped mid-epoch (step 5 of 9 in epoch 1) and resumed: same weights and per-step losses as the
     uninterrupted reference run (--checkpoint-every 5). ConvNet with BatchNorm and dropout, so data
-    order, RNG and BN statistics all have to continue."""
+    order, RNG and BN statistics all have to continue. 1 process: stopped by --max-steps 5, in this
+    process. 2 processes (real gloo processes): resumed from the reference run's own step-5 checkpoint,
+    with metrics logged past it as after a crash."""
     ref = reference_run("mnist_convnet", nproc)
     args, full, part = ref.train_args, ref.run, tmp_path / "part"
     assert "--checkpoint-every" in args and "--dropout" not in args
-    check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--max-steps", 5], env, nproc))
+    if nproc == 1:
+        check_ok(run_in_process("mnist_convnet", [*args, "--output-dir", part, "--max-steps", 5], env))
+        assert json.loads((part / "summary.json").read_text())["global_step"] == 5
+    else:
+        stopped_at(full, 5, part)
     state = json.loads((checkpoints(part)[-1] / "trainer_state.json").read_text())
     assert (state["epoch"], state["batches_in_epoch"], state["global_step"]) == (0, 5, 5)
-    assert json.loads((part / "summary.json").read_text())["global_step"] == 5
-    check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc))
+    proc = check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc))
+    assert "resumed from" in proc.stdout and "epoch 1, batch 5, step 5" in proc.stdout
     a, b = weights(full), weights(part)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(full) == losses(part) and len(losses(full)) == 18
@@ -125,12 +131,15 @@ def test_nonfinite_loss_stops_every_rank_before_the_step(tmp_path, env, mnist_li
                                         "--lr", "1e30", "--warmup-fraction", 0, "--checkpoint-every", 1,
                                         "--output-dir", run], env, nproc=2)
     assert proc.returncode != 0
-    assert "non-finite at optimizer step" in proc.stderr and "Last good checkpoint" in proc.stderr
+    assert "non-finite at optimizer step" in proc.stderr and "every process stopped before the optimizer step" \
+        in proc.stderr
+    assert "Last good checkpoint" in proc.stderr or "No checkpoint predates" in proc.stderr  # what to resume
     assert proc.stderr.count("non-finite at optimizer step") == 2  # both ranks stopped themselves
     bad_step = int(proc.stderr.split("non-finite at optimizer step ")[1].split()[0])
     assert all(json.loads((p / "trainer_state.json").read_text())["global_step"] < bad_step
                for p in checkpoints(run))
     assert not (run / "final").exists()
+    assert json.loads((run / "summary.json").read_text())["status"] == "nonfinite_loss"
 
 
 def test_one_failing_rank_ends_the_job(tmp_path, env, mnist_like):

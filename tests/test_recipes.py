@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -48,10 +49,16 @@ def test_recipe_end_to_end(recipe, nproc, reference_run):
     assert len(logged) == len(tb_loss) > 0
     for row in logged:
         assert row["train/loss"] == pytest.approx(tb_loss[row["step"]], rel=1e-6)
+    epoch_lines = [l for l in proc.stdout.splitlines() if l.startswith("epoch ")]
+    assert len(epoch_lines) == 2, proc.stdout
+    for i, line in enumerate(epoch_lines, 1):
+        assert re.fullmatch(rf"epoch {i}/2: train loss \d+\.\d{{4}} \| eval loss \d+\.\d{{4}} accuracy \d\.\d{{4}} "
+                            rf"\(\d+ images\) \| \d+\.\d s", line), line
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed"
     # every test image counted exactly once (fashion_mnist_mlp at 2 processes reads the 82-image test split)
-    assert summary["final"]["test/count"] == {"cifar_cnn": 64}.get(recipe, 82 if nproc == 2 else 99)
+    expected = 64 if recipe == "cifar_cnn" else 82 if (recipe, nproc) == ("fashion_mnist_mlp", 2) else 99
+    assert summary["final"]["test/count"] == expected
     assert summary["processes"] == nproc
     assert (run / "curves.png").stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -115,6 +122,16 @@ def test_resume_after_epoch_one_matches_uninterrupted(tmp_path, env, reference_r
     b = load_file(str(part / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert losses(ref.run) == losses(part)
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(reference_run):
+    """--progress-every-s 0: a progress line at every --log-every step (1 here) of the 18 steps."""
+    ref = reference_run("fashion_mnist_mlp", 1)
+    lines = [l for l in ref.proc.stdout.splitlines() if l.startswith("step ")]
+    assert len(lines) == 18, ref.proc.stdout
+    for step, line in enumerate(lines, 1):
+        epoch = 1 if step <= 9 else 2
+        assert re.match(rf"step {step}/18 \(epoch {epoch}/2\) loss \d+\.\d{{4}} .*samples/s ETA ", line), line
 
 
 def test_learns_far_above_chance(reference_run):

@@ -16,7 +16,7 @@ from common.ema import WeightEMA
 from common.metrics import evaluate
 from common.models import CifarCNN, init_whitening
 from common.schedule import build_scheduler, lr_multiplier
-from conftest import check_ok, launch, read_jsonl, run_in_process
+from conftest import check_ok, launch, read_jsonl, run_in_process, stopped_at
 
 
 class _Acc:
@@ -165,14 +165,18 @@ def test_flip_tta_averages_each_image_with_its_mirror():
 def test_cifar_resume_with_ema_and_whitening_is_exact(nproc, tmp_path, env, reference_run):
     """Stopped after 3 optimizer steps and resumed: the EMA weights (what final/ holds) and the per-step
     losses equal the uninterrupted reference run's (--ema-decay 0.9, --checkpoint-every 3), so the
-    average is checkpointed and restored. 1 process in this process, 2 as real gloo processes."""
+    average is checkpointed and restored. 1 process: stopped by --max-steps 3, in this process.
+    2 processes (real gloo processes): resumed from the reference run's own step-3 checkpoint."""
     ref = reference_run("cifar_cnn", nproc)
     args, full, part = ref.train_args, ref.run, tmp_path / "part"
     assert "--ema-decay" in args and "--checkpoint-every" in args
-    run = (lambda a: run_in_process("cifar_cnn", a, env)) if nproc == 1 else \
-        (lambda a: launch("cifar_cnn", a, env, nproc=nproc))
-    check_ok(run([*args, "--output-dir", part, "--max-steps", 3]))
-    check_ok(run([*args, "--output-dir", part, "--resume-from", "latest"]))
+    if nproc == 1:
+        check_ok(run_in_process("cifar_cnn", [*args, "--output-dir", part, "--max-steps", 3], env))
+        resume = run_in_process("cifar_cnn", [*args, "--output-dir", part, "--resume-from", "latest"], env)
+    else:
+        stopped_at(full, 3, part)
+        resume = launch("cifar_cnn", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc=nproc)
+    assert "epoch 1, batch 3, step 3" in check_ok(resume).stdout
     a = load_file(str(full / "final" / "model.safetensors"))
     b = load_file(str(part / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
