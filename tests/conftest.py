@@ -95,11 +95,12 @@ def env(tmp_path):
 
 
 def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, timeout: int = 240,
-           extra_launch=()) -> subprocess.CompletedProcess:
-    """`accelerate launch` a recipe with a shipped config on a free port; returns the finished process."""
+           extra_launch=(), port: int | None = None) -> subprocess.CompletedProcess:
+    """`accelerate launch` a recipe with a shipped config on a free port (or ``port``); returns the
+    finished process."""
     config = config or ("cpu.yaml" if nproc == 1 else "cpu_2proc.yaml")
     cfg_path = config if os.path.isabs(config) else str(CONFIGS / config)
-    cmd = [ACCELERATE, "launch", "--config_file", cfg_path, "--main_process_port", str(free_port()),
+    cmd = [ACCELERATE, "launch", "--config_file", cfg_path, "--main_process_port", str(port or free_port()),
            *extra_launch, str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)]
     return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, run_in_process, stopped_at
+from conftest import (ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, recipe_env, run_in_process,
+                      stopped_at)
 
 MLP = ["--hidden", "32"]
 CONV = ["--width", "8"]
@@ -184,14 +186,33 @@ def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, mnist_li
     assert "per_process_batch=16" in proc.stdout
 
 
-def test_sync_bn_two_processes_equals_one_process_full_batch(tmp_path, env, mnist_like):
+SYNC_BN = ["--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0, "--max-steps", 4, "--sync-bn"]
+
+
+@pytest.fixture(scope="module")
+def sync_bn_on_a_busy_port(tmp_path_factory, mnist_like):
+    """One real 2-process --sync-bn run, read by two tests: launched on a port another socket holds, as
+    happens on a shared machine. Returns (run dir, finished process, the busy port, env)."""
+    root = tmp_path_factory.mktemp("sync_bn")
+    env = recipe_env(root)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = launch("mnist_convnet", ["--dataset", mnist_like, *SYNC_BN, "--output-dir", root / "two"], env,
+                      nproc=2, port=port)
+    return root / "two", proc, port, env
+
+
+def test_sync_bn_two_processes_equals_one_process_full_batch(tmp_path, env, mnist_like, sync_bn_on_a_busy_port):
     """Per-rank augmentation draws differ by design, so --translate 0: this compares BatchNorm alone."""
-    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0,
-            "--max-steps", 4, "--sync-bn"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    check_ok(run_in_process("mnist_convnet", [*args, "--output-dir", one], env))
-    check_ok(launch("mnist_convnet", [*args, "--output-dir", two], env, nproc=2))
+    two, proc, _, _ = sync_bn_on_a_busy_port
+    check_ok(proc)
+    assert "processes=2" in proc.stdout and "backend=gloo" in proc.stdout
+    one = tmp_path / "one"
+    check_ok(run_in_process("mnist_convnet", ["--dataset", mnist_like, *SYNC_BN, "--output-dir", one], env))
     a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5, msg=k)
 
@@ -215,24 +236,22 @@ def test_two_nodes_over_loopback_train_together(tmp_path, env, mnist_like):
     assert (run / "final" / "model.safetensors").exists()
 
 
-def test_port_in_use(tmp_path, env, mnist_like):
-    """One machine: Accelerate moves to a free port and says so. Multi-node: a clear error, no hang."""
-    import socket
-
+def test_port_in_use(tmp_path, env, mnist_like, sync_bn_on_a_busy_port):
+    """One machine: Accelerate moves to a free port, says so, and the run trains (the 2-process --sync-bn
+    run above was launched on a busy port). Multi-node: a clear error, no hang."""
+    two, single, port, _ = sync_bn_on_a_busy_port
+    check_ok(single)
+    assert f"Port `{port}` is already in use" in single.stderr
+    assert (two / "final" / "model.safetensors").exists()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         recipe = [str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
                   "--max-steps", "2"]
-        single = subprocess.run([ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-                                 "--main_process_port", str(port), *recipe, "--output-dir", str(tmp_path / "a")],
-                                env=env, cwd=str(REPO), capture_output=True, text=True, timeout=180)
         multi = subprocess.run([ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
                                 "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port",
                                 str(port), *recipe, "--output-dir", str(tmp_path / "b")],
                                env=env, cwd=str(REPO), capture_output=True, text=True, timeout=60)
-    check_ok(single)
-    assert f"Port `{port}` is already in use" in single.stderr
     assert multi.returncode != 0
     assert "another process is utilizing it" in multi.stderr

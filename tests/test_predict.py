@@ -153,7 +153,7 @@ def test_build_model_from_card_matches_saved_weights(tmp_path, kind):
         assert torch.equal(rebuilt(x), model(x))
 
 
-def test_model_class_of_a_users_own_recipe_file(tmp_path):
+def test_model_class_of_a_users_own_recipe_file(tmp_path, capsys):
     """A recipe file outside the repository with its own model class: predicted from the file model.json
     names, from a folder outside the repository; once moved, --recipe points at it."""
     run_dir, card, model = make_model_dir(tmp_path, "TinyNet")
@@ -167,14 +167,16 @@ def test_model_class_of_a_users_own_recipe_file(tmp_path):
         assert result["predictions"][0]["index"] == int(ref.argmax())
         assert result["predictions"][0]["probability"] == pytest.approx(float(ref.max()), abs=1e-5)
 
+    from common.tools.predict import main
+
     moved = tmp_path / "elsewhere" / "renamed_recipe.py"
     moved.parent.mkdir()
     Path(card["recipe_file"]).rename(moved)
-    gone = run_cli(run_dir, *images, cwd=tmp_path)
-    assert gone.returncode == 2 and "--recipe" in gone.stderr and "Traceback" not in gone.stderr
-    again = run_cli(run_dir, *images, "--recipe", moved, "--format", "json", cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert [r["predictions"][0]["index"] for r in json.loads(again.stdout)["results"]] == \
+    assert main([str(run_dir), *map(str, images)]) == 2
+    assert "--recipe" in capsys.readouterr().err
+    assert main([str(run_dir), *map(str, images), "--recipe", str(moved), "--format", "json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [r["predictions"][0]["index"] for r in again["results"]] == \
         [r["predictions"][0]["index"] for r in doc["results"]]
 
 
@@ -241,7 +243,9 @@ def test_predict_files_in_process_tta(tmp_path):
     assert not no_tta.tta
 
 
-def test_cli_errors_name_the_problem(tmp_path):
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    from common.tools.predict import main
+
     run_dir, _, _ = make_model_dir(tmp_path, "MLP")
     good = write_images(tmp_path / "imgs", 1, (12, 12), "L")[0]
     missing = tmp_path / "imgs" / "missing.png"
@@ -249,12 +253,11 @@ def test_cli_errors_name_the_problem(tmp_path):
     fake.write_text("this is text, not a PNG")
 
     for args, needle in [((run_dir, good, missing), str(missing)), ((run_dir, good, fake), str(fake))]:
-        proc = run_cli(*args)
-        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
-        assert needle in proc.stderr
-        assert "Traceback" not in proc.stderr
-        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1  # one paragraph
-        assert proc.stdout == ""
+        assert main([str(a) for a in args]) == 2, args
+        out, err = capsys.readouterr()
+        assert needle in err
+        assert err.startswith("error: ") and err.count("\n") == 1  # one paragraph
+        assert out == ""
 
 
 @pytest.mark.parametrize("case", ["no_such_run", "no_model_files", "empty_folder", "bad_top_k"])
