@@ -1,21 +1,14 @@
 """CIFAR-10 with a BatchNorm CNN (stem + three conv blocks, global max pool), on 1 to N devices.
 
-Target: 94% test accuracy in 10 epochs with the defaults (not yet measured on CIFAR-10; README says what
-was measured where, including this recipe on real MNIST digits made CIFAR-shaped). Check it:
+Target: 94% test accuracy in 10 epochs (not measured on CIFAR-10 yet). On an H100, on MNIST digits made
+CIFAR-shaped (--channels 3 --image-size 32 --no-flip --no-tta), it reaches 99.3% validation in about 6 s; README
+has the figures. Check a target: --target-accuracy 0.94 exits 4 with a clear line if missed.
 
-    accelerate launch recipes/cifar_cnn.py --target-accuracy 0.94   # exits 4 with a clear line if missed
-
-Every technique is a flag, on by default:
-    --whiten-init             stem conv initialised to whiten 3x3 patches of the training images
-    --translate 2 --flip      on-device augmentation of whole batches (reflection-padded shifts, mirror)
-    --label-smoothing 0.2     softened targets
-    --warmup-fraction 0.1 --schedule linear   LR warm-up, then linear decay to zero
-    --lr 0.2 --momentum 0.9   SGD with Nesterov momentum, --weight-decay 5e-4, --batch-size 512
-    --ema-decay 0.99          evaluate and save an exponential moving average of the weights
-    --sync-bn                 (off) BatchNorm statistics over all processes
-    --tta                     average the logits of each test image and its mirror image
-    --channels-last           channels_last memory layout (faster convolutions on GPUs)
-Turn one off with --no-<flag> (or 0 for numbers) to see what it buys.
+Techniques, each a flag (on by default; --no-<flag> or 0 turns one off): --whiten-init (stem conv whitens 3x3
+patches), --translate 2 --flip (on-device batch augmentation), --label-smoothing 0.2, --warmup-fraction 0.1
+--schedule linear, SGD --lr 0.2 --momentum 0.9 (Nesterov) --weight-decay 5e-4 --batch-size 512, --ema-decay
+0.99 (evaluate and save a weight average), --tta (average each test image with its mirror), --channels-last;
+--sync-bn is off by default.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/cifar_cnn.py
@@ -23,8 +16,6 @@ Turn one off with --no-<flag> (or 0 for numbers) to see what it buys.
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py
     # all GPUs of one machine, bf16
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/cifar_cnn.py
-    # offline: a local clone of the Hub dataset or an image folder
-    accelerate launch recipes/cifar_cnn.py --dataset /data/cifar10
     # resume (the same command starts fresh when there is nothing to resume)
     accelerate launch recipes/cifar_cnn.py --output-dir runs/cifar --resume-from latest
 
@@ -83,6 +74,11 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     return CifarCNN(in_shape, num_classes, widths=parse_ints(cfg.widths, "--widths"))
 
 
+def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
+                           weight_decay=cfg.weight_decay, foreach=True)
+
+
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
     # Sets up the Accelerator and the run directory, calls train(cfg, run), and turns how it ended into an
@@ -109,8 +105,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
         model = convert_sync_batchnorm(model, accelerator.device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
-                                weight_decay=cfg.weight_decay, foreach=True)
+    optimizer = build_optimizer(cfg, model, accelerator.device)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.

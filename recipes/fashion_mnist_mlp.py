@@ -15,8 +15,6 @@ The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisa
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/fashion_mnist_mlp.py
     # all GPUs of one machine, bf16
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/fashion_mnist_mlp.py
-    # offline: a local clone of the Hub dataset or an image folder
-    accelerate launch recipes/fashion_mnist_mlp.py --dataset /data/fashion_mnist
     # resume (the same command starts fresh when there is nothing to resume)
     accelerate launch recipes/fashion_mnist_mlp.py --output-dir runs/fmnist --resume-from latest
 
@@ -64,6 +62,11 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     return MLP(in_shape, num_classes, hidden=parse_ints(cfg.hidden, "--hidden"), dropout=cfg.dropout)
 
 
+def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=device.type == "cuda" or None)  # one fused kernel per step on a GPU
+
+
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
     # Sets up the Accelerator and the run directory, calls train(cfg, run), and turns how it ended into an
@@ -83,8 +86,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     # --- model ---
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=accelerator.device.type == "cuda" or None)
+    optimizer = build_optimizer(cfg, model, accelerator.device)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.

@@ -17,8 +17,6 @@ cosine (warm-up, then cosine decay to zero), AdamW --lr 2e-3 --weight-decay 1e-4
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/mnist_convnet.py
     # all GPUs of one machine, bf16
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/mnist_convnet.py
-    # offline: a local clone of the Hub dataset or an image folder
-    accelerate launch recipes/mnist_convnet.py --dataset /data/mnist
     # resume (the same command starts fresh when there is nothing to resume)
     accelerate launch recipes/mnist_convnet.py --output-dir runs/mnist --resume-from latest
 
@@ -66,6 +64,11 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     return ConvNet(in_shape, num_classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)
 
 
+def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                             fused=device.type == "cuda" or None)  # one fused kernel per step on a GPU
+
+
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
     # Sets up the Accelerator and the run directory, calls train(cfg, run), and turns how it ended into an
@@ -88,8 +91,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model = build_model(cfg, data.shape, data.num_classes)
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=accelerator.device.type == "cuda" or None)
+    optimizer = build_optimizer(cfg, model, accelerator.device)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.

@@ -147,7 +147,7 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path):
     check_ok(subprocess.run([sys.executable, "-m", "common.tools.copy_recipe", "mnist_convnet", str(dest)], env=env,
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=60))
     text = dest.read_text()
-    start, end = text.index("def build_model("), text.index("def main(")
+    start, end = text.index("def build_model("), text.index("def build_optimizer(")
     dest.write_text(text[:start] + textwrap.dedent(NEW_MODEL).lstrip() + "\n\n" + text[end:])
     workdir = tmp_path / "work"
     workdir.mkdir()
