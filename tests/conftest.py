@@ -100,8 +100,11 @@ def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, ti
     finished process."""
     config = config or ("cpu.yaml" if nproc == 1 else "cpu_2proc.yaml")
     cfg_path = config if os.path.isabs(config) else str(CONFIGS / config)
+    # fp32 whatever the CPU: the CPU configs ask for bf16, which a CPU with AMX would then use, and the
+    # golden losses and equivalence tolerances are fp32 figures.
+    precision = [] if "--mixed_precision" in extra_launch else ["--mixed_precision", "no"]
     cmd = [ACCELERATE, "launch", "--config_file", cfg_path, "--main_process_port", str(port or free_port()),
-           *extra_launch, str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)]
+           *precision, *extra_launch, str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)]
     return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
 
 
