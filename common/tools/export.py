@@ -170,6 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                         help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
                              "torch.export-based exporter, also needs `pip install onnxscript`")
+    parser.add_argument("--recipe", help="the recipe file that trained the model, when model.json's recipe_file "
+                        "is not on this machine")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check-batch", type=int, default=4, help="random images in the onnxruntime check")
     parser.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed (default 1e-4)")
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise RecipeError(f"--onnx {out} is a folder. Pass a file path such as {out / 'model.onnx'}.")
     dynamo = check_packages(args.exporter)
-    predictor = load_predictor(args.model, "cpu", tta=False if args.no_tta else None)
+    predictor = load_predictor(args.model, "cpu", tta=False if args.no_tta else None, recipe_file=args.recipe)
     card = predictor.card
     preprocess = not args.no_preprocess
     wrapper = ExportWrapper(predictor.model, card["mean"], card["std"], preprocess, predictor.tta).eval()
