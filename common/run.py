@@ -44,6 +44,7 @@ What each call promises:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import platform
@@ -86,6 +87,7 @@ class TrainingRun:
         """Set up (Accelerator, signals, the run directory and its lock), call ``train(cfg, run)``, and
         turn how it ended into an exit code, a one-paragraph message and summary.json's ``status``."""
         err = None
+        self.recipe_file = str(Path(inspect.getfile(train)).resolve())  # model.json names it for the tools
         try:
             self.accelerator, self.note = make_accelerator(self.cfg)
             self.stop = StopFlag()
@@ -188,7 +190,7 @@ class TrainingRun:
         self.steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
         self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
         unwrapped = acc.unwrap_model(model)
-        self.card = {"recipe": self.recipe, "recipe_file": str(Path(sys.argv[0]).resolve()),
+        self.card = {"recipe": self.recipe, "recipe_file": self.recipe_file,
                      "model": type(unwrapped).__name__, "input_shape": list(data.shape),
                      "class_names": data.class_names, "mean": transform.mean, "std": transform.std,
                      "config": dataclasses.asdict(cfg)}
