@@ -1,46 +1,75 @@
 #!/usr/bin/env python
-"""Training-throughput benchmark for one recipe: where do the samples/s go?
+"""Training-throughput benchmark for one recipe: where do the samples/s go, and what does each lever buy?
 
-Measures, in one run on one machine, on synthetic data of the recipe's shape:
+It times the recipe's OWN code. The recipe file is imported; its ``Config()`` (defaults, plus
+``--recipe-args`` parsed by the recipe's own parser), ``build_model`` and ``build_optimizer`` give every
+in-process row its model and optimizer, and the ``recipe*`` rows are the recipe itself, run end to end.
+Everything runs on one synthetic dataset (smooth noise, the recipe's image shape, 10 classes) written once
+in the Hub parquet layout, all in fp32 unless a row says otherwise.
 
-  pure_compute        the model, optimizer and batch size over ONE pre-built batch (the compute bound)
-  recipe              the recipe's training path: make_loader + BatchTransform inside the Accelerator
-  raw_torch           the same model and data path without Accelerate (plain PyTorch)
-  recipe_bf16         the recipe path with the forward under bf16 autocast (what mixed_precision=bf16 does)
-  loader              the prepared loader alone, touching every batch
-  seed_training       a seed-style pipeline: per-sample Dataset, PIL decode, torchvision transforms,
-                      DataLoader(num_workers=cpu_count), same model and training step
-  seed_loader         that DataLoader alone
-  *_1proc_1thread     recipe and raw PyTorch in 1 process with 1 thread
-  *_2proc_1thread     recipe and raw DDP (gloo on CPU, nccl on GPUs) in 2 processes with 1 thread each
+Rows (samples/s, global over processes):
 
-and prints each ratio against the project's targets (PASS/MISS, never an assertion). Results go to a
-JSON file (every raw repeat timing, the machine, the versions) and a PNG bar chart.
+  recipe                   `python recipes/<r>.py --max-steps N --log-every K` in a subprocess: loader, on-device
+                           augmentation, forward/backward, the non-finite guard's all-reduce, gradient norm,
+                           optimizer, scheduler, logging; read from the run's metrics.jsonl windows
+  raw_torch                the same model and optimizer in a plain PyTorch loop: tensor-indexed batches of the
+                           same images, the same BatchTransform, gradient norm, and the guard's 4-number sync
+                           (an all-reduce with 2 processes); no Accelerate, no TrainingRun
+  pure_compute             the model and optimizer over ONE pre-built batch: forward, cross-entropy, backward,
+                           step, zero_grad (the compute bound)
+  pure_bf16                pure_compute with the forward under bf16 autocast
+  pure_channels_last /     pure_compute in the memory format the recipe does not use (CNNs only)
+  pure_contiguous
+  pure_compiled            pure_compute with torch.compile(model) (inductor by default); its compile time (cold:
+                           inductor's disk cache is a fresh one in the work dir) is reported apart from its
+                           steady-state step
+  loader                   the recipe's data path alone: common.data.make_loader, device copy, BatchTransform
+  seed_loader              a per-sample pipeline: PNG bytes -> PIL -> torchvision transforms, DataLoader workers
+  seed_training            raw_torch's step fed by seed_loader
+  recipe_1proc_1thread,    1 process with 1 thread (CPU), against which 2 processes are compared
+  raw_torch_1proc_1thread
+  recipe_2proc             `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml` (1 thread each on a
+                           CPU; 2 GPUs with --device cuda), the same global batch
+  raw_ddp_2proc            raw_torch in 2 spawned processes under DistributedDataParallel (gloo on CPU)
 
-    python benchmarks/throughput.py --recipe mnist_convnet
+How rows are timed: the recipe rows and raw rows log a window every --log-every steps over --steps steps;
+the first window is warm-up and dropped, the median of the others is reported with its spread
+((max - min) / median). The pure rows take turns: --warmup steps each, then --repeats rounds of
+--log-every steps, so machine drift hits them alike. Loader rows: --repeats epochs after one warm-up
+epoch. Ratios are printed against the project's targets (PASS/MISS, never a failure); a lever or row that
+could not run is reported with its reason, not dropped.
+
+    python benchmarks/throughput.py --recipe mnist_convnet              # any recipes/*.py, or a recipe file
     python benchmarks/throughput.py --recipe cifar_cnn --device cuda
-    python benchmarks/throughput.py --recipe mnist_convnet --tiny      # smoke test, well under a minute
+    python benchmarks/throughput.py --recipe mnist_convnet --tiny       # smoke test, small model and few steps
+    python benchmarks/throughput.py --recipe mnist_convnet --recipe-args "--width 32" --skip processes
+
+Writes a JSON report (--out-json, default benchmarks/results/throughput-<recipe>-<host>.json): every
+window and repeat, the machine (CPU model, its bf16 flags, threads, load average), the versions, the run
+directories (kept under --work-dir when given). Exit status: 0 when it ran (whatever the ratios), 2 for
+bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
 import os
 import platform
+import shlex
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-import types
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -49,81 +78,149 @@ if str(REPO) not in sys.path:
 import torch
 import torch.nn.functional as F
 
-from common.augment import BatchTransform, batch_generator, channel_stats
-from common.data import ImageSplit, TensorImages, keep_batch, make_loader
-from common.models import MLP, CifarCNN, ConvNet, count_parameters, parse_ints
-from common.accelerator import make_accelerator
-from common.guard import StepGuard
-
 NUM_CLASSES = 10
+# Image shape of each recipe's default Hub dataset (the data's shape, which a recipe reads from the data).
+DATASET_SHAPES = {"ylecun/mnist": (1, 28, 28), "mnist": (1, 28, 28), "zalando-datasets/fashion_mnist": (1, 28, 28),
+                  "fashion_mnist": (1, 28, 28), "uoft-cs/cifar10": (3, 32, 32), "cifar10": (3, 32, 32)}
+# --tiny: a small model of each shipped recipe (recipe flags), batch 32, 4 steps logged one by one.
+TINY_MODEL = {"fashion_mnist_mlp": "--hidden 32", "mnist_convnet": "--width 8", "cifar_cnn": "--widths 8,16,16"}
+TINY = dict(steps=4, log_every=1, repeats=2, warmup=1, batch_size=32)
+NORMAL = dict(steps=30, log_every=5, repeats=5, warmup=2)
+SKIPPABLE = ("processes", "bf16", "channels_last", "compile", "seed")
 
-# --- the recipes' defaults (mirrors recipes/*.py; tests/test_benchmark.py checks they agree) ----------
 
-RECIPES = {
-    "fashion_mnist_mlp": dict(shape=(1, 28, 28), batch_size=128, model="MLP", widths="1024,1024", dropout=0.2,
-                              optimizer="adamw", lr=1e-3, weight_decay=1e-4, label_smoothing=0.1,
-                              translate=0, flip=False, channels_last=False),
-    "mnist_convnet": dict(shape=(1, 28, 28), batch_size=128, model="ConvNet", width=48, depth=2, dropout=0.1,
-                          optimizer="adamw", lr=2e-3, weight_decay=1e-4, label_smoothing=0.1,
-                          translate=2, flip=False, channels_last=False),
-    "cifar_cnn": dict(shape=(3, 32, 32), batch_size=512, model="CifarCNN", widths="64,256,256",
-                      optimizer="sgd", lr=0.2, momentum=0.9, weight_decay=5e-4, label_smoothing=0.2,
-                      translate=2, flip=True, channels_last=True),
-}
-NORMAL = dict(num_images=10000, steps=20, warmup=5, repeats=5)
-TINY = dict(num_images=256, steps=2, warmup=1, repeats=2, batch_size=32, width=8,
-            widths={"MLP": "64", "CifarCNN": "16,32,32"})
+def bad_input(message: str):
+    """One paragraph on stderr, exit 2 (the recipes' bad-input code)."""
+    sys.stderr.write(f"error: {message}\n")
+    raise SystemExit(2)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", required=True, choices=sorted(RECIPES))
+    p.add_argument("--recipe", required=True, help="a recipe name (recipes/<name>.py) or the path of a recipe file")
+    p.add_argument("--recipe-args", default="", help="recipe flags for every row, e.g. \"--width 32 --batch-size 256\" "
+                   "(--batch-size is the global batch, as in the recipe)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when a GPU is visible, else cpu")
-    p.add_argument("--num-images", type=int, help=f"synthetic training images (default {NORMAL['num_images']})")
-    p.add_argument("--batch-size", type=int, help="PER-PROCESS batch (default: the recipe's global batch)")
-    p.add_argument("--steps", type=int, help=f"training steps per timed repeat (default {NORMAL['steps']})")
-    p.add_argument("--warmup", type=int, help=f"untimed steps before timing (default {NORMAL['warmup']})")
-    p.add_argument("--repeats", type=int, help=f"timed repeats; the median is reported (default {NORMAL['repeats']})")
-    p.add_argument("--width", type=int, help="ConvNet width (mnist_convnet)")
-    p.add_argument("--widths", help="CifarCNN block widths or MLP hidden widths, comma-separated")
+    p.add_argument("--steps", type=int, help=f"optimizer steps per recipe or raw run (default {NORMAL['steps']})")
+    p.add_argument("--log-every", type=int, help=f"steps per timed window (default {NORMAL['log_every']})")
+    p.add_argument("--runs", type=int, default=1, help="recipe and raw runs per row; their windows are pooled")
+    p.add_argument("--repeats", type=int,
+                   help=f"timed rounds of the pure and loader rows (default {NORMAL['repeats']})")
+    p.add_argument("--warmup", type=int, help=f"untimed steps of each pure row (default {NORMAL['warmup']})")
+    p.add_argument("--skip", default="", help=f"comma-separated groups to leave out: {', '.join(SKIPPABLE)}")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of pure_compiled")
+    p.add_argument("--shape", help="C,H,W of the synthetic images (default: the recipe's default dataset's)")
     p.add_argument("--seed-workers", type=int, default=os.cpu_count() or 1,
-                   help="DataLoader workers of the seed-style pipeline (default: os.cpu_count())")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true",
-                   help="smoke test: few images, 2 repeats of 2 steps, small widths")
-    p.add_argument("--out-json", type=Path, help="default benchmarks/results/<recipe>-<hostname>.json")
-    p.add_argument("--out-png", type=Path, help="default benchmarks/results/<recipe>-<hostname>.png")
+                   help="DataLoader workers of the per-sample pipeline (default: os.cpu_count())")
+    p.add_argument("--work-dir", type=Path, help="keep the dataset, caches, run directories and logs here "
+                   "(default: a temporary directory, removed at the end)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds one recipe run may take before it is stopped")
+    p.add_argument("--tiny", action="store_true", help="smoke test: the recipe's model made small (shipped recipes), "
+                   "batch 32, 4 steps, 2 repeats")
+    p.add_argument("--out-json", type=Path, help="default benchmarks/results/throughput-<recipe>-<hostname>.json")
     args = p.parse_args(argv)
 
-    spec = RECIPES[args.recipe]
+    path = Path(args.recipe)
+    args.recipe_path = (path if path.suffix == ".py" else REPO / "recipes" / f"{args.recipe}.py").resolve()
+    if not args.recipe_path.is_file():
+        shipped = ", ".join(sorted(f.stem for f in (REPO / "recipes").glob("*.py")))
+        bad_input(f"--recipe {args.recipe}: there is no {args.recipe_path}. Name a shipped recipe ({shipped}) or "
+                  "give the path of a recipe file.")
+    args.recipe_name = args.recipe_path.stem
     preset = TINY if args.tiny else NORMAL
-    for key in ("num_images", "steps", "warmup", "repeats"):
+    for key in ("steps", "log_every", "repeats", "warmup"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
-    if args.batch_size is None:
-        args.batch_size = TINY["batch_size"] if args.tiny else spec["batch_size"]
-    if args.width is None:
-        args.width = TINY["width"] if args.tiny else spec.get("width", 32)
-    if args.widths is None:
-        args.widths = TINY["widths"].get(spec["model"], "") if args.tiny else spec.get("widths", "")
-    if min(args.num_images, args.batch_size, args.steps, args.repeats) < 1 or args.warmup < 0:
-        p.error("--num-images, --batch-size, --steps and --repeats must be >= 1, --warmup >= 0")
-    if args.num_images < args.batch_size:
-        p.error(f"--num-images {args.num_images} is smaller than one batch ({args.batch_size})")
-    if args.repeats < 5 and not args.tiny:
-        print(f"warning: --repeats {args.repeats} < 5: the medians are less trustworthy", file=sys.stderr)
-    stem = f"{args.recipe}-{socket.gethostname()}"
+    try:
+        args.recipe_argv = shlex.split(args.recipe_args)
+    except ValueError as err:
+        bad_input(f"--recipe-args {args.recipe_args!r} is not a valid command line ({err}).")
+    if args.tiny:  # the user's own flags come last and win
+        args.recipe_argv = [*TINY_MODEL.get(args.recipe_name, "").split(), "--batch-size", str(TINY["batch_size"]),
+                            *args.recipe_argv]
+    if min(args.steps, args.log_every, args.repeats, args.runs) < 1 or args.warmup < 0 or args.seed_workers < 0:
+        bad_input("--steps, --log-every, --repeats and --runs must be at least 1, --warmup and --seed-workers at "
+                  f"least 0 (got {args.steps}, {args.log_every}, {args.repeats}, {args.runs}, {args.warmup}, "
+                  f"{args.seed_workers}).")
+    if args.steps < 2 * args.log_every or args.steps % args.log_every:
+        bad_input(f"--steps {args.steps} must be a multiple of --log-every {args.log_every} and at least twice it: "
+                  "the first window is warm-up and is dropped, the others are timed. Pass e.g. "
+                  f"--steps {max(2, math.ceil(args.steps / args.log_every)) * args.log_every}.")
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if args.skip - set(SKIPPABLE):
+        bad_input(f"--skip {','.join(sorted(args.skip - set(SKIPPABLE)))}: unknown; the groups are "
+                  f"{', '.join(SKIPPABLE)}.")
+    if args.shape:
+        try:
+            args.shape = tuple(int(v) for v in args.shape.split(","))
+            assert len(args.shape) == 3 and min(args.shape) >= 1
+        except (ValueError, AssertionError):
+            bad_input(f"--shape {args.shape!r}: expected three positive integers C,H,W, e.g. 3,32,32.")
+    stem = f"throughput-{args.recipe_name}-{socket.gethostname()}"
     args.out_json = args.out_json or REPO / "benchmarks" / "results" / f"{stem}.json"
-    args.out_png = args.out_png or REPO / "benchmarks" / "results" / f"{stem}.png"
     return args
 
 
-# --- building blocks: data, model, optimizer, accelerator ------------------------------------------
+# --- the recipe, imported ---------------------------------------------------------------------------
 
-def synthetic_split(shape, n: int, seed: int) -> ImageSplit:
-    """uint8 images of the recipe's shape. Smooth (upsampled low-resolution noise) rather than white
-    noise, so their PNGs compress and decode like natural images do."""
+def load_recipe(path: Path):
+    """The recipe file as a module (recipes run nothing at import)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the Config class is made
+    spec.loader.exec_module(module)
+    missing = [name for name in ("Config", "build_model", "build_optimizer", "main") if not hasattr(module, name)]
+    if missing:
+        bad_input(f"{path} has no {', '.join(missing)}: the benchmark builds its model and optimizer from the "
+                  "recipe's Config, build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, model, device), "
+                  "as every shipped recipe defines them.")
+    return module
+
+
+def recipe_config(module, argv: list[str]):
+    """The recipe's Config from its own command-line parser: the defaults, overridden by --recipe-args."""
+    from common.config import parse_config
+
+    try:
+        cfg = parse_config(module.Config, argv)
+    except SystemExit:
+        bad_input(f"--recipe-args {shlex.join(argv)!r} is not a valid command line for the recipe (its message "
+                  "is above).")
+    if cfg.grad_accum != 1:
+        bad_input(f"--grad-accum {cfg.grad_accum}: the plain-PyTorch rows take one optimizer step per batch; "
+                  "benchmark with --grad-accum 1.")
+    return cfg
+
+
+def image_shape(args, cfg) -> tuple[int, int, int]:
+    if args.shape:
+        return args.shape
+    shape = DATASET_SHAPES.get(cfg.dataset)
+    if shape is None:
+        bad_input(f"the recipe's default dataset {cfg.dataset!r} has no known image shape: pass --shape C,H,W.")
+    c, h, w = shape
+    return (cfg.channels or c, cfg.image_size or h, cfg.image_size or w)
+
+
+def new_model(module, cfg, shape, device, channels_last: bool | None = None):
+    """build_model from the recipe, in the memory format the recipe uses (cfg.channels_last) unless told."""
+    torch.manual_seed(cfg.seed)  # every row starts from the same weights
+    model = module.build_model(cfg, shape, NUM_CLASSES)
+    if getattr(cfg, "channels_last", False) if channels_last is None else channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model.to(device).train()
+
+
+def is_cnn(model) -> bool:
+    return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+
+
+# --- synthetic data -----------------------------------------------------------------------------------
+
+def synthetic_images(shape, n: int, seed: int = 0):
+    """uint8 images, smooth (upsampled low-resolution noise) so their PNGs compress and decode like natural
+    images, and random labels. Deterministic: the 2-process workers make the same ones."""
     c, h, w = shape
     g = torch.Generator().manual_seed(seed)
     chunks = []
@@ -131,197 +228,402 @@ def synthetic_split(shape, n: int, seed: int) -> ImageSplit:
         coarse = torch.rand(min(2048, n - start), c, max(1, h // 4), max(1, w // 4), generator=g)
         fine = F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
         chunks.append(fine.mul_(255).round_().to(torch.uint8))
-    labels = torch.randint(0, NUM_CLASSES, (n,), generator=g)
-    return ImageSplit(torch.cat(chunks).contiguous(), labels)
+    return torch.cat(chunks).contiguous(), torch.randint(0, NUM_CLASSES, (n,), generator=g)
 
 
-def build_model(spec: dict, args) -> torch.nn.Module:
-    torch.manual_seed(args.seed)  # every path starts from the same weights
-    if spec["model"] == "MLP":
-        model = MLP(spec["shape"], NUM_CLASSES, hidden=parse_ints(args.widths), dropout=spec["dropout"])
-    elif spec["model"] == "ConvNet":
-        model = ConvNet(spec["shape"], NUM_CLASSES, width=args.width, depth=spec["depth"], dropout=spec["dropout"])
-    else:
-        model = CifarCNN(spec["shape"], NUM_CLASSES, widths=parse_ints(args.widths))
-    if spec["channels_last"]:
-        model = model.to(memory_format=torch.channels_last)
-    return model.train()
+def png_bytes(images: torch.Tensor) -> list[bytes]:
+    from PIL import Image
+
+    out = []
+    for arr in images.permute(0, 2, 3, 1).numpy():
+        buf = io.BytesIO()
+        Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
 
 
-def build_optimizer(spec: dict, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    if spec["optimizer"] == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"],
-                                 fused=device.type == "cuda" or None)
-    return torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"], nesterov=True,
-                           weight_decay=spec["weight_decay"], foreach=True)
+def write_parquet(root: Path, pngs: list[bytes], labels: torch.Tensor) -> Path:
+    """A folder laid out like a Hub dataset repo (data/train-00000-of-00001.parquet), what --dataset reads."""
+    from datasets import ClassLabel, Dataset, Features, Image
+
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    features = Features({"image": Image(), "label": ClassLabel(names=[f"class_{k}" for k in range(NUM_CLASSES)])})
+    ds = Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in pngs], "label": labels.tolist()},
+                           features=features)
+    ds.to_parquet(str(root / "data" / "train-00000-of-00001.parquet"))
+    return root
 
 
-def build_transform(spec: dict, split: ImageSplit) -> BatchTransform:
-    mean, std = channel_stats(split.images)
-    return BatchTransform(mean, std, translate=spec["translate"], flip=spec["flip"],
-                          channels_last=spec["channels_last"])
+# --- timing ---------------------------------------------------------------------------------------------
 
-
-def new_accelerator(args):
-    """The recipes' own Accelerator (common.accelerator.make_accelerator), fp32. bf16 is measured with an
-    explicit autocast, so that one Accelerator serves every path."""
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
-    accelerator, _ = make_accelerator(types.SimpleNamespace(grad_accum=1, seed=args.seed, timeout_s=300))
-    return accelerator
-
-
-def batches(loader):
-    """(epoch, index in epoch, batch) forever, reshuffling every epoch as the recipes' loop does."""
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        elif hasattr(getattr(loader, "sampler", None), "set_epoch"):
-            loader.sampler.set_epoch(epoch)
-        for i, batch in enumerate(loader):
-            yield epoch, i, batch
-        epoch += 1
-
-
-# --- timing ----------------------------------------------------------------------------------------
-
-@dataclass
-class Runner:
-    name: str
-    step: Callable[[], None]   # one training step (or one batch), fetching its own data
-    samples_per_step: int      # global samples per step (all processes)
-
-
-def sync(device: torch.device):
+def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def time_runners(runners, warmup: int, steps: int, repeats: int, device, barrier=lambda: None) -> dict:
-    """Warm each runner up, then time `repeats` rounds of `steps` steps. Within a round the runners
-    take turns, so a slow drift of the machine (clock, neighbours) hits all of them alike.
-    Returns {name: [seconds per repeat]}."""
-    for r in runners:
+def time_windows(step, steps: int, window: int, device) -> list[float]:
+    """Seconds of each window of ``window`` steps over ``steps`` steps, the first (warm-up) one dropped,
+    as the recipe rows' metrics.jsonl windows are read."""
+    out = []
+    for _ in range(steps // window):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(window):
+            step()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
+
+
+def time_rounds(runners: dict, warmup: int, repeats: int, steps: int, device) -> dict:
+    """``warmup`` steps of each runner, then ``repeats`` rounds in which each runner takes ``steps`` steps
+    in turn (drift of the machine hits all of them alike). {name: [seconds per round]}."""
+    for step in runners.values():
         for _ in range(warmup):
-            r.step()
-    sync(device)
-    seconds = {r.name: [] for r in runners}
+            step()
+    seconds = {name: [] for name in runners}
     for _ in range(repeats):
-        for r in runners:
-            barrier()
+        for name, step in runners.items():
             sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
-                r.step()
+                step()
             sync(device)
-            seconds[r.name].append(time.perf_counter() - t0)
+            seconds[name].append(time.perf_counter() - t0)
     return seconds
 
 
-def summarize(seconds: list[float], steps: int, samples_per_step: int, **info) -> dict:
-    """Median samples/s over the repeats (and the best repeat's, a hint on a busy machine), plus
-    everything needed to recompute them."""
-    median = statistics.median(seconds)
-    return {"samples_per_s": steps * samples_per_step / median, "ms_per_step": 1000 * median / steps,
-            "samples_per_s_best": steps * samples_per_step / min(seconds),
-            "median_s": median, "spread": (max(seconds) - min(seconds)) / median, "steps_per_repeat": steps,
-            "samples_per_step": samples_per_step, "repeat_s": seconds, **info}
+def summarize(samples_per_s: list[float], **info) -> dict:
+    """Median samples/s over the timed windows or rounds, their spread ((max - min) / median), and the raw list."""
+    med = statistics.median(samples_per_s)
+    return {"samples_per_s": med, "spread": (max(samples_per_s) - min(samples_per_s)) / med, "n": len(samples_per_s),
+            "samples_per_s_each": [round(v, 3) for v in samples_per_s], **info}
 
 
-# --- step functions: one per training path ---------------------------------------------------------
-
-def pure_compute_step(spec, args, device, batch) -> Callable[[], None]:
-    """1. The compute bound: a bare loop over ONE pre-built, pre-transformed batch."""
-    model = build_model(spec, args).to(device)
-    optimizer = build_optimizer(spec, model, device)
-    x, y = batch
-
-    def step():
-        loss = F.cross_entropy(model(x).float(), y, label_smoothing=spec["label_smoothing"])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
+def rate(seconds: list[float], samples: int) -> list[float]:
+    return [samples / s for s in seconds]
 
 
-def accelerate_step(spec, args, accelerator, loader, transform, bf16: bool = False) -> Callable[[], None]:
-    """2. The recipe's training step (recipes/*.py, minus logging/checkpointing): prepared model,
-    optimizer and loader, on-device BatchTransform with the per-step generator, accelerator.backward,
-    the per-step StepGuard all-reduce (``common.guard``, as ``TrainingRun`` runs it), optimizer.step.
-    ``transform=None`` feeds the batch as it comes (the seed-style loader already normalizes); ``bf16`` runs the forward under bf16
-    autocast, as Accelerate's mixed_precision='bf16' does."""
-    model = build_model(spec, args)
-    optimizer = build_optimizer(spec, model, accelerator.device)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    guard = StepGuard(accelerator)
-    stream, rank = batches(loader), accelerator.process_index
-    device_type = accelerator.device.type
+# --- plain-PyTorch step --------------------------------------------------------------------------------
 
-    def step():
-        epoch, i, (images, labels) = next(stream)
-        with accelerator.accumulate(model):
-            x = transform.train(images, batch_generator(args.seed, epoch, i, rank)) if transform else images
-            with torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                logits = model(x)
-            loss = F.cross_entropy(logits.float(), labels, label_smoothing=spec["label_smoothing"])
-            guard.track(loss)
-            accelerator.backward(loss)
-            guard.check(stop_requested=False)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    return step
+def tensor_batches(images, labels, batch: int, seed: int, rank: int = 0, world: int = 1):
+    """(epoch, index, images, labels) forever: each epoch a seeded permutation cut into global batches,
+    rank r taking the r-th slice of each (what a DistributedSampler gives, without a DataLoader)."""
+    n, epoch = labels.numel(), 0
+    while True:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        for i in range(n // (batch * world)):
+            idx = perm[(i * world + rank) * batch:(i * world + rank + 1) * batch]
+            yield epoch, i, images[idx], labels[idx]
+        epoch += 1
 
 
-def raw_torch_step(spec, args, device, split, transform, rank: int = 0, world: int = 1) -> Callable[[], None]:
-    """5. The same step in plain PyTorch: the same loader (a DistributedSampler over the same
-    dataset when world > 1), the same transform, the same 3-number all-reduce, DDP when world > 1."""
-    model = build_model(spec, args).to(device)
-    optimizer = build_optimizer(spec, model, device)
-    pin = device.type == "cuda"
+def raw_step(module, cfg, shape, device, stream, transform, rank: int = 0, world: int = 1):
+    """The recipe's step in plain PyTorch: the recipe's model and optimizer (DDP when world > 1), the same
+    BatchTransform, cross-entropy with the recipe's label smoothing, the gradient norm the recipe logs, and
+    the 4-number all-reduce of its non-finite guard (common.guard; a sync point on every step)."""
+    from common.augment import batch_generator
+
+    model = new_model(module, cfg, shape, device)
+    optimizer = module.build_optimizer(cfg, model, device)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
-        from torch.utils.data import DataLoader, DistributedSampler
 
-        model = DistributedDataParallel(model, device_ids=[device.index] if pin else None)
-        dataset = TensorImages(split)
-        sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=args.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
-                            collate_fn=keep_batch, pin_memory=pin)
-    else:
-        loader = make_loader(split, args.batch_size, train=True, pin=pin)
-    stream = batches(loader)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    smoothing = getattr(cfg, "label_smoothing", 0.0)
+    zero = torch.zeros((), device=device)
 
     def step():
-        epoch, i, (images, labels) = next(stream)
-        images, labels = images.to(device, non_blocking=pin), labels.to(device, non_blocking=pin)
-        logits = model(transform.train(images, batch_generator(args.seed, epoch, i, rank)))
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=spec["label_smoothing"])
+        epoch, i, images, labels = next(stream)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        x = transform.train(images, batch_generator(cfg.seed, epoch, i, rank)) if transform else images
+        loss = F.cross_entropy(model(x).float(), labels, label_smoothing=smoothing)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
         d = loss.detach().float()
-        packed = torch.stack([(~torch.isfinite(d)).float(), torch.zeros((), device=device),
-                              torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)])
+        finite = torch.isfinite(d)
+        packed = torch.stack([(~finite).float(), torch.where(finite, d, 0.0), finite.float(), zero])
         if world > 1:
             torch.distributed.all_reduce(packed)
         packed.tolist()
-        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-def loader_step(loader) -> Callable[[], None]:
-    """3. One batch from the loader, touched (summed) so that it is really produced."""
-    stream = batches(loader)
+def pure_step(module, cfg, shape, device, x, y, bf16=False, channels_last=None, compile_backend=None):
+    """The compute bound: the recipe's model and optimizer over ONE pre-built batch."""
+    model = new_model(module, cfg, shape, device, channels_last)
+    optimizer = module.build_optimizer(cfg, model, device)
+    if channels_last if channels_last is not None else getattr(cfg, "channels_last", False):
+        x = x.contiguous(memory_format=torch.channels_last)
+    else:
+        x = x.contiguous()
+    forward = torch.compile(model, backend=compile_backend) if compile_backend else model
+    smoothing = getattr(cfg, "label_smoothing", 0.0)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
     def step():
-        _, _, (images, labels) = next(stream)
-        images.sum()
-        labels.sum()
+        with autocast():
+            logits = forward(x)
+        F.cross_entropy(logits.float(), y, label_smoothing=smoothing).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return step
 
 
-# --- seed-style pipeline -----------------------------------------------------------------------------
+# --- rows ------------------------------------------------------------------------------------------------
 
-class SeedStyleImages(torch.utils.data.Dataset):
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_recipe(args, ctx, name: str, nproc: int, threads: int, index: int) -> dict:
+    """One real run of the recipe; its metrics.jsonl windows after the first. Raises RuntimeError with the
+    run's output when it fails."""
+    run_dir = ctx["work"] / "runs" / f"{name}-{index}"
+    own = ["--dataset", str(ctx["dataset"]), "--output-dir", str(run_dir), "--cache-dir", str(ctx["work"] / "cache"),
+           "--max-steps", str(args.steps), "--log-every", str(args.log_every), "--epochs", "1"]
+    script = [str(args.recipe_path), *args.recipe_argv, *own]
+    if nproc == 1:
+        cmd = [sys.executable, *script]
+    else:
+        accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+        cmd = [accelerate, "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
+               "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", str(free_port()),
+               "--num_cpu_threads_per_process", str(threads), *script]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), ACCELERATE_MIXED_PRECISION="no", PYTHONUNBUFFERED="1",
+               HF_HOME=str(ctx["work"] / "hf-home"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    if ctx["device"].type == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the recipe's Accelerator would take a visible GPU
+    log = ctx["work"] / "runs" / f"{name}-{index}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    wall = time.perf_counter() - t0
+    metrics = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    windows = [r for r in rows if "train/samples_per_sec" in r]
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    if code != 0 or len(windows) < 2:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"exit {code}, {len(windows)} logged windows; command: {shlex.join(cmd)}\n{tail}")
+    return {"run_dir": str(run_dir), "command": shlex.join(cmd), "log": str(log), "process_wall_s": round(wall, 1),
+            "status": summary.get("status"), "precision": summary.get("precision"),
+            "processes": summary.get("processes"), "device": summary.get("device"),
+            "windows": [w["train/samples_per_sec"] for w in windows[1:]],
+            "data_wait_fraction": [w.get("train/data_wait_fraction") for w in windows[1:]]}
+
+
+def recipe_row(args, ctx, name: str, nproc: int, threads: int) -> dict:
+    runs = [run_recipe(args, ctx, name, nproc, threads, k) for k in range(args.runs)]
+    windows = [w for r in runs for w in r["windows"]]
+    waits = [w for r in runs for w in r["data_wait_fraction"] if w is not None]
+    return summarize(windows, source="metrics.jsonl", processes=nproc, threads=threads,
+                     data_wait_fraction=statistics.median(waits) if waits else None,
+                     global_batch=ctx["cfg"].batch_size, runs=runs)
+
+
+def raw_row(args, ctx, threads: int, stream_of=None, transform="recipe") -> dict:
+    """raw_torch (or seed_training with another batch stream) in this process, at ``threads`` threads."""
+    cfg, device = ctx["cfg"], ctx["device"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        windows = []
+        for k in range(args.runs):
+            stream = stream_of() if stream_of else tensor_batches(ctx["images"], ctx["labels"], cfg.batch_size,
+                                                                  cfg.seed + k)
+            step = raw_step(ctx["module"], cfg, ctx["shape"], device, stream,
+                            ctx["transform"] if transform == "recipe" else None)
+            windows += rate(time_windows(step, args.steps, args.log_every, device), args.log_every * cfg.batch_size)
+    finally:
+        torch.set_num_threads(before)
+    return summarize(windows, source="timed in the benchmark", processes=1, threads=threads,
+                     global_batch=cfg.batch_size)
+
+
+def _ddp_worker(rank: int, world: int, port: int, job: dict, out_dir: str):
+    """One rank of raw_ddp_2proc (torch.multiprocessing, spawn): the recipe's model under DDP, 1 thread."""
+    from common.augment import BatchTransform, channel_stats
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = job["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(job["threads"])
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    module = load_recipe(Path(job["recipe_path"]))
+    from common.config import parse_config
+
+    cfg = parse_config(module.Config, job["recipe_argv"])
+    shape = tuple(job["shape"])
+    images, labels = synthetic_images(shape, job["num_images"])
+    mean, std = channel_stats(images)
+    transform = BatchTransform(mean, std, translate=getattr(cfg, "translate", 0), flip=getattr(cfg, "flip", False),
+                               channels_last=getattr(cfg, "channels_last", False))
+    per_rank = cfg.batch_size // world
+    windows = []
+    for k in range(job["runs"]):
+        stream = tensor_batches(images, labels, per_rank, cfg.seed + k, rank, world)
+        step = raw_step(module, cfg, shape, device, stream, transform, rank, world)
+        torch.distributed.barrier()
+        windows += time_windows(step, job["steps"], job["log_every"], device)
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps({"seconds": windows, "backend": torch.distributed.get_backend()}))
+    torch.distributed.destroy_process_group()
+
+
+def raw_ddp_row(args, ctx, world: int, threads: int) -> dict:
+    import torch.multiprocessing as mp
+
+    job = {"device": ctx["device"].type, "threads": threads, "recipe_path": str(args.recipe_path),
+           "recipe_argv": args.recipe_argv, "shape": list(ctx["shape"]), "num_images": ctx["labels"].numel(),
+           "runs": args.runs, "steps": args.steps, "log_every": args.log_every}
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_ddp_worker, args=(world, free_port(), job, tmp), nprocs=world, join=True,
+                           start_method="spawn")
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    seconds = [max(ts) for ts in zip(*(r["seconds"] for r in ranks))]  # a window lasts as long as its slowest rank
+    cfg = ctx["cfg"]
+    return summarize(rate(seconds, args.log_every * cfg.batch_size), source="timed in the benchmark",
+                     processes=world, threads=threads, global_batch=cfg.batch_size, backend=ranks[0]["backend"])
+
+
+def pure_rows(args, ctx, skipped: dict, levers: dict) -> dict:
+    """pure_compute and the levers on it, in turns. A lever that fails is reported with its reason."""
+    from common.accelerator import cpu_bf16_support
+    from common.augment import batch_generator
+
+    module, cfg, shape, device = ctx["module"], ctx["cfg"], ctx["shape"], ctx["device"]
+    batch = cfg.batch_size
+    x = ctx["transform"].train(ctx["images"][:batch].to(device), batch_generator(cfg.seed, 0, 0, 0))
+    y = ctx["labels"][:batch].to(device)
+    runners = {"pure_compute": pure_step(module, cfg, shape, device, x, y)}
+    cl_default = bool(getattr(cfg, "channels_last", False))
+
+    if "bf16" in args.skip:
+        skipped["bf16"] = "--skip bf16"
+    else:
+        native = (torch.cuda.is_bf16_supported() if device.type == "cuda" else bool(cpu_bf16_support()))
+        levers["bf16"] = {"row": "pure_bf16", "baseline": "pure_compute", "native_bf16": native,
+                          "cpu_bf16_support": cpu_bf16_support() if device.type == "cpu" else None}
+        first_step(levers["bf16"], runners, skipped, device,
+                   lambda: pure_step(module, cfg, shape, device, x, y, bf16=True))
+
+    if "channels_last" in args.skip:
+        skipped["channels_last"] = "--skip channels_last"
+    elif not is_cnn(module.build_model(cfg, shape, NUM_CLASSES)):
+        levers["channels_last"] = {"status": "n/a", "reason": "the model has no convolutions"}
+    else:
+        other = "pure_contiguous" if cl_default else "pure_channels_last"
+        levers["channels_last"] = {"row": other, "baseline": "pure_compute", "recipe_default": cl_default}
+        first_step(levers["channels_last"], runners, skipped, device,
+                   lambda: pure_step(module, cfg, shape, device, x, y, channels_last=not cl_default))
+
+    if "compile" in args.skip:
+        skipped["compile"] = "--skip compile"
+    else:
+        # The first step compiles (forward and backward graphs; the optimizer step stays eager). Cold:
+        # main() points inductor's on-disk cache at the work directory, as a user's first run finds it.
+        levers["compile"] = {"row": "pure_compiled", "baseline": "pure_compute", "backend": args.compile_backend,
+                             "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+        first_step(levers["compile"], runners, skipped, device,
+                   lambda: pure_step(module, cfg, shape, device, x, y, compile_backend=args.compile_backend))
+
+    seconds = time_rounds(runners, args.warmup, args.repeats, args.log_every, device)
+    out = {name: summarize(rate(s, args.log_every * batch), source="timed in the benchmark", processes=1,
+                           threads=torch.get_num_threads(), global_batch=batch,
+                           ms_per_step=1000 * statistics.median(s) / args.log_every)
+           for name, s in seconds.items()}
+    for name, lever in levers.items():
+        if lever.get("status") in ("n/a", "failed"):
+            continue
+        lever["status"] = "ok"
+        lever["speedup"] = out[lever["row"]]["samples_per_s"] / out["pure_compute"]["samples_per_s"]
+        if name == "channels_last" and lever["recipe_default"]:
+            lever["speedup"] = 1 / lever["speedup"]  # always channels_last / contiguous
+    if "pure_compiled" in out:
+        steady = out["pure_compiled"]["ms_per_step"] / 1000
+        levers["compile"]["compile_s"] = max(0.0, levers["compile"]["first_step_s"] - steady)
+    return out
+
+
+def first_step(lever: dict, runners: dict, skipped: dict, device, make) -> None:
+    """Build a lever's step and take its first step, timed (for torch.compile: the compile). A lever
+    that fails there is reported with its reason, not hidden; the other rows still count."""
+    try:
+        step = make()
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        lever["first_step_s"] = time.perf_counter() - t0
+        runners[lever["row"]] = step
+    except Exception as err:
+        lever.update(status="failed", reason=f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}")
+        skipped[lever["row"]] = f"failed: {lever['reason']}"
+
+
+def loader_rows(args, ctx, skipped: dict) -> dict:
+    """The recipe's data path alone, and the per-sample pipeline (alone, and feeding raw_torch's step)."""
+    from common.augment import batch_generator
+    from common.data import ImageSplit, make_loader
+
+    cfg, device = ctx["cfg"], ctx["device"]
+    pin = device.type == "cuda"
+    loader = make_loader(ImageSplit(ctx["images"], ctx["labels"]), cfg.batch_size, train=True, pin=pin)
+    n = len(loader)
+
+    def epochs(loader):
+        epoch = 0
+        while True:
+            for i, batch in enumerate(loader):
+                yield epoch, i, *batch
+            epoch += 1
+
+    stream = epochs(loader)
+
+    def data_path():
+        epoch, i, images, labels = next(stream)
+        x = ctx["transform"].train(images.to(device, non_blocking=pin), batch_generator(cfg.seed, epoch, i, 0))
+        labels.to(device, non_blocking=pin)
+        x.sum().item()  # waits for the batch to be really made (a device sync on a GPU)
+
+    seconds = time_rounds({"loader": data_path}, n, args.repeats, n, device)
+    out = {"loader": summarize(rate(seconds["loader"], n * cfg.batch_size), source="timed in the benchmark",
+                               processes=1, threads=torch.get_num_threads(), batches_per_round=n)}
+    if "seed" in args.skip:
+        skipped["seed_loader"] = skipped["seed_training"] = "--skip seed"
+        return out
+
+    seed_loader = per_sample_loader(args, ctx)
+    seed_stream = epochs(seed_loader)
+
+    def seed_batch():
+        _, _, images, labels = next(seed_stream)
+        images.to(device, non_blocking=pin).sum().item()
+        labels.to(device, non_blocking=pin)
+
+    seconds = time_rounds({"seed_loader": seed_batch}, len(seed_loader), args.repeats, len(seed_loader), device)
+    info = dict(source="timed in the benchmark", processes=1, loader_workers=args.seed_workers)
+    out["seed_loader"] = summarize(rate(seconds["seed_loader"], len(seed_loader) * cfg.batch_size),
+                                   threads=torch.get_num_threads(), **info)
+    out["seed_training"] = raw_row(args, ctx, torch.get_num_threads(), stream_of=lambda: epochs(seed_loader),
+                                   transform=None)
+    out["seed_training"].update(info)
+    return out
+
+
+class PerSampleImages(torch.utils.data.Dataset):
     """What a first version typically does: one PNG decode and one torchvision transform per sample."""
 
     def __init__(self, pngs: list[bytes], labels: list[int], transform):
@@ -336,184 +638,73 @@ class SeedStyleImages(torch.utils.data.Dataset):
         return self.transform(Image.open(io.BytesIO(self.pngs[i]))), self.labels[i]
 
 
-def seed_style_loader(spec, args, split: ImageSplit, transform: BatchTransform, device):
-    """Encode the images to PNG bytes once (in memory), then decode per sample with PIL as a real
-    image dataset would; torchvision transforms; a DataLoader with num_workers=os.cpu_count()."""
-    from PIL import Image
+def per_sample_loader(args, ctx):
+    """The same PNGs the recipe decoded, decoded per sample with PIL, torchvision's versions of the
+    recipe's augmentation, a shuffling DataLoader with --seed-workers workers."""
     from torchvision import transforms as T
 
-    pngs = []
-    for arr in split.images.permute(0, 2, 3, 1).numpy():
-        buf = io.BytesIO()
-        Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(buf, format="PNG")
-        pngs.append(buf.getvalue())
+    cfg, t = ctx["cfg"], ctx["transform"]
     augment = []
-    if spec["translate"]:
-        augment.append(T.RandomCrop(spec["shape"][1:], padding=spec["translate"], padding_mode="reflect"))
-    if spec["flip"]:
+    if getattr(cfg, "translate", 0):
+        augment.append(T.RandomCrop(ctx["shape"][1:], padding=cfg.translate, padding_mode="reflect"))
+    if getattr(cfg, "flip", False):
         augment.append(T.RandomHorizontalFlip())
-    tf = T.Compose([*augment, T.ToTensor(), T.Normalize(transform.mean, transform.std)])
-    dataset = SeedStyleImages(pngs, split.labels.tolist(), tf)
+    tf = T.Compose([*augment, T.ToTensor(), T.Normalize(t.mean, t.std)])
     workers = args.seed_workers
-    return torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                       num_workers=workers, persistent_workers=workers > 0,
-                                       pin_memory=device.type == "cuda")
+    return torch.utils.data.DataLoader(PerSampleImages(ctx["pngs"], ctx["labels"].tolist(), tf),
+                                       batch_size=cfg.batch_size, shuffle=True, drop_last=True, num_workers=workers,
+                                       persistent_workers=workers > 0, pin_memory=ctx["device"].type == "cuda")
 
 
-# --- measurements --------------------------------------------------------------------------------------
+# --- ratios, machine, table --------------------------------------------------------------------------------
 
-def measure_training(spec, args, accelerator, split, transform) -> dict:
-    """1, 2, 5 (one process), 7: pure compute, recipe, raw PyTorch and recipe-in-bf16, interleaved."""
-    device = accelerator.device
-    first = split.images[:args.batch_size].to(device)
-    x = transform.train(first, batch_generator(args.seed, 0, 0, 0))
-    y = split.labels[:args.batch_size].to(device)
-    runners = [
-        Runner("pure_compute", pure_compute_step(spec, args, device, (x, y)), args.batch_size),
-        Runner("recipe", accelerate_step(spec, args, accelerator, make_loader(
-            split, args.batch_size, train=True, pin=device.type == "cuda"), transform), args.batch_size),
-        Runner("raw_torch", raw_torch_step(spec, args, device, split, transform), args.batch_size),
-        Runner("recipe_bf16", accelerate_step(spec, args, accelerator, make_loader(
-            split, args.batch_size, train=True, pin=device.type == "cuda"), transform, bf16=True),
-            args.batch_size),
-    ]
-    seconds = time_runners(runners, args.warmup, args.steps, args.repeats, device)
-    info = dict(processes=1, threads=torch.get_num_threads())
-    return {r.name: summarize(seconds[r.name], args.steps, r.samples_per_step, **info) for r in runners}
-
-
-def measure_loader(args, accelerator, split) -> dict:
-    """3. The prepared recipe loader alone. Each repeat is a whole epoch (at least --steps batches)."""
-    loader = accelerator.prepare(make_loader(split, args.batch_size, train=True,
-                                             pin=accelerator.device.type == "cuda"))
-    n = max(args.steps, len(loader))
-    runner = Runner("loader", loader_step(loader), args.batch_size)
-    seconds = time_runners([runner], args.warmup, n, args.repeats, accelerator.device)
-    return {"loader": summarize(seconds["loader"], n, args.batch_size, processes=1, threads=torch.get_num_threads())}
-
-
-def measure_seed_style(spec, args, accelerator, split, transform) -> dict:
-    """4. Seed-style pipeline: training with it (same model and step as the recipe), then its loader alone."""
-    loader = accelerator.prepare(seed_style_loader(spec, args, split, transform, accelerator.device))
-    device = accelerator.device
-    train = Runner("seed_training", accelerate_step(spec, args, accelerator, loader, None), args.batch_size)
-    seconds = time_runners([train], args.warmup, args.steps, args.repeats, device)
-    n = max(args.steps, len(loader))
-    only = Runner("seed_loader", loader_step(loader), args.batch_size)
-    seconds.update(time_runners([only], args.warmup, n, args.repeats, device))
-    info = dict(processes=1, threads=torch.get_num_threads(), loader_workers=args.seed_workers)
-    return {"seed_training": summarize(seconds["seed_training"], args.steps, args.batch_size, **info),
-            "seed_loader": summarize(seconds["seed_loader"], n, args.batch_size, **info)}
-
-
-def _process_worker(rank: int, world: int, port: int, arg_dict: dict, out_dir: str):
-    """One rank of measure_processes (started by torch.multiprocessing, spawn)."""
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # Accelerate would otherwise pick its own
-    if world > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    args = argparse.Namespace(**arg_dict)
-    spec = RECIPES[args.recipe]
-    accelerator = new_accelerator(args)
-    torch.set_num_threads(1)
-    device = accelerator.device
-    split = synthetic_split(spec["shape"], args.num_images, args.seed)
-    transform = build_transform(spec, split)
-    loader = make_loader(split, args.batch_size, train=True, pin=device.type == "cuda")
-    raw_name = "raw_ddp" if world > 1 else "raw_torch"
-    runners = [Runner("recipe", accelerate_step(spec, args, accelerator, loader, transform), world * args.batch_size),
-               Runner(raw_name, raw_torch_step(spec, args, device, split, transform, rank, world),
-                      world * args.batch_size)]
-    barrier = torch.distributed.barrier if world > 1 else (lambda: None)
-    seconds = time_runners(runners, args.warmup, args.steps, args.repeats, device, barrier)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"seconds": seconds, "threads": torch.get_num_threads(), "backend": accelerator.state.backend,
-         "distributed": accelerator.distributed_type.value, "processes": accelerator.num_processes}))
-    accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def measure_processes(args, device, skipped: dict) -> dict:
-    """5 (two processes) and 6: recipe vs raw PyTorch/DDP in 1 and in 2 processes, 1 thread each,
-    the per-rank batch fixed. Each rank's repeat counts as long as the slowest rank's."""
-    if device.type == "cuda" and torch.cuda.device_count() < 2:
-        skipped["processes"] = f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"
-        return {}
-    import torch.multiprocessing as mp
-
-    out = {}
-    for world in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp:
-            try:
-                mp.start_processes(_process_worker, args=(world, free_port(), vars(args), tmp),
-                                   nprocs=world, join=True, start_method="spawn")
-            except Exception as err:  # report and go on: the other measurements still count
-                last_line = (str(err).strip().splitlines() or [""])[-1]
-                skipped[f"{world}proc"] = f"{type(err).__name__}: {last_line}"
-                print(f"  {world}-process measurement failed: {err}", file=sys.stderr)
-                continue
-            ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
-        for name in ranks[0]["seconds"]:
-            per_rank = [r["seconds"][name] for r in ranks]
-            seconds = [max(ts) for ts in zip(*per_rank)]
-            out[f"{name}_{world}proc_1thread"] = summarize(
-                seconds, args.steps, world * args.batch_size, processes=world, threads=ranks[0]["threads"],
-                backend=ranks[0]["backend"], distributed=ranks[0]["distributed"], repeat_s_per_rank=per_rank)
-    return out
-
-
-# --- ratios against the project's targets -------------------------------------------------------------
-
-def compute_ratios(m: dict, spec: dict) -> dict:
-    cnn = spec["model"] != "MLP"
-    sps = {k: v["samples_per_s"] for k, v in m.items()}
+def compute_ratios(rows: dict, levers: dict, cnn: bool, device) -> dict:
+    sps = {k: v["samples_per_s"] for k, v in rows.items()}
 
     def ratio(a, b, scale=1.0):
         return sps[a] / (scale * sps[b]) if a in sps and b in sps else None
 
-    def overhead_pct(accel, raw):  # extra time per step, in % of the raw PyTorch step
-        return (sps[raw] / sps[accel] - 1) * 100 if accel in sps and raw in sps else None
+    def overhead_pct(recipe, raw):  # extra time per step over the plain-PyTorch step, in %
+        return (sps[raw] / sps[recipe] - 1) * 100 if recipe in sps and raw in sps else None
 
-    rows = {
+    one = ("recipe_1proc_1thread", "raw_torch_1proc_1thread") if device.type == "cpu" else ("recipe", "raw_torch")
+    bf16 = levers.get("bf16", {})
+    bf16_note = "" if bf16.get("native_bf16", True) else " (emulated: no native bf16)"
+    table = {
         "recipe_vs_pure_compute": ("recipe / pure compute", ratio("recipe", "pure_compute"), ">=", 0.90),
-        "loader_vs_recipe": ("loader / recipe training", ratio("loader", "recipe"), ">=", 10.0),
-        "loader_vs_seed_loader": ("loader / seed-style loader", ratio("loader", "seed_loader"), ">=", 20.0),
-        "recipe_vs_seed_training": ("recipe / seed-style training", ratio("recipe", "seed_training"), None, None),
-        "accelerate_overhead_1proc_pct": ("Accelerate overhead, 1 proc (%)",
+        "accelerate_overhead_1proc_pct": ("recipe overhead vs raw PyTorch, 1 proc (%)",
                                           overhead_pct("recipe", "raw_torch"), "<=", 3.0),
-        "accelerate_overhead_1proc_1thread_pct": ("Accelerate overhead, 1 proc 1 thread (%)",
+        "accelerate_overhead_1proc_1thread_pct": ("recipe overhead vs raw PyTorch, 1 proc 1 thread (%)",
                                                   overhead_pct("recipe_1proc_1thread", "raw_torch_1proc_1thread"),
                                                   None, None),
-        "accelerate_overhead_2proc_pct": ("Accelerate overhead, 2 procs (%)",
-                                          overhead_pct("recipe_2proc_1thread", "raw_ddp_2proc_1thread"), "<=", 3.0),
-        "scaling_efficiency_2proc": ("2-proc scaling efficiency (recipe)",
-                                     ratio("recipe_2proc_1thread", "recipe_1proc_1thread", 2.0),
+        "accelerate_overhead_2proc_pct": ("recipe overhead vs raw DDP, 2 procs (%)",
+                                          overhead_pct("recipe_2proc", "raw_ddp_2proc"), "<=", 3.0),
+        "scaling_efficiency_2proc": ("2-proc scaling efficiency (recipe)", ratio("recipe_2proc", one[0], 2.0),
                                      ">=", 0.85 if cnn else 0.75),
-        "scaling_efficiency_2proc_raw": ("2-proc scaling efficiency (raw DDP)",
-                                         ratio("raw_ddp_2proc_1thread", "raw_torch_1proc_1thread", 2.0), None, None),
-        "bf16_vs_fp32": ("bf16 autocast / fp32 (recipe)", ratio("recipe_bf16", "recipe"), ">=", 1.3 if cnn else 1.0),
+        "scaling_efficiency_2proc_raw": ("2-proc scaling efficiency (raw DDP)", ratio("raw_ddp_2proc", one[1], 2.0),
+                                         None, None),
+        "loader_vs_recipe": ("loader / recipe training", ratio("loader", "recipe"), ">=", 10.0),
+        "loader_vs_seed_loader": ("loader / per-sample loader", ratio("loader", "seed_loader"), ">=", 20.0),
+        "raw_vs_seed_training": ("raw step: tensor batches / per-sample pipeline", ratio("raw_torch", "seed_training"),
+                                 None, None),
+        "bf16_vs_fp32": (f"bf16 autocast / fp32, pure step{bf16_note}", ratio("pure_bf16", "pure_compute"),
+                         *((">=", 1.3 if cnn else 1.0) if bf16.get("native_bf16") else (None, None))),
+        "channels_last_vs_contiguous": ("channels_last / contiguous, pure step",
+                                        levers.get("channels_last", {}).get("speedup"), None, None),
+        "compile_vs_eager": ("torch.compile / eager, pure step (steady)", ratio("pure_compiled", "pure_compute"),
+                             None, None),
     }
     out = {}
-    for key, (label, value, op, target) in rows.items():
-        ok = None
-        if value is not None and op is not None:
-            ok = value >= target if op == ">=" else value <= target
+    for key, (label, value, op, target) in table.items():
+        ok = None if value is None or op is None else (value >= target if op == ">=" else value <= target)
         out[key] = {"label": label, "value": value, "op": op, "target": target,
-                    "status": "n/a" if value is None else ("info" if op is None else ("PASS" if ok else "MISS"))}
+                    "status": "n/a" if value is None else "info" if op is None else "PASS" if ok else "MISS"}
     return out
 
 
-# --- report: machine, table, JSON, PNG -----------------------------------------------------------------
+def machine_info(device) -> dict:
+    from common.accelerator import cpu_bf16_support
 
-def machine_info(device: torch.device) -> dict:
     cpu_model, flags = platform.processor(), set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -524,9 +715,9 @@ def machine_info(device: torch.device) -> dict:
     return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model,
             "cpu_count": os.cpu_count(),
             "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "cpu_bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"}),
-            "torch_num_threads": torch.get_num_threads(), "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}),
+            "cpu_bf16_support": cpu_bf16_support() or "none (emulated)", "torch_num_threads": torch.get_num_threads(),
+            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "gpu_count": torch.cuda.device_count() if device.type == "cuda" else 0}
 
 
@@ -534,124 +725,157 @@ def versions() -> dict:
     import accelerate
     import torchvision
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "accelerate": accelerate.__version__, "torchvision": torchvision.__version__}
+    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
+            "torchvision": torchvision.__version__}
+
+
+def load_average():
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def format_table(report: dict) -> str:
-    m, lines = report["measurements"], []
-    lines.append(f"{'measurement':<26}{'samples/s':>14}{'ms/step':>10}{'spread':>8}{'procs':>6}{'thr':>5}")
-    for key, v in m.items():
-        lines.append(f"{key:<26}{v['samples_per_s']:>14,.0f}{v['ms_per_step']:>10.2f}{v['spread']:>8.1%}"
-                     f"{v.get('processes', 1):>6}{v.get('threads', ''):>5}")
+    m = report["machine"]
+    lines = [f"machine: {m['gpu'] or m['cpu']}, {m['cpus_usable']} CPUs, {m['torch_num_threads']} torch threads, "
+             f"flags {' '.join(m['cpu_flags']) or '-'}, native bf16: {m['cpu_bf16_support']}, load average "
+             f"{report['machine']['load_average_start']} -> {report['machine']['load_average_end']}", "",
+             f"{'row':<26}{'samples/s':>12}{'spread':>8}{'n':>4}{'procs':>6}{'thr':>5}  source"]
+    for key, v in report["rows"].items():
+        lines.append(f"{key:<26}{v['samples_per_s']:>12,.1f}{v['spread']:>8.1%}{v['n']:>4}{v['processes']:>6}"
+                     f"{v['threads']:>5}  {v['source']}")
     lines.append("")
-    lines.append(f"{'ratio':<42}{'value':>10}  {'target':<9}result")
+    for name, lever in report["levers"].items():
+        if lever.get("status") != "ok":
+            lines.append(f"lever {name}: {lever.get('status', 'not measured')}: {lever.get('reason', 'see above')}")
+        elif name == "compile":
+            lines.append(f"lever compile ({lever['backend']}): {lever['speedup']:.2f}x steady state, compile "
+                         f"{lever['compile_s']:.1f} s (first step {lever['first_step_s']:.1f} s), excluded")
+        elif name == "bf16":
+            lines.append(f"lever bf16 autocast: {lever['speedup']:.2f}x fp32 "
+                         f"({'native' if lever['native_bf16'] else 'emulated: this device has no native bf16'})")
+        else:
+            lines.append(f"lever channels_last: {lever['speedup']:.2f}x contiguous "
+                         f"(the recipe uses {'channels_last' if lever['recipe_default'] else 'contiguous'})")
+    lines.append("")
+    lines.append(f"{'ratio':<52}{'value':>9}  {'target':<8}result")
     for r in report["ratios"].values():
-        value = "-" if r["value"] is None else f"{r['value']:.3g}" if abs(r["value"]) >= 1e3 else f"{r['value']:.2f}"
+        value = "-" if r["value"] is None else f"{r['value']:.2f}"
         target = "" if r["op"] is None else f"{r['op']} {r['target']:g}"
-        lines.append(f"{r['label']:<42}{value:>10}  {target:<9}{r['status']}")
+        lines.append(f"{r['label']:<52}{value:>9}  {target:<8}{r['status']}")
     for what, why in report["skipped"].items():
-        lines.append(f"skipped {what}: {why}")
+        lines.append(f"not measured {what}: {why}")
     return "\n".join(lines)
 
 
-def draw_png(report: dict, path: Path):
-    import matplotlib
+# --- main --------------------------------------------------------------------------------------------------
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    m = report["measurements"]
-    names = list(m)[::-1]
-    colors = ["tab:blue" if n in ("pure_compute", "recipe", "raw_torch", "recipe_bf16") else
-              "tab:orange" if "loader" in n else "tab:gray" if n.startswith("seed") else "tab:green" for n in names]
-    fig, (ax, ax_text) = plt.subplots(1, 2, figsize=(14, 0.45 * len(names) + 2.5),
-                                      gridspec_kw={"width_ratios": [3, 2]})
-    values = [m[n]["samples_per_s"] for n in names]
-    ax.barh(names, values, color=colors)
-    ax.set_xscale("log")
-    ax.set_xlabel("samples/s (median of repeats, log scale)")
-    for y, v in enumerate(values):
-        ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
-    ax.set_xlim(right=max(values) * 8)
-    mach = report["machine"]
-    ax.set_title(f"{report['recipe']} on {mach['hostname']} ({mach['gpu'] or mach['cpu']}, "
-                 f"{mach['cpu_count']} CPUs)", fontsize=10)
-    ax_text.axis("off")
-    rows = [f"{r['label'][:38]:<38} {'-' if r['value'] is None else format(r['value'], '.2f'):>8} {r['status']}"
-            for r in report["ratios"].values()]
-    ax_text.text(0, 1, "\n".join(rows), family="monospace", fontsize=8, va="top")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# --- main ----------------------------------------------------------------------------------------------
-
-def hide_or_check_gpus(choice: str):
-    """--device cpu hides the GPUs (before CUDA starts), so the recipes' Accelerator picks the CPU too."""
+def pick_device(choice: str) -> torch.device:
+    """--device cpu hides the GPUs (before CUDA starts), so the recipe's Accelerator picks the CPU too."""
     if choice == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    elif choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but no CUDA GPU is visible (torch.cuda.is_available() is False)")
-
-
-def load_average() -> list[float] | None:
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+    if choice == "cuda" and not torch.cuda.is_available():
+        bad_input("--device cuda but no CUDA GPU is visible (torch.cuda.is_available() is False). Use --device cpu.")
+    return torch.device("cuda", 0) if choice != "cpu" and torch.cuda.is_available() else torch.device("cpu")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    spec = RECIPES[args.recipe]
-    hide_or_check_gpus(args.device)
+    device = pick_device(args.device)
+    from common.augment import BatchTransform, channel_stats
+
+    module = load_recipe(args.recipe_path)
+    cfg = recipe_config(module, args.recipe_argv)
+    shape = image_shape(args, cfg)
     t_start, load_start = time.perf_counter(), load_average()
     if load_start and load_start[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: the machine is busy (load average {load_start[0]} on {os.cpu_count()} CPUs): "
-              "other processes share the cores and the numbers will be low and noisy", file=sys.stderr)
-    split = synthetic_split(spec["shape"], args.num_images, args.seed)
-    transform = build_transform(spec, split)
-    accelerator = new_accelerator(args)
-    device = accelerator.device
-    model_args = {"width": args.width} if spec["model"] == "ConvNet" else {"widths": args.widths}
-    n_params = count_parameters(build_model(spec, args))
-    print(f"{args.recipe}: {spec['model']} {model_args} {n_params:,} params, {args.num_images} images "
-          f"{spec['shape']}, per-process batch {args.batch_size}, {args.repeats} repeats x {args.steps} steps "
-          f"after {args.warmup} warm-up, device {accelerator.device}, {torch.get_num_threads()} threads", flush=True)
+        print(f"warning: the machine is busy (load average {load_start[0]} on {os.cpu_count()} CPUs): the numbers "
+              "will be low and noisy; compare only ratios measured in one run", file=sys.stderr)
 
-    measurements, skipped = {}, {}
-    phases = [("pure compute, recipe, raw PyTorch, recipe bf16 (interleaved)",
-               lambda: measure_training(spec, args, accelerator, split, transform)),
-              ("loader alone", lambda: measure_loader(args, accelerator, split)),
-              ("1 and 2 processes, 1 thread each", lambda: measure_processes(args, device, skipped)),
-              ("seed-style pipeline", lambda: measure_seed_style(spec, args, accelerator, split, transform))]
-    for i, (what, measure) in enumerate(phases, 1):
-        print(f"[{i}/{len(phases)}] {what} ...", end=" ", flush=True)
+    # Enough images that --steps fit in the recipe's first epoch after it holds out --val-fraction: an
+    # epoch end (evaluation, checkpoint) inside a timed window would be timed too.
+    n = math.ceil((args.steps + 1) * cfg.batch_size / (1 - cfg.val_fraction)) + 1
+    images, labels = synthetic_images(shape, n)
+    mean, std = channel_stats(images)
+    transform = BatchTransform(mean, std, translate=getattr(cfg, "translate", 0), flip=getattr(cfg, "flip", False),
+                               channels_last=getattr(cfg, "channels_last", False))
+    work_ctx = contextlib.nullcontext(args.work_dir) if args.work_dir else tempfile.TemporaryDirectory()
+    with work_ctx as work:
+        work = Path(work)
+        work.mkdir(parents=True, exist_ok=True)
+        # inductor keeps compiled kernels on disk across processes: a cache of its own (empty unless a
+        # --work-dir is reused) makes compile_s what a first run pays, not a cache read
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor-cache"))
         t0 = time.perf_counter()
-        measurements.update(measure())
-        print(f"{time.perf_counter() - t0:.1f} s", flush=True)
+        pngs = png_bytes(images)
+        dataset = write_parquet(work / "dataset", pngs, labels)
+        write_s = time.perf_counter() - t0
+        ctx = dict(module=module, cfg=cfg, shape=shape, device=device, images=images, labels=labels, pngs=pngs,
+                   transform=transform, work=work, dataset=dataset)
+        model = new_model(module, cfg, shape, torch.device("cpu"))
+        cnn, params = is_cnn(model), sum(p.numel() for p in model.parameters())
+        threads = torch.get_num_threads()
+        print(f"{args.recipe_name}: {type(model).__name__} {params:,} params, {n} synthetic images {shape}, "
+              f"global batch {cfg.batch_size}, {args.steps} steps in windows of {args.log_every} (first dropped), "
+              f"{args.repeats} rounds for pure/loader rows, device {device}, {threads} threads", flush=True)
 
-    report = {
-        "benchmark": "throughput", "recipe": args.recipe, "created": datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "settings": {"model": spec["model"], "model_args": model_args, "params": n_params,
-                     "input_shape": list(spec["shape"]), "num_images": args.num_images,
-                     "per_process_batch": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-                     "repeats": args.repeats, "precision": "fp32 (bf16 row: autocast)", "tiny": args.tiny,
-                     "seed_workers": args.seed_workers, "optimizer": spec["optimizer"],
-                     "augment": {"translate": spec["translate"], "flip": spec["flip"],
-                                 "channels_last": spec["channels_last"]}},
-        "machine": {**machine_info(device), "load_average_start": load_start, "load_average_end": load_average()},
-        "versions": versions(),
-        "measurements": measurements, "ratios": compute_ratios(measurements, spec), "skipped": skipped,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }
+        rows, levers, skipped = {}, {}, {}
+
+        def measure(name: str, fn):
+            print(f"  {name} ...", end=" ", flush=True)
+            t = time.perf_counter()
+            try:
+                got = fn()
+            except Exception as err:  # a row that failed is reported with its reason; the others still count
+                why = (str(err).strip().splitlines() or [type(err).__name__])
+                skipped[name] = f"{type(err).__name__}: {why[0]}"
+                print(f"FAILED ({time.perf_counter() - t:.1f} s)\n{err}", flush=True)
+                return
+            rows.update(got if isinstance(got, dict) and "samples_per_s" not in got else {name: got})
+            print(f"{time.perf_counter() - t:.1f} s", flush=True)
+
+        measure("recipe", lambda: recipe_row(args, ctx, "recipe", 1, threads))
+        measure("raw_torch", lambda: raw_row(args, ctx, threads))
+        measure("pure rows and levers", lambda: pure_rows(args, ctx, skipped, levers))
+        measure("loader rows", lambda: loader_rows(args, ctx, skipped))
+        if "processes" in args.skip:
+            skipped["processes"] = "--skip processes"
+        else:
+            if device.type == "cpu":
+                measure("recipe_1proc_1thread", lambda: recipe_row(args, ctx, "recipe_1proc_1thread", 1, 1))
+                measure("raw_torch_1proc_1thread", lambda: raw_row(args, ctx, 1))
+            if device.type == "cuda" and torch.cuda.device_count() < 2:
+                skipped["recipe_2proc"] = skipped["raw_ddp_2proc"] = (
+                    f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+            elif cfg.batch_size % 2:
+                skipped["recipe_2proc"] = skipped["raw_ddp_2proc"] = (
+                    f"the global batch {cfg.batch_size} does not split over 2 processes")
+            else:
+                per_proc = 1 if device.type == "cpu" else threads
+                measure("recipe_2proc", lambda: recipe_row(args, ctx, "recipe_2proc", 2, per_proc))
+                measure("raw_ddp_2proc", lambda: raw_ddp_row(args, ctx, 2, per_proc))
+
+        report = {
+            "benchmark": "throughput", "recipe": args.recipe_name, "recipe_file": str(args.recipe_path),
+            "created": datetime.now().isoformat(timespec="seconds"),
+            "command": shlex.join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
+            "settings": {"recipe_args": args.recipe_argv, "config": {k: v for k, v in vars(cfg).items()
+                                                                     if k != "explicit"},
+                         "model": type(model).__name__, "params": params, "input_shape": list(shape),
+                         "num_images": n, "global_batch": cfg.batch_size, "steps": args.steps,
+                         "log_every": args.log_every, "runs": args.runs, "repeats": args.repeats,
+                         "warmup": args.warmup, "precision": "fp32 (levers: as named)", "tiny": args.tiny,
+                         "seed_workers": args.seed_workers, "compile_backend": args.compile_backend,
+                         "skip": sorted(args.skip), "dataset_write_s": round(write_s, 1),
+                         "work_dir": str(work) if args.work_dir else None},
+            "machine": {**machine_info(device), "load_average_start": load_start, "load_average_end": load_average()},
+            "versions": versions(), "rows": rows, "levers": levers,
+            "ratios": compute_ratios(rows, levers, cnn, device), "skipped": skipped,
+            "wall_s": round(time.perf_counter() - t_start, 1),
+        }
     print()
     print(format_table(report))
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    draw_png(report, args.out_png)
-    print(f"\nwrote {args.out_json} and {args.out_png} ({report['wall_s']} s)")
+    args.out_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nwrote {args.out_json} ({report['wall_s']} s)")
     return 0
 
 
