@@ -17,7 +17,6 @@ The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisa
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/fashion_mnist_mlp.py
     # resume (the same command starts fresh when there is nothing to resume)
     accelerate launch recipes/fashion_mnist_mlp.py --output-dir runs/fmnist --resume-from latest
-
 Every knob: python recipes/fashion_mnist_mlp.py --help
 """
 

@@ -19,7 +19,6 @@ cosine (warm-up, then cosine decay to zero), AdamW --lr 2e-3 --weight-decay 1e-4
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/mnist_convnet.py
     # resume (the same command starts fresh when there is nothing to resume)
     accelerate launch recipes/mnist_convnet.py --output-dir runs/mnist --resume-from latest
-
 Every knob: python recipes/mnist_convnet.py --help
 """
 
