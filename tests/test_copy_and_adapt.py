@@ -1,8 +1,9 @@
 """The user's path to their own data, end to end: a folder of class sub-folders with images that are not
 CIFAR- or MNIST-sized, `python -m common.tools.copy_recipe`, then the copy trained from outside the
-repository with only --dataset and run-length flags (`accelerate launch` of the copy as printed for the
-CIFAR recipe; main() of the copy in this process for the MNIST one). Classes and image shape must come from
-the data, and the copy must learn."""
+repository with only --dataset and run-length flags (main() of the copy in this process, cwd outside the
+repository; the printed `accelerate launch <copy>` of a copy from outside the repository, without
+PYTHONPATH, is run for real by tests/test_user_commands.py::test_copied_recipe_with_its_own_model_is_served_by_every_tool).
+Classes and image shape must come from the data, and the copy must learn; predict serves the copy."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from common.tools.copy_recipe import main as copy_recipe
-from conftest import ACCELERATE, CONFIGS, check_ok, free_port, run_in_process
+from conftest import check_ok, run_in_process
 
 SHAPES = ("circle", "square", "triangle")
 SIZE = 20  # neither 28 (MNIST) nor 32 (CIFAR)
@@ -45,8 +46,7 @@ def draw_shapes(root: Path, n_per_class: int, mode: str, seed: int) -> Path:
     return root
 
 
-def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags: list, capsys,
-                   launched: bool) -> tuple[Path, Path]:
+def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags: list, capsys) -> tuple[Path, Path]:
     data = draw_shapes(tmp_path / "my_shapes", 30, mode, seed=1)
     dest = tmp_path / "my_recipe.py"
     assert copy_recipe([recipe, str(dest)]) == 0
@@ -56,13 +56,7 @@ def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags:
     assert "PYTHONPATH" not in out  # common is installed: the copy imports it from anywhere
     run = tmp_path / "runs" / "shapes"
     args = ["--dataset", str(data), *map(str, run_flags), "--output-dir", str(run)]
-    if launched:
-        cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--main_process_port",
-               str(free_port()), str(dest), *args]
-        env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-        check_ok(subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240))
-    else:
-        check_ok(run_in_process(dest, args, env, cwd=tmp_path))
+    check_ok(run_in_process(dest, args, env, cwd=tmp_path))
     return data, run
 
 
@@ -91,8 +85,7 @@ def predict_accuracy(run: Path, images: Path, env: dict) -> float:
 
 def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env, capsys):
     # --batch-size: the recipe's 512 is more than this folder holds (81 training images)
-    data, run = copy_and_train(tmp_path, env, "cifar_cnn", "RGB", ["--epochs", 5, "--batch-size", 16], capsys,
-                               launched=True)
+    data, run = copy_and_train(tmp_path, env, "cifar_cnn", "RGB", ["--epochs", 5, "--batch-size", 16], capsys)
     check_trained(run, channels=3)
     # final/, not the run dir: the run dir means best/, the first epoch to score 9/9 on validation, less trained
     unseen = draw_shapes(tmp_path / "unseen", 10, "RGB", seed=2)
@@ -100,6 +93,5 @@ def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env, capsys):
 
 
 def test_mnist_convnet_copy_on_20x20_grayscale_shapes(tmp_path, env, capsys):
-    data, run = copy_and_train(tmp_path, env, "mnist_convnet", "L", ["--epochs", 5, "--batch-size", 16], capsys,
-                               launched=False)
+    data, run = copy_and_train(tmp_path, env, "mnist_convnet", "L", ["--epochs", 5, "--batch-size", 16], capsys)
     check_trained(run, channels=1)

@@ -128,11 +128,17 @@ def test_batch_script_checkpoints_requeues_and_resumes(tmp_path):
         log = out.read()
     assert first.returncode == 0, log
     assert "stopped by signal SIGTERM at step" in log, log  # the workers got a TERM through the launcher
+    assert "--resume-from latest to continue" in log, log  # the stopped run says how to continue
     assert "step exit 0, run status: preempted" in log, log  # a stopped task exits 0: no --kill-on-bad-exit
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "preempted", log
     step = newest_checkpoint_step(run)
     assert step == summary["global_step"] and 0 < step < 80, log
+    from common.checkpoint import find_latest
+
+    # every rank took part in the stop checkpoint: one RNG state per process
+    assert {p.name for p in find_latest(run).glob("random_states_*.pkl")} == \
+        {"random_states_0.pkl", "random_states_1.pkl"}, log
     assert requeues.read_text() == "requeue 4242\n", log
 
     # The requeued start, here on one process to keep the test short (the global batch stays 32; the real

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import os
 import sys
 
 import pytest
@@ -145,19 +145,29 @@ def test_baseline_trains_and_evaluates_in_process(tiny, tmp_path):
     assert low["time_to_target_s"] == low["curve"][0]["time_s"]
 
 
-def test_cli_end_to_end(tiny, tmp_path):
-    """Both sides on tiny data, one seed, a low target: the real recipe as a subprocess, the baseline
-    in-process, the table printed and the JSON written."""
+def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
+    """Both sides on tiny data, one seed, a low target: main() of the CLI in this process, which runs the
+    real recipe as a subprocess and the baseline in-process; the table printed and the JSON written."""
+    import torch
+
     out = tmp_path / "tta.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "time_to_accuracy.py"), "--recipe", "mnist_convnet",
-           "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
-           "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
-           "--eval-every-steps", "2",
-           "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
-    proc = subprocess.run(cmd, env=recipe_env(tmp_path), cwd=str(REPO), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, \
-        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
-    assert "ratio" in proc.stdout and "median" in proc.stdout
+    argv = ["--recipe", "mnist_convnet",
+            "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
+            "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
+            "--eval-every-steps", "2",
+            "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    for key, value in recipe_env(tmp_path).items():  # what the recipe subprocess inherits
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() sets it; restored after the test
+    threads = torch.get_num_threads()
+    try:
+        code = tta.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, f"exit {code}\nSTDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-6000:]}"
+    assert "ratio" in stdout and "median" in stdout
 
     report = json.loads(out.read_text())
     (seed,) = report["seeds"]

@@ -5,15 +5,17 @@ export and --eval-only serve without any change to common/."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import textwrap
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 
-from conftest import (ACCELERATE, REPO, check_ok, read_jsonl, recipe_env, run_in_process,
+from conftest import (ACCELERATE, CONFIGS, REPO, check_ok, free_port, read_jsonl, recipe_env, run_in_process,
                       write_image_folder)
 
 MLP = ["--hidden", "32"]
@@ -139,22 +141,29 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 
 def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path):
-    """Copy a recipe anywhere, replace its model by a class defined in the copy, train from another folder;
-    then predict, export (checked with onnxruntime) and --eval-only it: no edit to common/."""
+    """Copy a recipe anywhere, replace its model by a class defined in the copy, train it from another folder
+    with the printed `accelerate launch` command; then predict, export (checked with onnxruntime) and
+    --eval-only it: no edit to common/."""
     env = recipe_env(tmp_path)
     data = write_image_folder(tmp_path / "shapes", n_per_class=16, shape=(1, 20, 20))
     dest = tmp_path / "elsewhere" / "my_digits.py"
-    check_ok(subprocess.run([sys.executable, "-m", "common.tools.copy_recipe", "mnist_convnet", str(dest)], env=env,
-                            cwd=str(tmp_path), capture_output=True, text=True, timeout=60))
+    from common.tools.copy_recipe import main as copy_recipe  # its CLI: tests/test_copy_recipe.py
+
+    with redirect_stdout(io.StringIO()):
+        assert copy_recipe(["mnist_convnet", str(dest)]) == 0
     text = dest.read_text()
     start, end = text.index("def build_model("), text.index("def build_optimizer(")
     dest.write_text(text[:start] + textwrap.dedent(NEW_MODEL).lstrip() + "\n\n" + text[end:])
     workdir = tmp_path / "work"
     workdir.mkdir()
     run = workdir / "run"
-    check_ok(subprocess.run([sys.executable, str(dest), "--dataset", str(data), "--width", "8", "--batch-size", "16",
-                             "--epochs", "2", "--output-dir", str(run)], env=env, cwd=str(workdir),
-                            capture_output=True, text=True, timeout=180))
+    # trained as copy_recipe prints it: `accelerate launch <copy>` from a folder outside the repository,
+    # no PYTHONPATH (common is installed, the copy imports it from anywhere)
+    launch_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    check_ok(subprocess.run([ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--main_process_port",
+                             str(free_port()), "--mixed_precision", "no", str(dest), "--dataset", str(data),
+                             "--width", "8", "--batch-size", "16", "--epochs", "2", "--output-dir", str(run)],
+                            env=launch_env, cwd=str(workdir), capture_output=True, text=True, timeout=180))
     card = json.loads((run / "final" / "model.json").read_text())
     assert card["model"] == "TinyNet" and card["recipe"] == "my_digits"
     predict = check_ok(subprocess.run([sys.executable, "-m", "common.tools.predict", str(run), str(data / "cat"),
