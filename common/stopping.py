@@ -38,7 +38,7 @@ class StopFlag:
     def _watch_parent(self) -> None:
         while not self._done.wait(WATCH_INTERVAL_S):
             if os.getppid() != self._parent:
-                self.reason = self.reason or f"the launcher (PID {self._parent}) is gone"
+                self.reason = self.reason or f"the loss of its launcher (PID {self._parent})"
                 return
 
     def close(self) -> None:
