@@ -177,3 +177,15 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path):
     check_ok(run_in_process(dest, ["--eval-only", "--checkpoint", run], env, cwd=workdir))
     result = json.loads((run / "best" / "eval-val.json").read_text())
     assert result["count"] == json.loads((run / "summary.json").read_text())["final"]["val/count"]
+
+
+def test_model_files_follow_the_umask(mlp_run):
+    """safetensors writes 0600; the run's weights get the mode the rest of the run has (a teammate can read them)."""
+    import os
+
+    run, _, _ = mlp_run
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in (run / "final" / "model.safetensors", run / "best" / "model.safetensors",
+                 next((run / "checkpoints").glob("step-*/model.safetensors"))):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
