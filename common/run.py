@@ -309,7 +309,8 @@ class TrainingRun:
 
     @property
     def skipped_steps(self) -> int:
-        return self.skipped_before + self.scale_watch.skipped
+        watch = getattr(self, "scale_watch", None)  # absent when start() failed before creating it
+        return self.skipped_before + (watch.skipped if watch is not None else 0)
 
     def end_step(self) -> bool:
         """After each optimizer step: log, progress, checkpoint, stop. Returns True when an evaluation is
