@@ -39,13 +39,13 @@ class NonFiniteLoss(RecipeError):
     status = "nonfinite_loss"
 
 
-def fail(err: RecipeError) -> None:
-    """Print ``err`` as one paragraph (prefixed with the rank in a multi-process job) and exit with its code."""
+def report(err: RecipeError) -> int:
+    """Print ``err`` as one paragraph on stderr (prefixed with the rank in a multi-process job) and return
+    its exit code. Every command of this repository ends a user error this way."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    prefix = f"[rank {rank}] " if world > 1 else ""
-    sys.stderr.write(f"{prefix}error: {err}\n")
+    sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {err}\n")
     sys.stderr.flush()
-    raise SystemExit(err.exit_code)
+    return err.exit_code
 
 
 class Preempted(Exception):

@@ -48,7 +48,6 @@ import inspect
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
@@ -60,7 +59,7 @@ from common.accelerator import make_accelerator, per_process_batch, startup_line
 from common.augment import batch_generator
 from common.config import sanitize_for_hparams, save_config
 from common.data import load_image_data, make_loader
-from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError
+from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError, report
 from common.guard import LossScaleWatch, StepGuard
 from common.profiler import StepProfiler
 from common.stopping import StopFlag
@@ -102,10 +101,7 @@ class TrainingRun:
             if isinstance(caught, Preempted):
                 self.say(str(caught))
             else:
-                rank = self.accelerator.process_index if self.accelerator is not None else 0
-                world = self.accelerator.num_processes if self.accelerator is not None else 1
-                sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {caught}\n")
-                sys.stderr.flush()
+                report(caught)
         except BaseException as caught:  # a bug or an interrupt: recorded, then raised with its traceback
             err, self.status = caught, "crashed"
             raise

@@ -31,8 +31,10 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             kept = [row for row in kept if row.get("step", 0) <= resume_step]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        lines = [json.dumps(row) + "\n" for row in kept]
+        self.path.write_text("".join(lines))
         self.last = kept[-1] if kept else None
+        self.last_offset = sum(len(line.encode()) for line in lines[:-1])  # where the last line starts
         purge = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
         accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
 
@@ -49,14 +51,18 @@ class MetricsLog:
         self.accelerator.log(values, step=step)
         now = round(time.time(), 3)
         values.update(extra or {})
-        if self.last is not None and self.last["step"] == step:
+        merge = self.last is not None and self.last["step"] == step
+        if merge:
             self.last.update(values, time=now)
-            lines = self.path.read_text().splitlines(keepends=True)[:-1]  # a few KB: cheap next to a log step
-            self.path.write_text("".join(lines) + json.dumps(self.last) + "\n")
         else:
             self.last = {"step": step, "time": now, **values}
-            with self.path.open("a") as f:
-                f.write(json.dumps(self.last) + "\n")
+        with self.path.open("r+" if merge else "a") as f:
+            if merge:  # rewrite only the last line, in place
+                f.seek(self.last_offset)
+                f.truncate()
+            else:
+                self.last_offset = f.tell()
+            f.write(json.dumps(self.last) + "\n")
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """One HParams session in the main event file: the sanitized config and the final metrics."""

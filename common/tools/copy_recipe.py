@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common.errors import EXIT_BAD_INPUT, RecipeError
+from common.errors import RecipeError, report
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -134,8 +134,7 @@ def main(argv=None) -> int:
     try:
         dest = copy_recipe(args.recipe, args.dest)
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report(err)
     name = Path(args.recipe).name
     print(next_steps(name[:-3] if name.endswith(".py") else name, dest))
     return 0

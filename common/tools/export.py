@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, RecipeError
+from common.errors import EXIT_CHECK_FAILED, RecipeError, report
 from common.tools.predict import load_predictor
 
 
@@ -225,8 +225,7 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report(err)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common.errors import EXIT_BAD_INPUT, RecipeError
+from common.errors import RecipeError, report
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -326,8 +326,7 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except RecipeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report(err)
 
 
 if __name__ == "__main__":
