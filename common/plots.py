@@ -126,21 +126,43 @@ def misclassified_grid(images, labels, preds, class_names, max_images: int = 36)
     wrong = np.flatnonzero(labels != preds)[:max(0, max_images)]
     if len(wrong) == 0:
         return _text_image("no misclassified images")
+    # The titles are drawn as text on one figure and the images pasted into its pixels afterwards. (A
+    # matplotlib subplot per image took about 1 s per evaluation for 36 images, on the main process while
+    # the other processes waited; this takes about a fifth of that.)
     n = len(wrong)
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    fig = _figure(1.6 * cols, 1.8 * rows)
+    cell_w, cell_h, side, band = 160, 180, 120, 44  # pixels: cell, image side, title band above the image
+    width, height = cols * cell_w, rows * cell_h
+    fig = _figure(width / 100, height / 100)  # 100 dpi: one figure pixel per array pixel
+    places = []
     for k, idx in enumerate(wrong):
-        ax = fig.add_subplot(rows, cols, k + 1)
-        img = images[idx]
-        if img.shape[0] == 1:
-            ax.imshow(img[0], cmap="gray", vmin=0, vmax=255, interpolation="nearest")
-        else:
-            ax.imshow(np.ascontiguousarray(img[:3].transpose(1, 2, 0)).astype(np.uint8), interpolation="nearest")
-        ax.set_title(f"true: {name(int(labels[idx]))}\npred: {name(int(preds[idx]))}", fontsize=7)
-        ax.axis("off")
-    fig.tight_layout()
-    return _to_array(fig)
+        r, q = divmod(k, cols)
+        y, x = r * cell_h + band, q * cell_w + (cell_w - side) // 2
+        fig.text((q + 0.5) * cell_w / width, 1 - (y - 4) / height,
+                 f"true: {name(int(labels[idx]))}\npred: {name(int(preds[idx]))}", ha="center", va="bottom", fontsize=9)
+        places.append((y, x, idx))
+    grid = _to_array(fig)
+    for y, x, idx in places:
+        cell = _cell_image(images[idx], side)
+        h, w = cell.shape[:2]
+        top, left = y + (side - h) // 2, x + (side - w) // 2
+        grid[top:top + h, left:left + w] = cell
+    return grid
+
+
+def _cell_image(img: np.ndarray, side: int) -> np.ndarray:
+    """A ``(C, H, W)`` uint8 image (C = 1 or 3) as RGB, its longer edge resized to ``side`` pixels without
+    smoothing (pixels stay visible, the aspect ratio is kept)."""
+    from PIL import Image
+
+    hwc = np.ascontiguousarray(img[:3].transpose(1, 2, 0)).astype(np.uint8)
+    if hwc.shape[2] == 1:
+        hwc = np.repeat(hwc, 3, axis=2)
+    h, w = hwc.shape[:2]
+    scale = side / max(h, w)
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    return np.asarray(Image.fromarray(hwc).resize(size, Image.NEAREST))
 
 
 def save_image_png(image: np.ndarray, path) -> Path:

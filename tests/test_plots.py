@@ -60,6 +60,13 @@ def test_misclassified_grid_gray_and_rgb():
         assert is_rgb_image(img)
     small = misclassified_grid(rgb, labels, preds, names, max_images=1)
     assert small.shape[0] * small.shape[1] < img.shape[0] * img.shape[1]
+    # the images themselves are in the grid, enlarged with their aspect ratio kept: a flat 20x10 image
+    # of one colour becomes a 2:1 block of that colour
+    flat = torch.zeros(5, 3, 20, 10, dtype=torch.uint8)
+    flat[1] = torch.tensor([10, 200, 30], dtype=torch.uint8).view(3, 1, 1)
+    block = np.argwhere((misclassified_grid(flat, labels, preds, names) == [10, 200, 30]).all(axis=2))
+    (top, left), (bottom, right) = block.min(0), block.max(0)
+    assert bottom - top + 1 == 2 * (right - left + 1) >= 40 and len(block) == (bottom - top + 1) * (right - left + 1)
 
 
 def test_misclassified_grid_none_wrong():

@@ -221,6 +221,8 @@ MpiDefault=none
 ReturnToService=2
 JobRequeue=1
 SchedulerType=sched/builtin
+# the main scheduling pass (default every 60 s) starts a requeued job once its begin time has passed
+SchedulerParameters=sched_interval=2
 MinJobAge=600
 KillWait=5
 NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN
