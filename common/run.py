@@ -51,6 +51,7 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common import checkpoint as ckpt
@@ -369,7 +370,9 @@ class TrainingRun:
         else:
             self.epoch_eval = metrics
 
-    def _log_eval(self, split: str, metrics: dict, data_split) -> None:
+    def _log_eval(self, split: str, metrics: dict, data_split) -> np.ndarray | None:
+        """Scalars to metrics.jsonl and TensorBoard, and the images to TensorBoard; returns the confusion
+        matrix image (None without a writer or images)."""
         per_class = {f"{split}/accuracy_class/{name}": acc
                      for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
         self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
@@ -377,18 +380,18 @@ class TrainingRun:
                                                    f"{split}_seconds": round(metrics["seconds"], 3)})
         writer = self.log.writer
         if writer is None or not metrics["count"]:
-            return
+            return None
         from common.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
 
         title = f"{confusion_matrix_title(split, metrics['count'])}, step {self.global_step}"
-        writer.add_image(f"{split}/confusion_matrix",
-                         confusion_matrix_image(metrics["confusion"], self.data.class_names, title=title),
-                         self.global_step, dataformats="HWC")
+        confusion = confusion_matrix_image(metrics["confusion"], self.data.class_names, title=title)
+        writer.add_image(f"{split}/confusion_matrix", confusion, self.global_step, dataformats="HWC")
         preds, labels = metrics["preds"], metrics["labels"]
         wrong = (preds != labels).nonzero().flatten()[:36]
         writer.add_image(f"{split}/misclassified", misclassified_grid(data_split.images_at(wrong), labels[wrong], preds[wrong],
                                                                       self.data.class_names),
                          self.global_step, dataformats="HWC")
+        return confusion
 
     def end_epoch(self) -> None:
         """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
@@ -414,9 +417,9 @@ class TrainingRun:
         cfg, acc = self.cfg, self.accelerator
         self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too
         split = "test" if self.data.test is not None else "val"
-        final = {}
+        final, confusion = {}, None
         if metrics is not None:
-            self._log_eval(split, metrics, self.data.test if split == "test" else self.data.val)
+            confusion = self._log_eval(split, metrics, self.data.test if split == "test" else self.data.val)
             final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"],
                      f"{split}/count": metrics["count"]}
         ckpt.save_model_dir(acc, model, self.run_dir / "final",
@@ -429,13 +432,11 @@ class TrainingRun:
         self.status = "target_missed" if missed else "completed"
         self.exit_code = EXIT_TARGET_MISSED if missed else EXIT_OK
         if acc.is_main_process:
-            from common.plots import confusion_matrix_image, confusion_matrix_title, save_curves_png, save_image_png
+            from common.plots import save_curves_png, save_image_png
 
             save_curves_png(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
-            if final.get(f"{split}/count"):
-                title = confusion_matrix_title(split, metrics["count"])
-                save_image_png(confusion_matrix_image(metrics["confusion"], self.data.class_names, title=title),
-                               self.run_dir / "confusion_matrix.png")
+            if confusion is not None:  # the image TensorBoard got: the final split's, titled with the step
+                save_image_png(confusion, self.run_dir / "confusion_matrix.png")
         summary = self._write_summary({"final": final})
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
         rows += [("best " + cfg.monitor, f"{self.best:.4f}" if self.best is not None else "-"),

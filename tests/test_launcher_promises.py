@@ -62,19 +62,18 @@ def logged_steps(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-@pytest.mark.parametrize("nproc,sig", [(2, signal.SIGKILL), (1, signal.SIGTERM)])
-def test_killed_launcher_leaves_no_orphans(nproc, sig, tmp_path, env, mnist_like):
-    """The launcher is killed (kill -9 of torchrun with 2 workers, or a TERM that the single-process launcher
-    does not forward): its workers notice within seconds, write a checkpoint, record 'preempted' and exit;
-    a rerun resumes."""
-    run = tmp_path / f"run-{nproc}-{sig}"
+def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
+    """kill -9 of torchrun with 2 workers: its workers notice within seconds, write a checkpoint, record
+    'preempted' and exit; a rerun resumes. (The single-process launcher, which does not forward a TERM, is
+    the next test.)"""
+    run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
             "--output-dir", run, "--resume-from", "latest"]
-    proc = start("fashion_mnist_mlp", args, env, "cpu.yaml" if nproc == 1 else "cpu_2proc.yaml")
+    proc = start("fashion_mnist_mlp", args, env, "cpu_2proc.yaml")
     try:
         wait_for(lambda: logged_steps(run) >= 3, 120, "the run to train a few steps")
-        assert len(pids_running(str(run))) == nproc + 1  # the launcher and its workers
-        os.kill(proc.pid, sig)  # the launcher only, not its process group
+        assert len(pids_running(str(run))) == 3  # the launcher and its 2 workers
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only, not its process group
         proc.communicate(timeout=30)
         wait_for(lambda: not pids_running(str(run)), 20, "the orphaned workers to exit")
     finally:
@@ -89,26 +88,33 @@ def test_killed_launcher_leaves_no_orphans(nproc, sig, tmp_path, env, mnist_like
     assert "resumed from" in again.stdout
 
 
-def test_one_writer_per_run_directory(tmp_path, env, mnist_like):
-    """A second start on a directory a live (launched) run holds is refused, naming the holder's PID;
-    the lock dies with its holder, so after a kill -9 the same command resumes."""
+def test_one_writer_per_run_directory_and_a_terminated_launcher(tmp_path, env, mnist_like):
+    """A second start on a directory a live (launched) run holds is refused, naming the holder's PID. Then
+    a TERM to the single-process launcher alone (which does not forward it): the worker notices within
+    seconds, checkpoints, records 'preempted', exits and so frees the directory; the same command resumes.
+    (The lock also dies with a holder killed by -9: test_fault_tolerance's SIGKILL test resumes in place.)"""
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--output-dir", run,
-            "--resume-from", "latest", "--checkpoint-every", 2]
+    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
+            "--output-dir", run, "--resume-from", "latest", "--checkpoint-every", 2]
     first = start("fashion_mnist_mlp", args, env, "cpu.yaml")
     try:
-        wait_for(lambda: logged_steps(run) >= 1, 120, "the first run to start training")
+        wait_for(lambda: logged_steps(run) >= 3, 120, "the first run to train a few steps")
+        assert len(pids_running(str(run))) == 2  # the launcher and its worker
         # the second start in this process: the refusal is the recipe's own, whatever launched it
         second = run_in_process("fashion_mnist_mlp", args, env)
         assert second.returncode != 0
         holder = (run / ".lock").read_text().split()[0]
         assert f"in use by another run (PID {holder}" in second.stderr
         assert int(holder) in pids_running(str(run))
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)
+        os.kill(first.pid, signal.SIGTERM)  # the launcher only, not its process group
         first.communicate(timeout=30)
-    wait_for(lambda: not pids_running(str(run)), 20, "the killed run to be gone")
-    check_ok(run_in_process("fashion_mnist_mlp", [*args[:2], "--epochs", 1, *args[4:]], env))
+        wait_for(lambda: not pids_running(str(run)), 20, "the orphaned worker to exit")
+    finally:
+        for pid in pids_running(str(run)):
+            os.kill(pid, signal.SIGKILL)
+    assert status(run) == "preempted"
+    again = check_ok(run_in_process("fashion_mnist_mlp", [*args[:2], "--epochs", 1, *args[4:]], env))
+    assert "resumed from" in again.stdout
 
 
 def test_default_run_names_never_collide(tmp_path, monkeypatch):

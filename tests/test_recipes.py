@@ -145,19 +145,6 @@ def test_help_lists_every_knob(recipe, env):
     assert "(default:" in proc.stdout
 
 
-def test_accelerate_config_default_path(tmp_path, env, mnist_like):
-    """What a user gets from `accelerate config`: Accelerate's own default config launches a recipe."""
-    from accelerate.commands.config.default import write_basic_config  # what `accelerate config default` runs
-
-    cfg = tmp_path / "default_config.yaml"
-    write_basic_config(save_location=str(cfg))
-    assert cfg.is_file()
-    proc = check_ok(launch("mnist_convnet", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32,
-                                             "--width", "8", "--max-steps", 2, "--output-dir", tmp_path / "run"],
-                           env, config=str(cfg)))
-    assert startup(proc)["processes"] == "1"
-
-
 def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, env):
     """No network and no offline flags set: a clear error, not minutes of retries (a hang times out here)."""
     env = {**env}

@@ -140,15 +140,18 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 '''
 
 
-def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path):
+def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monkeypatch, capsys):
     """Copy a recipe anywhere, replace its model by a class defined in the copy, train it from another folder
-    with the printed `accelerate launch` command; then predict, export (checked with onnxruntime) and
-    --eval-only it: no edit to common/."""
+    with the printed `accelerate launch` command and the config `accelerate config default` writes; then
+    predict, export (checked with onnxruntime) and --eval-only it: no edit to common/."""
+    from accelerate.commands.config.default import write_basic_config  # what `accelerate config default` runs
+
+    from common.tools import export, predict
+    from common.tools.copy_recipe import main as copy_recipe  # its CLI: tests/test_copy_recipe.py
+
     env = recipe_env(tmp_path)
     data = write_image_folder(tmp_path / "shapes", n_per_class=16, shape=(1, 20, 20))
     dest = tmp_path / "elsewhere" / "my_digits.py"
-    from common.tools.copy_recipe import main as copy_recipe  # its CLI: tests/test_copy_recipe.py
-
     with redirect_stdout(io.StringIO()):
         assert copy_recipe(["mnist_convnet", str(dest)]) == 0
     text = dest.read_text()
@@ -157,22 +160,25 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
     run = workdir / "run"
+    # Accelerate's default config, where `accelerate launch` looks for it (under HF_HOME)
+    default_config = Path(env["HF_HOME"]) / "accelerate" / "default_config.yaml"
+    write_basic_config(save_location=str(default_config))
     # trained as copy_recipe prints it: `accelerate launch <copy>` from a folder outside the repository,
-    # no PYTHONPATH (common is installed, the copy imports it from anywhere)
+    # no --config_file, no PYTHONPATH (common is installed, the copy imports it from anywhere)
     launch_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    check_ok(subprocess.run([ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu.yaml"), "--main_process_port",
-                             str(free_port()), "--mixed_precision", "no", str(dest), "--dataset", str(data),
-                             "--width", "8", "--batch-size", "16", "--epochs", "2", "--output-dir", str(run)],
-                            env=launch_env, cwd=str(workdir), capture_output=True, text=True, timeout=180))
+    trained = check_ok(subprocess.run([ACCELERATE, "launch", str(dest), "--dataset", str(data), "--width", "8",
+                                       "--batch-size", "16", "--epochs", "2", "--output-dir", str(run)],
+                                      env=launch_env, cwd=str(workdir), capture_output=True, text=True, timeout=180))
+    assert "startup: processes=1 " in trained.stdout, trained.stdout
     card = json.loads((run / "final" / "model.json").read_text())
     assert card["model"] == "TinyNet" and card["recipe"] == "my_digits"
-    predict = check_ok(subprocess.run([sys.executable, "-m", "common.tools.predict", str(run), str(data / "cat"),
-                                       "--format", "json"], env=env, cwd=str(workdir), capture_output=True, text=True,
-                                      timeout=120))
-    results = json.loads(predict.stdout)["results"]
+    # the tools' main() in this process (their command lines run in tests/test_predict.py and test_export.py)
+    monkeypatch.chdir(workdir)
+    capsys.readouterr()
+    assert predict.main([str(run), str(data / "cat"), "--format", "json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 16 and results[0]["predictions"][0]["label"] in ("cat", "dog", "frog")
-    check_ok(subprocess.run([sys.executable, "-m", "common.tools.export", str(run), "--onnx", str(workdir / "m.onnx")],
-                            env=env, cwd=str(workdir), capture_output=True, text=True, timeout=180))
+    assert export.main([str(run), "--onnx", str(workdir / "m.onnx")]) == 0, capsys.readouterr().err
     assert (workdir / "m.onnx").stat().st_size > 0
     check_ok(run_in_process(dest, ["--eval-only", "--checkpoint", run], env, cwd=workdir))
     result = json.loads((run / "best" / "eval-val.json").read_text())
