@@ -248,9 +248,10 @@ TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-every", 1]
 REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resumes must repeat
     ("fashion_mnist_mlp", 1): ("mnist_like", [*TRAIN, *SMALL["fashion_mnist_mlp"]]),
     # 2 processes: given validation split of 99 images, eval batch 10 per process; no dropout, so that
-    # 1 process x batch 32 must give the same weights
+    # 1 process x batch 32 must give the same weights (also when it resumes from the step-5 checkpoint)
     ("fashion_mnist_mlp", 2): ("awkward", [*TRAIN, *SMALL["fashion_mnist_mlp"], "--dropout", 0,
-                                           "--eval-batch-size", 20]),
+                                           "--eval-batch-size", 20, "--checkpoint-every", 5,
+                                           "--keep-checkpoints", 10]),
     # every checkpoint kept: a 2-process resume test starts from a copy of one of them
     ("mnist_convnet", 1): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
                                           "--keep-checkpoints", 10]),

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 from common.tools.copy_recipe import main as copy_recipe
@@ -72,24 +70,27 @@ def check_trained(run: Path, channels: int, min_accuracy: float = 0.75):
     assert summary["final"]["val/accuracy"] >= min_accuracy, summary["final"]
 
 
-def predict_accuracy(run: Path, images: Path, env: dict) -> float:
-    """Step 4 of the printed next steps: common.tools.predict on freshly drawn images the run never saw,
-    from a folder outside the repository (the model is rebuilt from the copied recipe file)."""
-    proc = subprocess.run([sys.executable, "-m", "common.tools.predict", str(run), str(images), "--format", "json",
-                           "--top-k", "1"], cwd=run.parents[1], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    results = json.loads(proc.stdout)["results"]
+def predict_accuracy(run: Path, images: Path, monkeypatch, capsys) -> float:
+    """Step 4 of the printed next steps: common.tools.predict (its main(), in this process; the command line
+    runs in tests/test_predict.py) on freshly drawn images the run never saw, from a folder outside the
+    repository (the model is rebuilt from the copied recipe file)."""
+    from common.tools.predict import main as predict
+
+    monkeypatch.chdir(run.parents[1])
+    capsys.readouterr()
+    assert predict([str(run), str(images), "--format", "json", "--top-k", "1"]) == 0, capsys.readouterr().err
+    results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 3 * 10
     return sum(Path(r["file"]).parent.name == r["predictions"][0]["label"] for r in results) / len(results)
 
 
-def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env, capsys):
+def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env, capsys, monkeypatch):
     # --batch-size: the recipe's 512 is more than this folder holds (81 training images)
     data, run = copy_and_train(tmp_path, env, "cifar_cnn", "RGB", ["--epochs", 5, "--batch-size", 16], capsys)
     check_trained(run, channels=3)
     # final/, not the run dir: the run dir means best/, the first epoch to score 9/9 on validation, less trained
     unseen = draw_shapes(tmp_path / "unseen", 10, "RGB", seed=2)
-    assert predict_accuracy(run / "final", unseen, env) >= 0.8
+    assert predict_accuracy(run / "final", unseen, monkeypatch, capsys) >= 0.8
 
 
 def test_mnist_convnet_copy_on_20x20_grayscale_shapes(tmp_path, env, capsys):

@@ -199,13 +199,22 @@ def test_resume_refuses_another_model(tmp_path, env, mnist_like):
     assert "different model" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, mnist_like):
-    run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run]
-    check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 9], env))
-    proc = check_ok(launch("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env, nproc=2))
-    assert "written by 1 process(es), this run has 2" in proc.stdout
-    assert "per_process_batch=16" in proc.stdout
+def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, reference_run):
+    """The 2-process MLP reference run's mid-epoch step-5 checkpoint resumed on 1 process: the global batch
+    stays 32 (1 x 32 instead of 2 x 16), the change is said, and the run ends with the weights of the
+    uninterrupted 2-process run (no dropout, no BatchNorm: 1 x 32 equals 2 x 16)."""
+    ref = reference_run("fashion_mnist_mlp", 2)
+    part = stopped_at(ref.run, 5, tmp_path / "part")
+    proc = check_ok(run_in_process("fashion_mnist_mlp", [*ref.train_args, "--output-dir", part,
+                                                         "--resume-from", "latest"], env))
+    assert "written by 2 process(es), this run has 1" in proc.stdout
+    assert "per_process_batch=32" in proc.stdout and "epoch 1, batch 5, step 5" in proc.stdout
+    a, b = weights(ref.run), weights(part)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    (steps, values), (ref_steps, ref_values) = zip(*losses(part)), zip(*losses(ref.run))
+    assert steps == ref_steps == tuple(range(1, 17)) and values == pytest.approx(ref_values, rel=1e-4)
 
 
 SYNC_BN = ["--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0, "--max-steps", 4, "--sync-bn"]
