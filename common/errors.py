@@ -48,6 +48,15 @@ def report(err: RecipeError) -> int:
     return err.exit_code
 
 
+def run_command(run, args) -> int:
+    """``run(args)``'s exit code, or a user error reported as one paragraph with its own code: the body of a
+    tool's ``main()``."""
+    try:
+        return run(args)
+    except RecipeError as err:
+        return report(err)
+
+
 class Preempted(Exception):
     """Not an error: the run stopped early on request (a signal, a lost launcher) after writing a
     checkpoint. The same command with --resume-from latest continues it."""

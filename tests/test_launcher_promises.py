@@ -62,6 +62,19 @@ def logged_steps(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def signal_the_launcher_only(launcher: subprocess.Popen, sig: int, run: Path) -> None:
+    """``sig`` to the launcher alone, not its process group; then every process of ``run`` (the test's
+    unique run directory) must exit on its own within seconds."""
+    os.kill(launcher.pid, sig)
+    launcher.communicate(timeout=30)
+    wait_for(lambda: not pids_running(str(run)), 20, "the orphaned workers to exit")
+
+
+def kill_leftovers(run: Path) -> None:
+    for pid in pids_running(str(run)):
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
     """kill -9 of torchrun with 2 workers: its workers notice within seconds, write a checkpoint, record
     'preempted' and exit; a rerun resumes. (The single-process launcher, which does not forward a TERM, is
@@ -73,12 +86,9 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
     try:
         wait_for(lambda: logged_steps(run) >= 3, 120, "the run to train a few steps")
         assert len(pids_running(str(run))) == 3  # the launcher and its 2 workers
-        os.kill(proc.pid, signal.SIGKILL)  # the launcher only, not its process group
-        proc.communicate(timeout=30)
-        wait_for(lambda: not pids_running(str(run)), 20, "the orphaned workers to exit")
+        signal_the_launcher_only(proc, signal.SIGKILL, run)
     finally:
-        for pid in pids_running(str(run)):
-            os.kill(pid, signal.SIGKILL)
+        kill_leftovers(run)
     assert status(run) == "preempted"
     from common.checkpoint import find_latest
 
@@ -106,12 +116,9 @@ def test_one_writer_per_run_directory_and_a_terminated_launcher(tmp_path, env, m
         holder = (run / ".lock").read_text().split()[0]
         assert f"in use by another run (PID {holder}" in second.stderr
         assert int(holder) in pids_running(str(run))
-        os.kill(first.pid, signal.SIGTERM)  # the launcher only, not its process group
-        first.communicate(timeout=30)
-        wait_for(lambda: not pids_running(str(run)), 20, "the orphaned worker to exit")
+        signal_the_launcher_only(first, signal.SIGTERM, run)
     finally:
-        for pid in pids_running(str(run)):
-            os.kill(pid, signal.SIGKILL)
+        kill_leftovers(run)
     assert status(run) == "preempted"
     again = check_ok(run_in_process("fashion_mnist_mlp", [*args[:2], "--epochs", 1, *args[4:]], env))
     assert "resumed from" in again.stdout

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.errors import EXIT_CHECK_FAILED, RecipeError, report
+from common.errors import EXIT_CHECK_FAILED, RecipeError, run_command
 from common.tools.predict import load_predictor
 
 
@@ -221,11 +221,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except RecipeError as err:
-        return report(err)
+    return run_command(run, parse_args(argv))
 
 
 if __name__ == "__main__":

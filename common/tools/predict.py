@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common.errors import RecipeError, report
+from common.errors import RecipeError, run_command
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -322,11 +322,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except RecipeError as err:
-        return report(err)
+    return run_command(run, parse_args(argv))
 
 
 if __name__ == "__main__":
