@@ -59,7 +59,6 @@ import io
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
 import socket
@@ -77,6 +76,8 @@ if str(REPO) not in sys.path:
 
 import torch
 import torch.nn.functional as F
+
+from common.machine import free_port, load_average, machine_info, versions
 
 NUM_CLASSES = 10
 # Image shape of each recipe's default Hub dataset (the data's shape, which a recipe reads from the data).
@@ -373,12 +374,6 @@ def pure_step(module, cfg, shape, device, x, y, bf16=False, channels_last=None, 
 
 
 # --- rows ------------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_recipe(args, ctx, name: str, nproc: int, threads: int, index: int) -> dict:
     """One real run of the recipe; its metrics.jsonl windows after the first. Raises RuntimeError with the
@@ -700,37 +695,6 @@ def compute_ratios(rows: dict, levers: dict, cnn: bool, device) -> dict:
         out[key] = {"label": label, "value": value, "op": op, "target": target,
                     "status": "n/a" if value is None else "info" if op is None else "PASS" if ok else "MISS"}
     return out
-
-
-def machine_info(device) -> dict:
-    from common.accelerator import cpu_bf16_support
-
-    cpu_model, flags = platform.processor(), set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                cpu_model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model,
-            "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}),
-            "cpu_bf16_support": cpu_bf16_support() or "none (emulated)", "torch_num_threads": torch.get_num_threads(),
-            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "gpu_count": torch.cuda.device_count() if device.type == "cuda" else 0}
-
-
-def versions() -> dict:
-    import accelerate
-    import torchvision
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "torchvision": torchvision.__version__}
-
-
-def load_average():
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def format_table(report: dict) -> str:

@@ -57,15 +57,12 @@ and the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +75,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from common.machine import free_port, load_average, machine_info, versions  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 RECIPES = ("fashion_mnist_mlp", "mnist_convnet", "cifar_cnn")
@@ -479,12 +478,6 @@ def run_baseline(train, val, target: float, *, seed: int, max_epochs: int, eval_
 
 # --- the recipe side --------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def recipe_command(args, seed: int, run_dir: Path) -> list[str]:
     script = str(REPO / "recipes" / f"{args.recipe}.py")
     own = ["--dataset", args.dataset, "--output-dir", str(run_dir), "--seed", str(seed)]
@@ -564,33 +557,6 @@ def baseline_cadence(args, recipe: dict | None) -> int:
 
 
 # --- report -------------------------------------------------------------------------------------------
-
-def machine_info(device: str) -> dict:
-    import torch
-
-    cpu_model = platform.processor()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model,
-            "cpu_count": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}
-
-
-def load_average():
-    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-
-
-def versions() -> dict:
-    import accelerate
-    import torch
-    import torchvision
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "torchvision": torchvision.__version__}
-
 
 def fmt_side(side: dict | None, target: float, unit_epochs: bool = False) -> str:
     if side is None:

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import traceback
@@ -21,15 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.machine import free_port  # noqa: F401  (the tests import it from here)
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def learnable_images(n: int, num_classes: int, shape, seed: int = 0):

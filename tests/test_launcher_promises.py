@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, run_in_process
+from conftest import ACCELERATE, REPO, check_ok, free_port, read_jsonl, run_in_process
 
 MLP = ["--hidden", "32"]
 
