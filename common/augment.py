@@ -1,8 +1,12 @@
 """Batch preprocessing and augmentation on the device, on whole uint8 batches.
 
 Randomness is stateless: each batch's draws come from a generator seeded with
-(seed, epoch, step, rank). The same run gives the same pixels; every epoch and every rank differ;
-and a run resumed mid-epoch draws exactly what the uninterrupted run drew, with no RNG state to save.
+(seed, epoch, step, rank), on the device the batch is on (a GPU draws its own numbers: no host-to-device
+copy, no sync). The same run gives the same pixels; every epoch and every rank differ; and a run
+resumed mid-epoch draws exactly what the uninterrupted run drew, with no RNG state to save.
+
+The alternating flip (airbench) is not here but in the loader (``common.data.TensorImages``): it needs
+each image's index in the dataset.
 """
 
 from __future__ import annotations
@@ -11,15 +15,17 @@ import torch
 import torch.nn.functional as F
 
 
-def batch_generator(seed: int, epoch: int, step: int, rank: int) -> torch.Generator:
+def batch_generator(seed: int, epoch: int, step: int, rank: int, device="cpu") -> torch.Generator:
     # Mix the four numbers into one 63-bit seed (splitmix-style odd multipliers keep them apart).
     mixed = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
              + rank * 0x2545F4914F6CDD1D) & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 def normalize(images: torch.Tensor, mean, std, channels_last: bool = False) -> torch.Tensor:
-    """uint8 (N, C, H, W) -> float32 normalized, on whatever device ``images`` is."""
+    """uint8 (N, C, H, W) -> float32 normalized, on whatever device ``images`` is. ``mean``/``std``:
+    lists, or tensors already on that device (a list costs a host-to-device copy, which syncs a GPU:
+    ``BatchTransform`` keeps them as device tensors)."""
     x = images.float().div_(255.0)
     mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
     std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
@@ -34,7 +40,7 @@ def random_translate(x: torch.Tensor, pad: int, gen: torch.Generator) -> torch.T
         return x
     n, _, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-    offs = torch.randint(0, 2 * pad + 1, (2, n), generator=gen).to(x.device, non_blocking=True)
+    offs = torch.randint(0, 2 * pad + 1, (2, n), generator=gen, device=gen.device).to(x.device)
     rows = (offs[0, :, None] + torch.arange(h, device=x.device)).view(n, 1, h, 1)
     cols = (offs[1, :, None] + torch.arange(w, device=x.device)).view(n, 1, 1, w)
     batch = torch.arange(n, device=x.device).view(n, 1, 1, 1)
@@ -44,7 +50,7 @@ def random_translate(x: torch.Tensor, pad: int, gen: torch.Generator) -> torch.T
 
 def random_flip(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Each image mirrored left-right with probability 1/2."""
-    flip = (torch.rand(x.shape[0], generator=gen) < 0.5).to(x.device, non_blocking=True)
+    flip = (torch.rand(x.shape[0], generator=gen, device=gen.device) < 0.5).to(x.device)
     return torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
 
 
@@ -52,14 +58,21 @@ class BatchTransform:
     """What happens to a uint8 batch on the device before the model sees it."""
 
     def __init__(self, mean, std, translate: int = 0, flip: bool = False, channels_last: bool = False):
-        self.mean, self.std = mean, std
+        self.mean, self.std = mean, std  # lists: what model.json records
         self.translate, self.flip, self.channels_last = translate, flip, channels_last
+        self._on_device = {}
+
+    def _stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean and std as tensors on ``device``, copied there once (not at every batch)."""
+        if device not in self._on_device:
+            self._on_device[device] = (torch.tensor(self.mean, device=device), torch.tensor(self.std, device=device))
+        return self._on_device[device]
 
     def eval(self, images: torch.Tensor) -> torch.Tensor:
-        return normalize(images, self.mean, self.std, self.channels_last)
+        return normalize(images, *self._stats(images.device), self.channels_last)
 
     def train(self, images: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-        x = normalize(images, self.mean, self.std)
+        x = normalize(images, *self._stats(images.device))
         if self.translate:
             x = random_translate(x, self.translate, gen)
         if self.flip:

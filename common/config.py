@@ -32,7 +32,8 @@ MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation 
 # message instead of argparse's bare "unrecognized arguments".
 TECHNIQUE_FLAGS = {
     "--translate": "mnist_convnet, cifar_cnn", "--flip": "cifar_cnn", "--tta": "cifar_cnn",
-    "--ema-decay": "cifar_cnn", "--channels-last": "cifar_cnn", "--whiten-init": "cifar_cnn",
+    "--lookahead-every": "cifar_cnn", "--channels-last": "cifar_cnn", "--whiten-init": "cifar_cnn",
+    "--bias-lr-scale": "cifar_cnn", "--whiten-bias-epochs": "cifar_cnn",
     "--sync-bn": "mnist_convnet, cifar_cnn", "--momentum": "cifar_cnn", "--widths": "cifar_cnn",
     "--width": "mnist_convnet", "--depth": "mnist_convnet", "--hidden": "fashion_mnist_mlp",
 }
@@ -61,7 +62,9 @@ class CommonConfig:
     lr: float = knob(1e-3, "peak learning rate")
     weight_decay: float = knob(0.0, "weight decay")
     warmup_fraction: float = knob(0.0, "fraction of optimizer steps spent warming the LR up linearly from 0")
+    warmup_start: float = knob(0.0, "LR multiplier the warm-up starts from (it rises linearly to 1)")
     schedule: str = knob("cosine", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
+    final_lr: float = knob(0.0, "LR multiplier the schedule ends at (cosine and linear)")
     grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
@@ -173,10 +176,12 @@ def validate(cfg) -> None:
     need(cfg.grad_accum >= 1, f"--grad-accum must be at least 1 (got {cfg.grad_accum}).")
     need(0 <= cfg.val_fraction < 1, f"--val-fraction must be in [0, 1) (got {cfg.val_fraction}).")
     need(0 <= cfg.warmup_fraction < 1, f"--warmup-fraction must be in [0, 1) (got {cfg.warmup_fraction}).")
+    need(0 <= cfg.warmup_start <= 1 and 0 <= cfg.final_lr <= 1, f"--warmup-start and --final-lr are fractions of "
+         f"--lr in [0, 1] (got {cfg.warmup_start} and {cfg.final_lr}).")
     need(0 <= getattr(cfg, "label_smoothing", 0) < 1,
          f"--label-smoothing must be in [0, 1) (got {getattr(cfg, 'label_smoothing', 0)}).")
-    need(0 <= getattr(cfg, "ema_decay", 0) < 1,
-         f"--ema-decay must be in [0, 1) (got {getattr(cfg, 'ema_decay', 0)}); 0 turns the average off.")
+    need(getattr(cfg, "lookahead_every", 0) >= 0,
+         f"--lookahead-every must be >= 0 (got {getattr(cfg, 'lookahead_every', 0)}); 0 turns the average off.")
     need(cfg.eval_every_steps >= 0, f"--eval-every-steps must be >= 0 (got {cfg.eval_every_steps}); 0 turns it off.")
     need(cfg.progress_every_s >= 0, f"--progress-every-s must be >= 0 (got {cfg.progress_every_s}).")
     need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm}); 0 turns clipping off.")

@@ -1,18 +1,37 @@
-"""The per-step checks that keep every rank in agreement, at the cost of one small collective per
-optimizer step.
+"""The per-step checks that keep every rank in agreement, without making the host wait for the device.
 
-``StepGuard``: each micro-step's loss is added on the device (no sync); once per optimizer step, before
-``optimizer.step()``, one all-reduce of four numbers tells every rank whether any rank saw a
-non-finite loss or has a stop request, and gives the summed loss for logging. With fp16 a non-finite
-loss is the loss scaler's business (it skips the step); it is left out of the logged mean, never
-logged as 0.
+``StepGuard``: each micro-step's loss is added on the device. Once per optimizer step, before
+``optimizer.step()``, one all-reduce of four numbers (loss sum, loss count, non-finite count, stop
+requests) tells every rank whether any rank saw a non-finite loss or has a stop request. Nothing reads
+that result at once:
+
+- **the update is masked on the device**: a fused optimizer (SGD/AdamW ``fused=True``, on a GPU and on a
+  CPU) takes a ``found_inf`` flag, as GradScaler uses it, and skips the step when it is 1. The guard sets
+  it from the all-reduced loss sum (a non-finite loss on any rank makes the sum non-finite), so a NaN
+  never reaches the weights, on every rank, without the host looking;
+- **the host reads the flags one step late**: they are copied to host memory asynchronously (pinned,
+  ``non_blocking``, an event) and read at the next optimizer step, by which time the device has long
+  finished them. A non-finite loss then stops every rank (weights as before the bad step), and a stop
+  request makes every rank checkpoint at the same step. At steps that write or log anything (log,
+  checkpoint, evaluation, the end) the flags of that very step are read first, so nothing is ever
+  written after a non-finite loss.
+
+With an optimizer that takes no ``found_inf`` (not fused), the flags are read at once, before the
+update: correct, with one sync per step. With fp16 a non-finite loss is the loss scaler's business (it
+skips the step); it is left out of the logged mean, never logged as 0.
+
+The logged loss sums stay on the device too, read only at log steps and epoch ends.
 
 ``LossScaleWatch``: with fp16 the GradScaler halves its scale on every step it skips. Reading the
 scale is the reliable test: with a fused optimizer GradScaler always calls ``step()``, so
 ``accelerator.optimizer_step_was_skipped`` is always False. Too many skips in a row stop the run.
+NOTE: this reads the scale every step (a sync, fp16 only): the schedule must not advance on a skipped step.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -21,22 +40,80 @@ from common.errors import NonFiniteLoss
 MAX_CONSECUTIVE_SKIPS = 25  # 25 halvings take the loss scale from 65536 below 0.002
 
 
+@dataclass
+class Flags:
+    step: int          # the optimizer step they belong to
+    nonfinite: bool    # a non-finite loss on some rank
+    stop: bool         # a stop request on some rank
+
+
 class StepGuard:
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, optimizer):
         self.accelerator = accelerator
-        self.sums = torch.zeros(3, device=accelerator.device)  # non-finite count, finite loss sum, finite count
+        device = accelerator.device
+        self.fp16 = accelerator.mixed_precision == "fp16"
+        self.sums = torch.zeros(4, device=device)  # loss sum, loss count, non-finite count, stop requests
+        self.window = torch.zeros(2, device=device)  # loss sum and count since the last log step
+        self.epoch = torch.zeros(2, device=device)  # ... since the epoch began
+        inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside Accelerate's wrapper
+        self.masks = bool(inner.defaults.get("fused")) and not self.fp16  # fp16: GradScaler sets found_inf
+        if self.masks:
+            self.found_inf = torch.zeros((), device=device)  # 0-dim, as GradScaler makes it
+            inner.found_inf = self.found_inf  # read by the fused kernel at every step() (torch's GradScaler API)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(4, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.pending: int | None = None  # the step whose flags are on their way to self.host
 
     def track(self, loss: torch.Tensor) -> None:
         d = loss.detach().float()
-        finite = torch.isfinite(d)
-        self.sums += torch.stack([(~finite).float(), torch.where(finite, d, 0.0), finite.float()])
+        if self.fp16:
+            finite = torch.isfinite(d)
+            self.sums[:3] += torch.stack([torch.where(finite, d, 0.0), finite.float(), (~finite).float()])
+        else:  # a non-finite loss makes the sum non-finite: found at check time, one kernel here
+            self.sums[0] += d
+            self.sums[1] += 1
 
-    def check(self, stop_requested: bool) -> tuple[bool, bool, float, float]:
-        """One all-reduce (a CPU-GPU sync point): (any non-finite loss, any stop request, loss sum, count)."""
-        flag = torch.tensor([1.0 if stop_requested else 0.0], device=self.sums.device)
-        nonfinite, loss_sum, count, stops = self.accelerator.reduce(torch.cat([self.sums, flag]), "sum").tolist()
+    def check(self, stop_requested: bool, step: int) -> Flags | None:
+        """Before ``optimizer.step()`` of ``step``: one all-reduce, the device-side mask, and the flags of
+        the step before (read now, late) or, without masking, of this one (read now, a sync)."""
+        earlier = self.collect()
+        self.sums[3].fill_(1.0 if stop_requested else 0.0)  # a fill, not a copy from the host: no sync
+        if self.accelerator.num_processes > 1:
+            reduced = self.accelerator.reduce(self.sums, "sum")
+        else:
+            reduced = self.sums.clone()
         self.sums.zero_()
-        return nonfinite > 0, stops > 0, loss_sum, count
+        if self.masks:
+            self.found_inf.copy_(~torch.isfinite(reduced[0]))
+        self.window += reduced[:2]
+        self.epoch += reduced[:2]
+        self.host.copy_(reduced, non_blocking=self.event is not None)
+        if self.event is not None:
+            self.event.record()
+        self.pending = step
+        if self.masks:
+            return earlier
+        now = self.collect()  # nothing can skip this update on the device: decide before it
+        return now if earlier is None else Flags(step, earlier.nonfinite or now.nonfinite, earlier.stop or now.stop)
+
+    def collect(self) -> Flags | None:
+        """The flags in flight, if any, read from host memory."""
+        if self.pending is None:
+            return None
+        if self.event is not None:
+            self.event.synchronize()  # recorded a step ago: long done
+        loss_sum, _, nonfinite, stops = self.host.numpy().tolist()  # host memory, not the device
+        step, self.pending = self.pending, None
+        bad = nonfinite > 0 if self.fp16 else not math.isfinite(loss_sum)
+        return Flags(step, bad, stops > 0)
+
+    @staticmethod
+    def read(sums: torch.Tensor) -> tuple[float, float]:
+        """(loss sum, count) of a window or epoch, then zeroed: a sync, at log steps and epoch ends only."""
+        loss_sum, count = sums.tolist()
+        sums.zero_()
+        return loss_sum, count
 
 
 class LossScaleWatch:

@@ -10,8 +10,27 @@ import torch
 import torch.nn.functional as F
 
 
+def tta_logits(model, x: torch.Tensor, level: int = 0) -> torch.Tensor:
+    """Test-time augmentation (airbench's levels). 0: the image alone. 1: the mean of the image's and its
+    mirror image's logits. 2: half of that, plus half the mean over the two images shifted by one pixel
+    (up-left and down-right, edges reflected) and their mirrors: 6 views. In the paper's ablation level 2
+    cut the epochs to 94% by about 7%."""
+    def with_mirror(v):
+        return 0.5 * (model(v).float() + model(v.flip(3)).float())
+
+    if not level:
+        return model(x).float()
+    logits = with_mirror(x)
+    if level == 1:
+        return logits
+    h, w = x.shape[-2:]
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = 0.5 * (with_mirror(padded[..., :h, :w]) + with_mirror(padded[..., 2:, 2:]))
+    return 0.5 * logits + 0.5 * shifted
+
+
 @torch.no_grad()
-def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: bool = False,
+def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int = 0,
              desc: str = "eval") -> dict | None:
     """Loss, accuracy, per-class accuracy and the confusion matrix over the whole split, exactly once per
     image on any number of processes. ``loader`` None (no such split) gives None."""
@@ -29,19 +48,17 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta_flip: 
     preds, labels_all, losses = [], [], []
     for images, labels in tqdm(loader, desc=desc, disable=not on_terminal(accelerator), leave=False):
         x = transform.eval(images)
-        with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap (the EMA)
-            logits = model(x).float()
-            if tta_flip:  # average the logits of the image and its mirror image
-                logits = 0.5 * (logits + model(x.flip(3)).float())
+        with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap
+            logits = tta_logits(model, x, tta)
         loss = F.cross_entropy(logits, labels, reduction="none")
         pred, labels, loss = accelerator.gather_for_metrics((logits.argmax(1), labels, loss))
-        preds.append(pred.cpu())
-        labels_all.append(labels.cpu())
-        losses.append(loss.cpu())
+        preds.append(pred)  # kept on the device: one copy to the host at the end, not three per batch
+        labels_all.append(labels)
+        losses.append(loss)
     model.train(was_training)
     if not labels_all:
         return {"loss": float("nan"), "accuracy": float("nan"), "count": 0}
-    metrics = summarize(torch.cat(preds), torch.cat(labels_all), torch.cat(losses), num_classes)
+    metrics = summarize(torch.cat(preds).cpu(), torch.cat(labels_all).cpu(), torch.cat(losses).cpu(), num_classes)
     return {**metrics, "seconds": time.perf_counter() - t0}
 
 

@@ -11,7 +11,7 @@ A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
                 ...forward, loss, accelerator.backward...
                 run.track_loss(loss)                   # no device sync
                 if accelerator.sync_gradients:
-                    run.guard_step(grad_norm)          # the one collective of a step
+                    run.guard_step()                   # the one collective of a step; no sync
                 ...optimizer.step()...
                 if accelerator.sync_gradients:
                     if run.step_was_taken(): scheduler.step()
@@ -28,10 +28,11 @@ What each call promises:
   ``augment_generator`` seeds augmentation from (seed, epoch, batch, rank), so a resumed run draws
   what the uninterrupted one drew. Learning rate, weight decay and momentum given on the resuming
   command line are applied (and printed); a checkpoint of another model or global batch is refused.
-- **Every rank agrees.** ``guard_step`` does one small all-reduce per optimizer step carrying (any
-  non-finite loss?, any stop request?, loss sum): a NaN/inf loss on any rank stops every rank before
-  the optimizer step; a signal or a lost launcher on any rank makes every rank checkpoint at the same
-  step and exit 75. Between optimizer steps nothing syncs the device.
+- **Every rank agrees, and the host never waits for the device between log steps.** ``guard_step``
+  does one small all-reduce per optimizer step carrying (loss sum, any non-finite loss?, any stop
+  request?) and reads it one step late (``common.guard``): a NaN/inf loss on any rank is masked out of
+  the update on the device and stops every rank at the next step, before anything is written; a signal
+  or a lost launcher on any rank makes every rank checkpoint at the same step and exit 75.
 - **fp16 skipped steps are detected from the loss scale** (a fused optimizer hides them from
   ``optimizer_step_was_skipped``); they don't advance the schedule; too many in a row stop the run.
 - **Crash-safe, one writer**: checkpoints through ``common.checkpoint``; the run directory is locked
@@ -168,15 +169,17 @@ class TrainingRun:
         """Decode (once per node, cached) or read the cache; hold out validation from train if needed."""
         return load_image_data(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
 
-    def loader(self, split, train: bool = False):
+    def loader(self, split, train: bool = False, alternating_flip: bool = False):
         """A DataLoader over a decoded split: the global --batch-size split over processes and
-        accumulation steps for training, --eval-batch-size split over processes for evaluation."""
+        accumulation steps for training, --eval-batch-size split over processes for evaluation.
+        ``alternating_flip``: airbench's flip, seeded by --seed (``common.data.TensorImages``)."""
         if split is None:
             return None
         n = self.accelerator.num_processes
         batch = per_process_batch(self.cfg, n) if train else max(1, self.cfg.eval_batch_size // n)
         device = self.accelerator.device if self.cfg.data_on_device else None
-        return make_loader(split, batch, train, device=device, pin=self.accelerator.device.type == "cuda")
+        return make_loader(split, batch, train, device=device, pin=self.accelerator.device.type == "cuda",
+                           flip_seed=self.cfg.seed if alternating_flip else None)
 
     # --- resume or fresh start -------------------------------------------------------------------
 
@@ -208,8 +211,7 @@ class TrainingRun:
         self.profiler = StepProfiler(acc, cfg.profile, self.run_dir)
         self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s)
         self.meter = Throughput(acc.device)
-        self.guard, self.scale_watch = StepGuard(acc), LossScaleWatch(acc.scaler)
-        self.win_loss, self.win_n, self.epoch_loss, self.epoch_n = 0.0, 0, 0.0, 0
+        self.guard, self.scale_watch = StepGuard(acc, optimizer), LossScaleWatch(acc.scaler)
         self.last_loss, self.last_speed, self.stopping, self.step_lr = None, None, False, None
         self.epoch_eval, self.eval_now = None, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
@@ -245,6 +247,8 @@ class TrainingRun:
         """Epoch numbers from the resumed one to --epochs; stops early at --max-steps."""
         while self.epoch < self.cfg.epochs and not self.done:
             self.train_loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
+            if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
+                self.train_loader.dataset.set_epoch(self.epoch)
             self.epoch_t0, self.epoch_eval = time.time(), None
             yield self.epoch
 
@@ -268,36 +272,55 @@ class TrainingRun:
 
     def augment_generator(self) -> torch.Generator:
         """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
-        return batch_generator(self.cfg.seed, self.epoch, self.batch, self.accelerator.process_index)
+        return batch_generator(self.cfg.seed, self.epoch, self.batch, self.accelerator.process_index,
+                               self.accelerator.device)
 
     def track_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-step's loss to this optimizer step's sums, on the device (no sync)."""
         self.guard.track(loss)
 
-    def guard_step(self, grad_norm) -> None:
-        """Before the optimizer step, once per optimizer step: one small all-reduce (a CPU-GPU sync
-        point, ``common.guard``) tells every rank whether any rank saw a non-finite loss or a stop
-        request. A non-finite loss stops every rank here, before the weights change (with fp16 the loss
-        scaler skips the step instead); a stop request is honoured after this step (``end_step``)."""
-        nonfinite, self.stopping, loss_sum, count = self.guard.check(bool(self.stop))
-        if nonfinite and self.accelerator.mixed_precision != "fp16":
-            raise NonFiniteLoss(self._nonfinite_advice())
-        self.win_loss, self.win_n = self.win_loss + loss_sum, self.win_n + count
-        self.epoch_loss, self.epoch_n = self.epoch_loss + loss_sum, self.epoch_n + count
-        self.meter.add_grad_norm(grad_norm)
+    def guard_step(self, grad_norm=None) -> None:
+        """Before the optimizer step, once per optimizer step: one small all-reduce (``common.guard``),
+        no sync. A non-finite loss on any rank is masked out of this update on the device and stops every
+        rank at the next step (with fp16 the loss scaler skips the step instead); a stop request is
+        honoured at a step boundary every rank agrees on (``end_step``). ``grad_norm``: the norm
+        ``clip_grad_norm_`` returned when the recipe clips; without clipping the norm is measured at log
+        steps only (two passes over the gradients saved at every other step)."""
+        step = self.global_step + 1
+        if grad_norm is None and (step % self.cfg.log_every == 0 or step >= self.total_steps):
+            grad_norm = self._grad_norm()
+        if grad_norm is not None:
+            self.meter.add_grad_norm(grad_norm)
+        self._act_on(self.guard.check(bool(self.stop), step))
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
 
-    def _nonfinite_advice(self) -> str:
+    def _grad_norm(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.accelerator.scaler is not None:  # fp16: the norm of the unscaled gradients
+            return self.accelerator.clip_grad_norm_(params, math.inf)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+
+    def _act_on(self, flags) -> None:
+        if flags is None:
+            return
+        if flags.nonfinite and self.accelerator.mixed_precision != "fp16":
+            raise NonFiniteLoss(self._nonfinite_advice(flags.step))
+        self.stopping = self.stopping or flags.stop
+
+    def _settle(self) -> None:
+        """Read this step's flags now (a sync): before anything is logged, evaluated or written."""
+        self._act_on(self.guard.collect())
+
+    def _nonfinite_advice(self, step: int) -> str:
         """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
-        step = self.global_step + 1
         usable = [p for p in ckpt.complete_checkpoints(self.run_dir) if ckpt.read_state(p)["global_step"] < step - 1]
         where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
                  f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
                  if usable else "No checkpoint predates the update that led here: start a new run with a lower --lr "
                  "(or --max-grad-norm).")
-        return (f"the training loss became non-finite at optimizer step {step} (epoch {self.epoch + 1}, batch "
-                f"{self.batch + 1}) on at least one process; every process stopped before the optimizer step and "
-                f"nothing was written after it. {where} If the loss is non-finite from the first step, check the data.")
+        return (f"the training loss became non-finite at optimizer step {step} (epoch {self.epoch + 1}) on at "
+                f"least one process; that update was skipped on every process, every process stopped and nothing "
+                f"was written after it. {where} If the loss is non-finite from the first step, check the data.")
 
     def step_was_taken(self) -> bool:
         """False when fp16 loss scaling skipped this optimizer step (overflow): then the schedule and a
@@ -316,25 +339,29 @@ class TrainingRun:
         self.global_step += 1
         self.profiler.step()
         self.done = self.global_step >= self.total_steps
-        if self.global_step % cfg.log_every == 0 or self.done:
+        log_now = self.global_step % cfg.log_every == 0 or self.done
+        checkpoint_now = bool(cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0)
+        self.eval_now = bool(cfg.eval_every_steps and self.global_step % cfg.eval_every_steps == 0)
+        if log_now or checkpoint_now or self.eval_now or self.stopping:
+            self._settle()
+        if log_now:
             self._log_window()
         if self.stopping:
             path = self._checkpoint(batches_in_epoch=self.batch + 1)
             raise Preempted(f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
                             f"{self.global_step}: checkpoint written to {path}. Rerun the same command with "
                             f"--output-dir {self.run_dir} --resume-from latest to continue.")
-        if cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0:
+        if checkpoint_now:
             self._checkpoint(batches_in_epoch=self.batch + 1)
-        self.eval_now = bool(cfg.eval_every_steps and self.global_step % cfg.eval_every_steps == 0)
         return self.eval_now
 
     def _log_window(self) -> None:
-        if not self.win_n:
+        loss_sum, count = self.guard.read(self.guard.window)
+        if not count:
             return
-        values = {"train/loss": self.win_loss / self.win_n, "train/lr": self.step_lr, **self.meter.read_and_reset()}
+        values = {"train/loss": loss_sum / count, "train/lr": self.step_lr, **self.meter.read_and_reset()}
         self.last_loss, self.last_speed = values["train/loss"], values["train/samples_per_sec"]
         self.log.log(values, step=self.global_step)
-        self.win_loss, self.win_n = 0.0, 0
         self.progress.update(self.global_step, self.epoch, self.last_loss, self.last_speed)
 
     def _checkpoint(self, batches_in_epoch: int, epoch: int | None = None) -> Path:
@@ -349,6 +376,7 @@ class TrainingRun:
 
     def eval_due(self) -> bool:
         """At the end of every --eval-every epochs, the last epoch, and where --max-steps stops."""
+        self._settle()
         if self.data.val is None:
             return False
         return (self.epoch + 1) % self.cfg.eval_every == 0 or self.epoch + 1 == self.cfg.epochs or self.done
@@ -395,15 +423,16 @@ class TrainingRun:
 
     def end_epoch(self) -> None:
         """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
+        self._settle()
         finished = self.consumed == len(self.train_loader)
         line = f"epoch {self.epoch + 1}/{self.cfg.epochs}:"
-        if self.epoch_n:
-            line += f" train loss {self.epoch_loss / self.epoch_n:.4f}"
+        loss_sum, count = self.guard.read(self.guard.epoch)
+        if count:
+            line += f" train loss {loss_sum / count:.4f}"
         if self.epoch_eval is not None:
             m = self.epoch_eval
             line += f" | eval loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)"
         self.say(f"{line} | {time.time() - self.epoch_t0:.1f} s")
-        self.epoch_loss, self.epoch_n = 0.0, 0
         if finished:
             self.epoch += 1
         if self.saved_step != self.global_step:  # an epoch end right after a --checkpoint-every save: same state
@@ -415,6 +444,7 @@ class TrainingRun:
         """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
         curves.png and confusion_matrix.png, and the --target-accuracy check."""
         cfg, acc = self.cfg, self.accelerator
+        self._settle()
         self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too
         split = "test" if self.data.test is not None else "val"
         final, confusion = {}, None

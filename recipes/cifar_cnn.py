@@ -1,13 +1,14 @@
-"""CIFAR-10 with a BatchNorm CNN (stem + three conv blocks, global max pool), on 1 to N devices.
+"""CIFAR-10 with airbench94's method (arXiv 2404.00498), as an Accelerate script, on 1 to N devices.
 
-Target: 94% test accuracy in 10 epochs (--target-accuracy 0.94 exits 4 if missed; not measured on CIFAR-10 yet).
-On an H100 it reaches 99.3% on MNIST digits made CIFAR-shaped in about 6 s (README, Performance).
+Result: see README, Performance (CIFAR-10, JPEG copy: validation held out of train, per seed, with the
+machine). --target-accuracy 0.92 exits 4 if the final accuracy is below 92%.
 
-Techniques, each a flag (on by default; --no-<flag> or 0 turns one off): --whiten-init (stem conv whitens 3x3
-patches), --translate 2 --flip (on-device batch augmentation), --label-smoothing 0.2, --warmup-fraction 0.1
---schedule linear, SGD --lr 0.2 --momentum 0.9 (Nesterov) --weight-decay 5e-4 --batch-size 512, --ema-decay
-0.99 (evaluate and save a weight average), --tta (average each test image with its mirror), --channels-last;
---sync-bn is off by default.
+The method, each part a flag: the airbench network (common.models.CifarCNN: a frozen 2x2 whitening conv set
+from the data, --whiten-init; its bias trained for --whiten-bias-epochs 3; dirac-initialised convs; BatchNorm
+with a frozen scale), SGD Nesterov --lr 1.5 --momentum 0.85 --weight-decay 1.33e-3 at --batch-size 1024 with
+the BatchNorm biases at --bias-lr-scale 64 times the LR (common.optim), warm-up from 0.2 over 23% then linear
+to 0.07, --label-smoothing 0.2, Lookahead every 5 steps (--lookahead-every, common.averaging), an alternating
+--flip and --translate 2, and 6-view test-time augmentation (--tta 2).
 
     # one process (CPU or one GPU)
     accelerate launch recipes/cifar_cnn.py
@@ -15,6 +16,8 @@ patches), --translate 2 --flip (on-device batch augmentation), --label-smoothing
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py
     # all GPUs of one machine, bf16
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/cifar_cnn.py
+    # the final model: train on all 50,000 images and report the test split (as airbench does)
+    accelerate launch recipes/cifar_cnn.py --val-fraction 0
     # resume (the same command starts fresh when there is nothing to resume)
     accelerate launch recipes/cifar_cnn.py --output-dir runs/cifar --resume-from latest
 Every knob: python recipes/cifar_cnn.py --help
@@ -32,9 +35,10 @@ from accelerate.utils import set_seed
 
 from common.augment import BatchTransform, channel_stats
 from common.config import DATASET_HELP, CommonConfig, knob, parse_config
-from common.ema import WeightEMA
+from common.averaging import Lookahead
 from common.metrics import evaluate
 from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
+from common.optim import sgd_with_bias_groups
 from common.run import TrainingRun
 from common.schedule import build_scheduler
 
@@ -45,19 +49,24 @@ RECIPE = "cifar_cnn"
 class Config(CommonConfig):
     dataset: str = knob("uoft-cs/cifar10", DATASET_HELP)
     epochs: int = knob(10, "number of passes over the training split")
-    batch_size: int = knob(512, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
-    lr: float = knob(0.2, "peak learning rate (SGD, Nesterov momentum)")
-    momentum: float = knob(0.9, "SGD momentum (Nesterov)")
-    weight_decay: float = knob(5e-4, "SGD weight decay")
-    warmup_fraction: float = knob(0.1, "fraction of optimizer steps spent warming the LR up linearly from 0")
+    batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    lr: float = knob(1.5, "peak learning rate of the mean loss (SGD, Nesterov); scale it with --batch-size")
+    momentum: float = knob(0.85, "SGD momentum (Nesterov)")
+    weight_decay: float = knob(1.33e-3, "SGD weight decay (coupled to the LR, as torch's SGD does)")
+    bias_lr_scale: float = knob(64.0, "BatchNorm biases learn this many times faster (their decay per step unchanged)")
+    warmup_fraction: float = knob(0.23, "fraction of optimizer steps spent warming the LR up linearly")
+    warmup_start: float = knob(0.2, "LR multiplier the warm-up starts from")
     schedule: str = knob("linear", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
+    final_lr: float = knob(0.07, "LR multiplier the schedule ends at")
     label_smoothing: float = knob(0.2, "label smoothing for the cross-entropy loss")
-    widths: str = knob("64,256,256", "channels of the three conv blocks, comma-separated")
-    whiten_init: bool = knob(True, "initialize the stem conv to whiten 3x3 patches of the training images")
-    ema_decay: float = knob(0.99, "evaluate and save a weight average with this decay per optimizer step (0 = off)")
+    widths: str = knob("64,256,256", "channels of the three conv groups, comma-separated")
+    whiten_init: bool = knob(True, "set the stem conv to whiten 2x2 patches of the training images, and freeze it")
+    whiten_bias_epochs: int = knob(3, "train the whitening conv's bias for this many epochs, then hold it still")
+    lookahead_every: int = knob(5, "Lookahead weight averaging every N optimizer steps (0 = off)")
     translate: int = knob(2, "random translation of each training image by up to N pixels (reflection padding)")
-    flip: bool = knob(True, "random horizontal flip of each training image")
-    tta: bool = knob(True, "evaluate on each image and its mirror image and average the logits")
+    flip: bool = knob(True, "alternating horizontal flip: each image flipped in every other epoch")
+    tta: int = knob(2, "test-time augmentation: 0 none, 1 mirror image, 2 mirror and 1-pixel shifts (6 views)",
+                    choices=[0, 1, 2])
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
 
@@ -71,8 +80,8 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
-                           weight_decay=cfg.weight_decay, foreach=True)
+    return sgd_with_bias_groups(model, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.bias_lr_scale,
+                                early_params=[model.whiten.bias], early_epochs=cfg.whiten_bias_epochs)
 
 
 def main(argv=None) -> int:
@@ -88,15 +97,17 @@ def train(cfg: Config, run: TrainingRun) -> None:
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
     mean, std = channel_stats(data.train)
-    transform = BatchTransform(mean, std, translate=cfg.translate, flip=cfg.flip, channels_last=cfg.channels_last)
-    train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
-    final_loader = run.loader(data.test) or val_loader
+    transform = BatchTransform(mean, std, translate=cfg.translate, channels_last=cfg.channels_last)
+    train_loader = run.loader(data.train, train=True, alternating_flip=cfg.flip)
+    val_loader, final_loader = run.loader(data.val), run.loader(data.test) or run.loader(data.val)
 
     # --- model ---
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
     if cfg.whiten_init:  # from the same images on every rank, so every rank starts from the same weights
-        init_whitening(model.features[0], transform.eval(data.train.images_at(slice(0, 5000))))
+        init_whitening(model.whiten, transform.eval(data.train.images_at(slice(0, 5000))).float())
+    else:
+        model.whiten.weight.requires_grad_(True)  # a plain trained stem
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
@@ -104,12 +115,13 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
-    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
+    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, steps_per_epoch))
     # Before resuming (its state is in the checkpoint); --eval-only loads weights that already are the average.
-    ema = WeightEMA(accelerator, model, 0 if cfg.eval_only else cfg.ema_decay)
+    lookahead = Lookahead(accelerator, model, steps_per_epoch * cfg.epochs, 0 if cfg.eval_only else cfg.lookahead_every)
 
-    def validate(loader):  # the weight average when --ema-decay is on (the same model on every rank)
-        return evaluate(accelerator, ema.for_eval(model), loader, transform, data.num_classes, tta_flip=cfg.tta)
+    def validate(loader):
+        return evaluate(accelerator, model, loader, transform, data.num_classes, tta=cfg.tta)
 
     if cfg.eval_only:  # score the weights in --checkpoint on the test split (else validation)
         run.load_weights(model)
@@ -126,24 +138,24 @@ def train(cfg: Config, run: TrainingRun) -> None:
                 accelerator.backward(loss)
                 run.track_loss(loss)  # summed on the device: no sync
                 if accelerator.sync_gradients:
-                    # --max-grad-norm clips; the norm is logged either way
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
-                    run.guard_step(grad_norm)  # one all-reduce: a NaN loss or a stop signal on any rank stops all
-                optimizer.step()
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) \
+                        if cfg.max_grad_norm else None
+                    run.guard_step(grad_norm)  # one all-reduce, no sync: a NaN loss or a stop signal stops all
+                optimizer.step()  # skipped on the device after a non-finite loss (common.guard)
                 optimizer.zero_grad(set_to_none=True)
             if accelerator.sync_gradients:
                 if run.step_was_taken():  # False when fp16 loss scaling skipped the step
                     scheduler.step()
-                    ema.update(model)
+                    lookahead.step()  # every 5 steps; at the last step the weights become the average
                 if run.end_step():  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
-                    run.record_eval(validate(val_loader), ema.for_eval(model))  # --eval-every-steps
+                    run.record_eval(validate(val_loader), model)  # --eval-every-steps
 
         # --- eval and checkpoint ---
         if run.eval_due():
-            run.record_eval(validate(val_loader), ema.for_eval(model))  # keeps the best --monitor value in best/
+            run.record_eval(validate(val_loader), model)  # keeps the best --monitor value in best/
         run.end_epoch()
 
-    run.finish(ema.for_eval(model), validate(final_loader))  # final/ weights, summary.json, target check
+    run.finish(model, validate(final_loader))  # final/ weights, summary.json, target check
 
 
 if __name__ == "__main__":

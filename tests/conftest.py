@@ -231,7 +231,7 @@ def awkward(tmp_path_factory):
 
 # --- reference runs --------------------------------------------------------------------------------
 # One full run per recipe and process count. The settings keep the models tiny; the extra flags change
-# nothing in the training math (checkpoint cadence, EMA decay, target check, profiling), so the same
+# nothing in the training math (checkpoint cadence, target check, profiling), so the same
 # run serves the end-to-end checks, the pinned losses and the uninterrupted side of the resume tests.
 
 SMALL = {
@@ -252,10 +252,8 @@ REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resume
                                           "--keep-checkpoints", 10]),
     ("mnist_convnet", 2): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
                                           "--keep-checkpoints", 10]),
-    ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10,
-                                      "--ema-decay", 0.9]),
-    ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10,
-                                      "--ema-decay", 0.9]),
+    ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
+    ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
 }
 REFERENCE_EXTRA = {  # read-only checks riding on the reference run
     ("fashion_mnist_mlp", 1): ["--progress-every-s", 0],

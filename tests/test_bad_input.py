@@ -46,10 +46,11 @@ def test_invalid_config(args, needles, tmp_path, env, mnist_like):
     assert not (tmp_path / "r").exists()  # nothing written
 
 
-def test_invalid_ema_decay(tmp_path, env, cifar_like):
-    """--ema-decay lives in cifar_cnn, the recipe that averages weights."""
+def test_invalid_lookahead_every(tmp_path, env, cifar_like):
+    """--lookahead-every lives in cifar_cnn, the recipe that averages weights."""
     assert_clear_error(run_recipe("cifar_cnn", ["--dataset", cifar_like, "--output-dir", tmp_path / "r",
-                                                "--ema-decay", "1"], env, tmp_path), "--ema-decay must be in [0, 1)")
+                                                "--lookahead-every", "-1"], env, tmp_path),
+                       "--lookahead-every must be >= 0")
 
 
 def test_bad_flag_in_a_real_process(tmp_path, env, mnist_like):

@@ -3,7 +3,7 @@ dataset of conftest. An accidental change to training behaviour (data order, ini
 optimizer, schedule) changes these numbers and fails here. If you change training on purpose, re-pin.
 
 The losses are read from the 1-process reference runs of conftest (the recipe's small settings, 2
-epochs, batch 32, one log line per step); their other flags (checkpoint cadence, EMA decay, target
+epochs, batch 32, one log line per step); their other flags (checkpoint cadence, target
 check) do not touch the training math."""
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def recipe_file(root: Path, kind: str) -> Path:
     return path
 
 
-def make_model_dir(root: Path, kind: str, tta: bool = False, seed: int = 0):
+def make_model_dir(root: Path, kind: str, tta: int = 0, seed: int = 0):
     """Write <root>/run/best (model.safetensors + model.json) for an untrained model built by its recipe's
     build_model; returns (run_dir, card, model). The last layer is scaled up so the logits are well apart."""
     spec = SPECS[kind]
@@ -129,10 +129,19 @@ def reference_logits(model, card, path: Path) -> torch.Tensor:
     arr = arr[None] if arr.ndim == 2 else arr.permute(2, 0, 1)
     x = normalize(arr[None], card["mean"], card["std"])
     with torch.no_grad():
-        logits = model(x).float()
-        if card["config"].get("tta"):
-            logits = 0.5 * (logits + model(x.flip(3)).float())
+        logits = six_view_logits(model, x) if card["config"].get("tta") == 2 else model(x).float()
     return logits[0]
+
+
+def six_view_logits(model, x):
+    """The level-2 test-time augmentation written out view by view: 1/4 each for the image and its mirror,
+    1/8 each for the two 1-pixel shifts (reflected edges) and their mirrors."""
+    h, w = x.shape[-2:]
+    pad = torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")
+    views = [(x, 0.25), (x.flip(3), 0.25)]
+    for shifted in (pad[..., :h, :w], pad[..., 2:, 2:]):
+        views += [(shifted, 0.125), (shifted.flip(3), 0.125)]
+    return sum(weight * model(v).float() for v, weight in views)
 
 
 def run_cli(*args, timeout=120, cwd=REPO):
@@ -180,7 +189,7 @@ def test_model_class_of_a_users_own_recipe_file(tmp_path, capsys):
         [r["predictions"][0]["index"] for r in doc["results"]]
 
 
-@pytest.mark.parametrize("kind,tta", [("ConvNet", False), ("CifarCNN", True)])
+@pytest.mark.parametrize("kind,tta", [("ConvNet", 0), ("CifarCNN", 2)])
 def test_cli_json_matches_torch(tmp_path, kind, tta):
     run_dir, card, model = make_model_dir(tmp_path, kind, tta=tta)
     c, h, w = card["input_shape"]
@@ -192,7 +201,7 @@ def test_cli_json_matches_torch(tmp_path, kind, tta):
     proc = run_cli(run_dir, *images, "--format", "json", "--top-k", 3)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["tta"] is tta and doc["model"] == kind
+    assert doc["tta"] == tta and doc["model"] == kind
     assert [r["file"] for r in doc["results"]] == [str(p) for p in images]
     names = card["class_names"]
     for path, result in zip(images, doc["results"]):
@@ -230,16 +239,16 @@ def test_cli_folder_table_csv_and_output_file(tmp_path):
 
 
 def test_predict_files_in_process_tta(tmp_path):
-    run_dir, card, model = make_model_dir(tmp_path, "CifarCNN", tta=True)
+    run_dir, card, model = make_model_dir(tmp_path, "CifarCNN", tta=2)
     paths = write_images(tmp_path / "imgs", 3, (32, 32), "RGB")
     predictor = load_predictor(run_dir)
-    assert predictor.tta and predictor.model_dir == run_dir / "best"
+    assert predictor.tta == 2 and predictor.model_dir == run_dir / "best"
     results = predict_files(predictor, collect_images([tmp_path / "imgs"]), top_k=1, batch_size=2)
     for path, result in zip(paths, results):
         ref = torch.softmax(reference_logits(model, card, path), 0)
         assert result["predictions"][0]["index"] == int(ref.argmax())
         assert result["predictions"][0]["probability"] == pytest.approx(float(ref.max()), abs=1e-5)
-    no_tta = load_predictor(run_dir, tta=False)
+    no_tta = load_predictor(run_dir, tta=0)
     assert not no_tta.tta
 
 

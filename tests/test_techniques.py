@@ -1,5 +1,5 @@
-"""The accuracy techniques on small generated data: weight EMA, whitening init, LR schedule, flip TTA,
-and an exact resume with the EMA switched on."""
+"""The accuracy techniques on small generated data: Lookahead averaging, bias LR groups, whitening init,
+LR schedule, test-time augmentation, the alternating flip, and an exact resume with averaging on."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from safetensors.torch import load_file
 from torch import nn
 
 from common.augment import BatchTransform
-from common.ema import WeightEMA
-from common.metrics import evaluate
+from common.averaging import Lookahead
+from common.metrics import evaluate, tta_logits
 from common.models import CifarCNN, init_whitening
+from common.optim import sgd_with_bias_groups
 from common.schedule import build_scheduler, lr_multiplier
 from conftest import check_ok, launch, read_jsonl, run_in_process, stopped_at
 
 
 class _Acc:
-    """The two Accelerator methods WeightEMA uses, for a plain single-process model."""
+    """The two Accelerator methods Lookahead uses, for a plain single-process model."""
 
     num_processes = 1
 
@@ -39,40 +40,70 @@ def _model():
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
 
 
-def test_ema_follows_the_formula_with_warmup_and_checkpoints():
-    acc, model = _Acc(), _model()
-    ema = WeightEMA(acc, model, decay=0.9)
-    assert acc.registered == [ema] and ema.for_eval(model) is ema.module
-    expected = {k: v.clone() for k, v in model.state_dict().items()}
-    for n in range(1, 30):
+def test_lookahead_follows_the_formula_and_checkpoints():
+    """Every 5 steps slow <- lerp(slow, weights, 1 - 0.95**5 * (t/T)**3) and weights <- slow, BatchNorm
+    statistics included; at the last planned step the weights become the average; the state round-trips."""
+    acc, model, total = _Acc(), _model(), 23
+    avg = Lookahead(acc, model, total_steps=total)
+    assert acc.registered == [avg]
+    slow = {k: v.clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+    for t in range(1, total + 1):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
-        model.train()(torch.randn(4, 1, 6, 6))  # moves the BatchNorm running stats and counter
-        ema.update(model)
-        d = min(0.9, (1 + n) / (10 + n))  # warm-up: 0.2, 0.27, ... then 0.9
-        for k, v in model.state_dict().items():
-            if v.is_floating_point():
-                expected[k] = d * expected[k] + (1 - d) * v.float()
-            else:
-                expected[k] = v.clone()
-    got = ema.module.state_dict()
-    for k in expected:
-        assert torch.allclose(got[k].to(expected[k].dtype), expected[k], rtol=1e-5, atol=1e-6), k
-    assert ema.module[1].num_batches_tracked.item() == 29
-    assert all(not p.requires_grad for p in ema.module.parameters())
-    # round trip through the checkpoint state
-    fresh = WeightEMA(_Acc(), _model(), decay=0.9)
-    fresh.load_state_dict(ema.state_dict())
-    assert fresh.updates == 29 and all(torch.equal(a, b) for a, b in
-                                       zip(fresh.module.state_dict().values(), got.values()))
+        model.train()(torch.randn(4, 1, 6, 6))  # moves the BatchNorm running stats
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        avg.step()
+        after = model.state_dict()
+        if t % 5 == 0:
+            d = 0.95 ** 5 * (t / total) ** 3
+            for k in slow:
+                slow[k] = d * slow[k] + (1 - d) * before[k]
+                assert torch.allclose(after[k], slow[k], rtol=1e-5, atol=1e-6), (t, k)
+        elif t == total:  # the end: the weights become the average
+            assert all(torch.allclose(after[k], slow[k], rtol=1e-5, atol=1e-6) for k in slow)
+            assert all(torch.equal(a, b) for a, b in zip(avg.slow, avg.live))
+        else:
+            assert all(torch.equal(after[k], before[k]) for k in before)  # nothing between updates
+    fresh = Lookahead(_Acc(), _model(), total_steps=total)
+    fresh.load_state_dict(avg.state_dict())
+    assert fresh.steps == total and all(torch.equal(a, b) for a, b in zip(fresh.slow, avg.slow))
 
 
-def test_ema_off_is_the_model_itself():
+def test_lookahead_off_changes_nothing():
     acc, model = _Acc(), _model()
-    ema = WeightEMA(acc, model, decay=0.0)
-    ema.update(model)
-    assert ema.module is None and ema.for_eval(model) is model and acc.registered == []
+    avg = Lookahead(acc, model, total_steps=10, every=0)
+    before = [t.clone() for t in model.state_dict().values()]
+    for _ in range(10):
+        avg.step()
+    assert acc.registered == [] and all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+
+
+def test_bias_groups_scale_the_lr_keep_the_decay_and_freeze_early_params():
+    """BatchNorm biases learn 64x faster with the same decay per step; the whitening bias trains for its
+    epochs only (a zero LR afterwards: the parameter stays still although it has a gradient); the frozen
+    scale and whitening weights are not in the optimizer."""
+    model = CifarCNN((3, 16, 16), 4, widths=(8, 16, 16))
+    opt = sgd_with_bias_groups(model, 0.5, 0.85, 0.01, 64.0, early_params=[model.whiten.bias], early_epochs=1)
+    groups = {g["name"]: g for g in opt.param_groups}
+    bn = groups["norm_biases"]
+    assert bn["lr"] == 0.5 * 64 and bn["lr"] * bn["weight_decay"] == pytest.approx(0.5 * 0.01)
+    assert all(p.ndim == 1 for p in bn["params"]) and opt.defaults["fused"]
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert id(model.whiten.weight) not in in_opt and id(model.groups[0].norm1.weight) not in in_opt
+
+    class Cfg:
+        epochs, warmup_fraction, warmup_start, schedule, final_lr = 3, 0.0, 0.0, "constant", 0.0
+
+    sched = build_scheduler(opt, Cfg, steps_per_epoch=2)
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 4
+    for step in range(6):
+        before = model.whiten.bias.detach().clone()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        assert torch.equal(before, model.whiten.bias) == (step >= 2), step  # moves in epoch 1 only
 
 
 def test_whitening_init_decorrelates_patches():
@@ -98,10 +129,13 @@ def test_whitening_init_decorrelates_patches():
 def test_whitening_init_on_the_cifar_model_trains_a_step():
     model = CifarCNN((3, 16, 16), 4, widths=(8, 16, 16))
     images = torch.rand(32, 3, 16, 16)
-    init_whitening(model.features[0], images)
+    assert init_whitening(model.whiten, images) == 24  # every eigenvector of the 12-dim 2x2 patches, +-
     loss = nn.functional.cross_entropy(model(images), torch.arange(32) % 4)
     loss.backward()
-    assert math.isfinite(loss.item()) and model.features[0].weight.grad.abs().sum() > 0
+    assert math.isfinite(loss.item()) and model.whiten.bias.grad.abs().sum() > 0
+    assert model.whiten.weight.grad is None  # frozen
+    conv = model.groups[0].conv2.weight  # dirac init: the identity on its first filters
+    assert torch.equal(conv[:, :, 1, 1][:8, :8], torch.eye(8)) and conv[:, :, 0].abs().sum() == 0
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
@@ -109,7 +143,7 @@ def test_schedule_warms_up_then_decays(kind):
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.4)
 
     class Cfg:
-        epochs, warmup_fraction, schedule = 2, 0.2, kind
+        epochs, warmup_fraction, warmup_start, schedule, final_lr = 2, 0.2, 0.0, kind, 0.0
 
     sched, total = build_scheduler(opt, Cfg, steps_per_epoch=10), 20
     trace = []
@@ -127,6 +161,10 @@ def test_schedule_warms_up_then_decays(kind):
         assert lr_multiplier(total, total, 4, kind) == pytest.approx(0.0, abs=1e-12)
     if kind == "cosine":
         assert lr_multiplier(12, 20, 4, kind) == pytest.approx(0.5)  # halfway through the decay
+    # airbench's shape: warm-up from 0.2, decay to 0.07
+    assert lr_multiplier(0, 20, 4, kind, start=0.2, end=0.07) == pytest.approx(0.4)
+    if kind != "constant":
+        assert lr_multiplier(20, 20, 4, kind, start=0.2, end=0.07) == pytest.approx(0.07)
 
 
 class _Mirror(nn.Module):
@@ -150,7 +188,7 @@ def test_flip_tta_averages_each_image_with_its_mirror():
     loader = acc.prepare(make_loader(ImageSplit(imgs, labels), 4, False))
     t = BatchTransform([0.0], [1.0])
     plain = evaluate(acc, _Mirror(), loader, t, 3)
-    tta = evaluate(acc, _Mirror(), loader, t, 3, tta_flip=True)
+    tta = evaluate(acc, _Mirror(), loader, t, 3, tta=1)
     assert plain["accuracy"] == 1.0 and plain["count"] == 6
     # averaged with the mirror image, the left/right logits tie and the third class (their mean) ties too:
     # argmax picks class 0 for all, so exactly the three class-0 images stay right
@@ -161,15 +199,54 @@ def test_flip_tta_averages_each_image_with_its_mirror():
     assert tta["loss"] == pytest.approx(expected_loss, rel=1e-6)
 
 
+def test_six_view_tta_weights_the_views_as_airbench():
+    """Level 2: 1/4 each for the image and its mirror, 1/8 each for the two 1-pixel shifts (reflected
+    edges) and their mirrors; written out here view by view."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
+    x = torch.randn(2, 1, 6, 6)
+    pad = nn.functional.pad(x, (1, 1, 1, 1), mode="reflect")
+    views = [(x, 0.25), (x.flip(3), 0.25)]
+    for shifted in (pad[..., :6, :6], pad[..., 2:, 2:]):
+        views += [(shifted, 0.125), (shifted.flip(3), 0.125)]
+    with torch.no_grad():
+        want = sum(w * model(v) for v, w in views)
+        assert torch.allclose(tta_logits(model, x, 2), want, atol=1e-6)
+        assert torch.allclose(tta_logits(model, x, 1), 0.5 * (model(x) + model(x.flip(3))), atol=1e-6)
+        assert torch.equal(tta_logits(model, x, 0), model(x))
+
+
+def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
+    from common.data import ImageSplit, TensorImages
+
+    g = torch.Generator().manual_seed(0)
+    split = ImageSplit(torch.randint(0, 256, (40, 1, 4, 4), dtype=torch.uint8, generator=g), torch.arange(40))
+    data = TensorImages(split, flip_seed=3)
+    idx = list(range(40))
+    seen = []
+    for epoch in range(3):
+        data.set_epoch(epoch)
+        images, _ = data.__getitems__(idx)
+        flipped = torch.stack([torch.equal(a, b.flip(2)) and not torch.equal(a, b)
+                               for a, b in zip(images, split.images)])
+        assert all(torch.equal(a, b) or torch.equal(a, b.flip(2)) for a, b in zip(images, split.images))
+        seen.append(flipped)
+    assert 10 < int(seen[0].sum()) < 30  # a random half in epoch 1
+    assert torch.equal(seen[1], ~seen[0]) and torch.equal(seen[2], seen[0])  # the other way, then back
+    again = TensorImages(split, flip_seed=3)  # a resumed run: same seed, same epoch, same pixels
+    again.set_epoch(1)
+    assert torch.equal(again.__getitems__([5, 7])[0], TensorImages(split, 3).__getitems__([5, 7])[0].flip(3))
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_cifar_resume_with_ema_and_whitening_is_exact(nproc, tmp_path, env, reference_run):
-    """Stopped after 3 optimizer steps and resumed: the EMA weights (what final/ holds) and the per-step
-    losses equal the uninterrupted reference run's (--ema-decay 0.9, --checkpoint-every 3), so the
-    average is checkpointed and restored. 1 process: stopped by --max-steps 3, in this process.
+def test_cifar_resume_with_lookahead_and_whitening_is_exact(nproc, tmp_path, env, reference_run):
+    """Stopped after 3 optimizer steps and resumed: the final weights (the Lookahead average) and the
+    per-step losses equal the uninterrupted reference run's (--checkpoint-every 3), so the average is
+    checkpointed and restored. 1 process: stopped by --max-steps 3, in this process.
     2 processes (real gloo processes): resumed from the reference run's own step-3 checkpoint."""
     ref = reference_run("cifar_cnn", nproc)
     args, full, part = ref.train_args, ref.run, tmp_path / "part"
-    assert "--ema-decay" in args and "--checkpoint-every" in args
+    assert "--checkpoint-every" in args
     if nproc == 1:
         check_ok(run_in_process("cifar_cnn", [*args, "--output-dir", part, "--max-steps", 3], env))
         resume = run_in_process("cifar_cnn", [*args, "--output-dir", part, "--resume-from", "latest"], env)
@@ -184,11 +261,15 @@ def test_cifar_resume_with_ema_and_whitening_is_exact(nproc, tmp_path, env, refe
     assert loss == [(r["step"], r["train/loss"]) for r in read_jsonl(part / "metrics.jsonl") if "train/loss" in r]
     summary = json.loads((full / "summary.json").read_text())
     assert summary["epochs_completed"] == 2 and summary["global_step"] == loss[-1][0] > 3
-    # final/ holds the average, not the last trained weights: they differ from the checkpoint's model
+    # final/ holds the average: the slow weights of the last checkpoint, in Lookahead's order (parameters,
+    # then floating-point buffers)
     from common.checkpoint import find_latest
 
-    trained = load_file(str(find_latest(full) / "model.safetensors"))
-    assert any(not torch.equal(trained[k], a[k]) for k in a if k in trained)
+    state = torch.load(find_latest(full) / "custom_checkpoint_0.pkl", weights_only=True)
+    model = CifarCNN((3, 32, 32), 4, widths=(8, 16, 16))
+    names = [n for n, _ in model.named_parameters()] + [n for n, b in model.named_buffers() if b.is_floating_point()]
+    assert state["steps"] == summary["global_step"] and len(state["slow"]) == len(names)
+    assert all(torch.equal(a[n], t) for n, t in zip(names, state["slow"]))
 
 
 def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
@@ -198,7 +279,7 @@ def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
     border, so the bar is well above chance rather than near 100%.)"""
     run = tmp_path / "run"
     check_ok(run_in_process("cifar_cnn", ["--dataset", mnist_like, "--channels", 3, "--image-size", 32, "--no-flip",
-                                  "--no-tta", "--widths", "8,16,16", "--epochs", 6, "--batch-size", 32, "--lr", 0.05, "--ema-decay", 0.9,
+                                  "--tta", 0, "--widths", "8,16,16", "--epochs", 6, "--batch-size", 32, "--lr", 0.05,
                                   "--output-dir", run], env))
     card = json.loads((run / "final" / "model.json").read_text())
     assert card["input_shape"] == [3, 32, 32]

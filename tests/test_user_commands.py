@@ -104,8 +104,8 @@ def test_malformed_list_flag_names_the_flag(tmp_path, cifar_like):
 
 
 def test_technique_flag_of_another_recipe_is_explained(tmp_path, mnist_like):
-    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--ema-decay", "0.9"], recipe_env(tmp_path))
-    assert proc.returncode == 2 and "--ema-decay (a knob of cifar_cnn)" in proc.stderr
+    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--lookahead-every", "5"], recipe_env(tmp_path))
+    assert proc.returncode == 2 and "--lookahead-every (a knob of cifar_cnn)" in proc.stderr
 
 
 def test_cpu_config_that_starts_one_process_says_so(tmp_path, mnist_like):

@@ -8,8 +8,9 @@ What the ONNX model takes and returns:
 - default: input ``images``, float32 ``(N, C, H, W)`` with pixel values in [0, 1] (uint8 pixels / 255),
   RGB or grayscale as model.json's input_shape says, at exactly that H x W. The normalization
   ``(x - mean) / std`` with the run's mean/std is folded into the graph, and when the run
-  evaluated with ``--tta`` the graph also averages the logits of the image and its mirror image
-  (``--no-tta`` leaves that out). Resize and convert images yourself as ``common.tools.predict`` does.
+  evaluated with ``--tta`` the graph also averages the logits over the same views
+  (``common.metrics.tta_logits``: the mirror image, and at level 2 the 1-pixel shifts; ``--no-tta``
+  leaves that out). Resize and convert images yourself as ``common.tools.predict`` does.
 - ``--no-preprocess``: the bare network; input ``images`` must already be normalized.
 - output ``logits``: float32 ``(N, num_classes)``; apply softmax for probabilities. The batch
   dimension N is dynamic. Class names, mean/std and this description are stored in the ONNX
@@ -55,7 +56,7 @@ from common.tools.predict import load_predictor
 class ExportWrapper(nn.Module):
     """``model`` with the eval preprocessing in front of it: float images in [0, 1] -> logits."""
 
-    def __init__(self, model: nn.Module, mean, std, preprocess: bool = True, tta: bool = False):
+    def __init__(self, model: nn.Module, mean, std, preprocess: bool = True, tta: int = 0):
         super().__init__()
         self.model, self.preprocess, self.tta = model, preprocess, tta
         self.register_buffer("mean", torch.as_tensor(mean, dtype=torch.float32).view(1, -1, 1, 1))
@@ -63,10 +64,9 @@ class ExportWrapper(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = (images - self.mean) / self.std if self.preprocess else images
-        logits = self.model(x)
-        if self.tta:
-            logits = 0.5 * (logits + self.model(torch.flip(x, dims=[3])))
-        return logits
+        from common.metrics import tta_logits
+
+        return tta_logits(self.model, x, self.tta)
 
 
 def input_description(card: dict, preprocess: bool, tta: bool) -> str:
@@ -78,7 +78,9 @@ def input_description(card: dict, preprocess: bool, tta: bool) -> str:
     else:
         what = (f"float32 (N, {c}, {h}, {w}) {kind} images already normalized: (pixel/255 - mean) / std with "
                 f"mean {card['mean']} std {card['std']}")
-    return what + ("; logits averaged with the mirror image (TTA)" if tta else "") + \
+    views = {1: "; logits averaged with the mirror image (TTA)",
+             2: "; logits averaged over 6 views: the image, its 1-pixel shifts and their mirrors (TTA)"}
+    return what + views.get(int(tta), "") + \
         f". Output: logits (N, {len(card['class_names'])})."
 
 
@@ -165,7 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--onnx", required=True, help="path of the .onnx file to write")
     parser.add_argument("--no-preprocess", action="store_true",
                         help="export the bare network, which takes normalized images")
-    parser.add_argument("--no-tta", action="store_true", help="leave the mirror-image averaging out of the graph "
+    parser.add_argument("--no-tta", action="store_true", help="leave the test-time augmentation out of the graph "
                         "even if the run evaluated with --tta")
     parser.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                         help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
@@ -185,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise RecipeError(f"--onnx {out} is a folder. Pass a file path such as {out / 'model.onnx'}.")
     dynamo = check_packages(args.exporter)
-    predictor = load_predictor(args.model, "cpu", tta=False if args.no_tta else None, recipe_file=args.recipe)
+    predictor = load_predictor(args.model, "cpu", tta=0 if args.no_tta else None, recipe_file=args.recipe)
     card = predictor.card
     preprocess = not args.no_preprocess
     wrapper = ExportWrapper(predictor.model, card["mean"], card["std"], preprocess, predictor.tta).eval()

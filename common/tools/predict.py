@@ -10,8 +10,9 @@ are searched recursively for image files (png, jpg, jpeg, bmp, gif, webp, tif, t
 Preprocessing is the evaluation one: each image is converted to 'L' (1-channel models) or 'RGB'
 (3 channels), resized bilinearly to the model's input size if it differs (as ``--image-size`` does
 when the dataset is decoded), turned into a uint8 CHW tensor and normalized with the mean/std
-stored in model.json (``common.augment.normalize``). When the run used ``--tta`` the logits of the
-image and of its mirror image are averaged, as ``common.metrics.evaluate`` does.
+stored in model.json (``common.augment.normalize``). When the run used ``--tta`` the logits are
+averaged over the same views as ``common.metrics.evaluate`` (the mirror image, and at level 2 the
+1-pixel shifts).
 
 Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on
 stderr and no traceback.
@@ -97,7 +98,7 @@ class Predictor:
     card: dict
     model_dir: Path
     device: torch.device
-    tta: bool
+    tta: int  # test-time augmentation level (common.metrics.tta_logits)
 
     @property
     def class_names(self) -> list[str]:
@@ -111,18 +112,16 @@ class Predictor:
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``(N, C, H, W)`` at the model's input shape -> float32 logits ``(N, classes)``."""
         from common.augment import normalize
+        from common.metrics import tta_logits
 
         x = normalize(images.to(self.device), self.card["mean"], self.card["std"])
-        logits = self.model(x).float()
-        if self.tta:  # the same averaging as common.metrics.evaluate(tta_flip=True)
-            logits = 0.5 * (logits + self.model(x.flip(3)).float())
-        return logits
+        return tta_logits(self.model, x, self.tta)  # the same views as the run's evaluation
 
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         return torch.softmax(self.logits(images), dim=1)
 
 
-def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = None,
+def load_predictor(path, device: str | torch.device = "cpu", tta: int | None = None,
                    recipe_file=None) -> Predictor:
     """Load model.safetensors + model.json from a run dir / best/ / final/ folder. ``tta=None``
     follows the run's config (``card["config"]["tta"]``)."""
@@ -155,7 +154,7 @@ def load_predictor(path, device: str | torch.device = "cpu", tta: bool | None = 
     device = torch.device(device)
     model.to(device).eval()
     if tta is None:
-        tta = bool((card.get("config") or {}).get("tta", False))
+        tta = int((card.get("config") or {}).get("tta", 0))  # a level; older runs stored True for the mirror
     return Predictor(model, card, model_dir, device, tta)
 
 
@@ -282,8 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     parser.add_argument("--recipe", help="the recipe file that trained the model, when model.json's recipe_file "
                         "is not on this machine")
-    parser.add_argument("--no-tta", action="store_true", help="do not average with the mirror image even if "
-                        "the run evaluated that way")
+    parser.add_argument("--no-tta", action="store_true", help="no test-time augmentation even if the run "
+                        "evaluated with it")
     return parser.parse_args(argv)
 
 
@@ -298,13 +297,13 @@ def run(args: argparse.Namespace) -> int:
         raise RecipeError(f"--device {args.device!r} is not a torch device ({err}). Use cpu or cuda.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RecipeError(f"--device {args.device} was asked for but CUDA is not available here. Use --device cpu.")
-    predictor = load_predictor(args.model, device, tta=False if args.no_tta else None, recipe_file=args.recipe)
+    predictor = load_predictor(args.model, device, tta=0 if args.no_tta else None, recipe_file=args.recipe)
     files = collect_images(args.inputs)
     resized = []
     results = predict_files(predictor, files, args.top_k, args.batch_size, on_resize=resized.append)
     c, h, w = predictor.input_shape
     print(f"model: {predictor.model_dir} ({predictor.card.get('model')}, recipe {predictor.card.get('recipe')}, "
-          f"input {c}x{h}x{w}, tta {'on' if predictor.tta else 'off'}); {len(results)} image(s)", file=sys.stderr)
+          f"input {c}x{h}x{w}, tta level {predictor.tta}); {len(results)} image(s)", file=sys.stderr)
     if resized:
         print(f"note: {len(resized)} image(s) were not {w}x{h} and were resized bilinearly (e.g. {resized[0]}); "
               "accuracy may differ from the run's if it trained on another size.", file=sys.stderr)

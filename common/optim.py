@@ -1,0 +1,39 @@
+"""Optimizers with per-group learning rates, and the one setting every recipe wants on any device.
+
+``sgd_with_bias_groups`` is airbench's SGD (arXiv 2404.00498): Nesterov momentum, and the BatchNorm
+biases in a group of their own whose learning rate is ``bias_lr_scale`` times larger while their weight
+decay per step stays the same (torch's SGD couples decay to the LR, so their ``weight_decay`` is divided
+by the same factor). In the paper's ablation the larger bias LR cuts the epochs to 94% by about 25%.
+An optional group of ``early_params`` (airbench: the whitening bias) is trained for the first
+``early_epochs`` epochs only, then held still by a zero LR in the schedule (``common.schedule`` reads
+the group's ``train_epochs``); unlike ``requires_grad_(False)`` mid-run, that keeps DDP's set of
+gradients fixed.
+
+``fused=True`` everywhere: one multi-tensor kernel per step on a GPU and on a CPU (the CPU kernels exist
+since torch 2.4; without the flag the CPU runs a per-parameter Python loop). A fused optimizer also
+accepts a device-side ``found_inf`` flag, which ``common.guard`` uses to skip a step after a non-finite
+loss without waiting for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def sgd_with_bias_groups(model: nn.Module, lr: float, momentum: float, weight_decay: float,
+                         bias_lr_scale: float = 1.0, early_params=(), early_epochs: int = 0):
+    frozen_ids = {id(p) for p in early_params}
+    norm_ids = {id(p) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                for p in m.parameters(recurse=False)}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"name": "weights", "params": [p for p in trainable if id(p) not in norm_ids | frozen_ids],
+         "lr": lr, "weight_decay": weight_decay},
+        {"name": "norm_biases", "params": [p for p in trainable if id(p) in norm_ids and id(p) not in frozen_ids],
+         "lr": lr * bias_lr_scale, "weight_decay": weight_decay / bias_lr_scale},
+        {"name": "early", "params": [p for p in trainable if id(p) in frozen_ids],
+         "lr": lr, "weight_decay": weight_decay, "train_epochs": early_epochs},
+    ]
+    return torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=momentum, nesterov=momentum > 0,
+                           fused=True)
