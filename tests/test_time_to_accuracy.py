@@ -179,3 +179,48 @@ def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     assert report["decode_s"] >= 0 and report["summary"]["recipe_time_s"]["n"] == 1
     assert report["settings"]["recipe"] == "mnist_convnet" and report["machine"]["cpu_count"] >= 1
     assert (tmp_path / "work" / "run-seed1" / "metrics.jsonl").is_file()
+
+
+def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_factory, tmp_path, monkeypatch,
+                                                                         capsys):
+    """cifar_cnn against the CIFAR notebook baseline, --target baseline: the notebook runs all its epochs
+    (per-sample random crop and flip through torchvision), and both sides are timed to the accuracy it
+    ended with; main() in this process, the real recipe as a subprocess."""
+    import torch
+
+    data = write_parquet_dataset(tmp_path_factory.mktemp("cifar_tta"), {"train": 160}, shape=(3, 16, 16),
+                                 image_col="img")
+    out = tmp_path / "tta.json"
+    argv = ["--recipe", "cifar_cnn", "--dataset", str(data), "--target", "baseline", "--seeds", "1",
+            "--threads", "1", "--max-baseline-epochs", "2", "--work-dir", str(tmp_path / "work"), "--out", str(out),
+            "--recipe-args", "--epochs 2 --batch-size 16 --widths 8,16,16 --lr 0.05 --log-every 1 --val-fraction 0.2",
+            "--eval-every-steps", "2"]
+    for key, value in recipe_env(tmp_path).items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    threads = torch.get_num_threads()
+    try:
+        code = tta.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, f"exit {code}\nSTDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-6000:]}"
+    report = json.loads(out.read_text())
+    (seed,) = report["seeds"]
+    final = seed["baseline"]["curve"][-1]["accuracy"]
+    assert seed["baseline"]["target"] == seed["recipe"]["target"] == final
+    assert seed["baseline"]["epochs_run"] == 2 and seed["baseline"]["reached"]  # its own final accuracy
+    assert report["settings"]["target"] == "baseline"
+    assert report["settings"]["baseline_recipe"]["kind"] == "cifar_notebook"
+    assert "baseline's final accuracy" in stdout
+    if seed["recipe"]["reached"]:
+        assert seed["ratio"] == pytest.approx(seed["baseline"]["time_to_target_s"] / seed["recipe"]["time_to_target_s"])
+
+
+def test_target_baseline_needs_the_baseline():
+    with pytest.raises(SystemExit) as exit_:
+        tta.parse_args(["--recipe", "cifar_cnn", "--dataset", "x", "--target", "baseline", "--baseline", "off"])
+    assert exit_.value.code == 2
+    args = tta.parse_args(["--recipe", "cifar_cnn", "--dataset", "x", "--target", "baseline"])
+    assert args.target_from_baseline and args.max_baseline_epochs == 3 and args.baseline_kind == "cifar_notebook"
