@@ -227,8 +227,8 @@ def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
     for epoch in range(3):
         data.set_epoch(epoch)
         images, _ = data.__getitems__(idx)
-        flipped = torch.stack([torch.equal(a, b.flip(2)) and not torch.equal(a, b)
-                               for a, b in zip(images, split.images)])
+        flipped = torch.tensor([torch.equal(a, b.flip(2)) and not torch.equal(a, b)
+                                for a, b in zip(images, split.images)])
         assert all(torch.equal(a, b) or torch.equal(a, b.flip(2)) for a, b in zip(images, split.images))
         seen.append(flipped)
     assert 10 < int(seen[0].sum()) < 30  # a random half in epoch 1
