@@ -145,18 +145,12 @@ def test_baseline_trains_and_evaluates_in_process(tiny, tmp_path):
     assert low["time_to_target_s"] == low["curve"][0]["time_s"]
 
 
-def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
-    """Both sides on tiny data, one seed, a low target: main() of the CLI in this process, which runs the
-    real recipe as a subprocess and the baseline in-process; the table printed and the JSON written."""
+def run_main(argv, tmp_path, monkeypatch, capsys) -> str:
+    """main() of the CLI in this process, with the environment the recipe subprocess inherits and torch's
+    thread count restored after; asserts exit 0 and returns stdout."""
     import torch
 
-    out = tmp_path / "tta.json"
-    argv = ["--recipe", "mnist_convnet",
-            "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
-            "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
-            "--eval-every-steps", "2",
-            "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
-    for key, value in recipe_env(tmp_path).items():  # what the recipe subprocess inherits
+    for key, value in recipe_env(tmp_path).items():
         if os.environ.get(key) != value:
             monkeypatch.setenv(key, value)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() sets it; restored after the test
@@ -167,6 +161,20 @@ def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
         torch.set_num_threads(threads)
     stdout, stderr = capsys.readouterr()
     assert code == 0, f"exit {code}\nSTDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-6000:]}"
+    return stdout
+
+
+def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
+    """Both sides on tiny data, one seed, a low target: main() of the CLI in this process, which runs the
+    real recipe as a subprocess and the baseline in-process; the table printed and the JSON written."""
+
+    out = tmp_path / "tta.json"
+    argv = ["--recipe", "mnist_convnet",
+            "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
+            "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
+            "--eval-every-steps", "2",
+            "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    stdout = run_main(argv, tmp_path, monkeypatch, capsys)
     assert "ratio" in stdout and "median" in stdout
 
     report = json.loads(out.read_text())
@@ -186,7 +194,6 @@ def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_
     """cifar_cnn against the CIFAR notebook baseline, --target baseline: the notebook runs all its epochs
     (per-sample random crop and flip through torchvision), and both sides are timed to the accuracy it
     ended with; main() in this process, the real recipe as a subprocess."""
-    import torch
 
     data = write_parquet_dataset(tmp_path_factory.mktemp("cifar_tta"), {"train": 160}, shape=(3, 16, 16),
                                  image_col="img")
@@ -195,17 +202,7 @@ def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_
             "--threads", "1", "--max-baseline-epochs", "2", "--work-dir", str(tmp_path / "work"), "--out", str(out),
             "--recipe-args", "--epochs 2 --batch-size 16 --widths 8,16,16 --lr 0.05 --log-every 1 --val-fraction 0.2",
             "--eval-every-steps", "2"]
-    for key, value in recipe_env(tmp_path).items():
-        if os.environ.get(key) != value:
-            monkeypatch.setenv(key, value)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    threads = torch.get_num_threads()
-    try:
-        code = tta.main(argv)
-    finally:
-        torch.set_num_threads(threads)
-    stdout, stderr = capsys.readouterr()
-    assert code == 0, f"exit {code}\nSTDOUT:\n{stdout[-4000:]}\nSTDERR:\n{stderr[-6000:]}"
+    stdout = run_main(argv, tmp_path, monkeypatch, capsys)
     report = json.loads(out.read_text())
     (seed,) = report["seeds"]
     final = seed["baseline"]["curve"][-1]["accuracy"]
