@@ -593,17 +593,50 @@ def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log
                             "Check the disk behind --cache-dir, or pass another --cache-dir.") from None
 
 
+def _source_index_path(cache_dir: Path, name: str, settings: dict) -> Path | None:
+    """For a local dataset folder: a cache entry keyed by every file's path, size and modification time and
+    by the decoding settings, naming the decoded split files. None for a Hub id (only ``datasets`` can tell
+    whether its copy changed)."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return None
+    stats = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .git, .cache
+        for f in sorted(filenames):
+            try:
+                st = os.stat(os.path.join(dirpath, f))
+            except OSError:
+                return None
+            stats.append((os.path.relpath(os.path.join(dirpath, f), path), st.st_size, st.st_mtime_ns))
+    key = json.dumps([CACHE_VERSION, str(path.resolve()), stats, settings], sort_keys=True)
+    return cache_dir / f"source-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _read_source_index(index: Path, mmap: bool):
+    """(splits, class names) when the index and every split file it names are intact, else None: the caller
+    then takes the full path, which re-decodes what is missing or damaged."""
+    try:
+        entry = json.loads(index.read_text())
+        return {k: _read_cache(index.parent / f, mmap) for k, f in entry["splits"].items()}, entry["class_names"]
+    except (OSError, ValueError, KeyError, TypeError, _Damaged):
+        return None
+
+
+def _write_source_index(index: Path, files: dict, class_names) -> None:
+    tmp = _temp_name(index)
+    with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next run the full path
+        with open(tmp, "w") as f:
+            json.dump({"splits": files, "class_names": list(class_names)}, f)
+        os.replace(tmp, index)
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("ACCELERATE_RECIPES_CACHE", Path.home() / ".cache" / "accelerate-recipes"))
 
 
-def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, *, mmap: bool = True) -> ImageData:
-    """Load, decode (or read from cache), split. Call on every process at once (see the module docstring).
-
-    ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed.
-    ``mmap=False`` reads the cached images into this process's own memory instead of mapping them (the
-    behaviour before memory-mapping; kept for measuring it)."""
-    name = cfg.dataset or default_dataset
+def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bool, index: Path | None):
+    """Each split of the source, read through ``datasets`` and decoded into (or read from) the cache."""
     ds = load_source(name)
     train = ds["train"]
     img_col, lab_col = _pick_columns(train, cfg, name)
@@ -620,9 +653,8 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
             return idx
         return label_map
 
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size}
-    splits = {}
+    splits, files = {}, {}
     for split_name in ds:
         if split_name != "train" and split_name != "test" and split_name not in VALIDATION_SPLITS:
             continue
@@ -637,10 +669,31 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
                                  label_map_for(f"The {split_name} split"), f"the {split_name} split of {name!r}",
                                  progress=is_main and sys.stderr.isatty())
 
-        splits[split_name] = _cached_split(_cache_path(cache_dir, split._fingerprint, settings), decode,
+        files[split_name] = _cache_path(cache_dir, split._fingerprint, settings)
+        splits[split_name] = _cached_split(files[split_name], decode,
                                            f"the {split_name} split of {name} ({len(split)} images)", class_names,
                                            is_main, log, mmap)
 
+    if index is not None and is_main:
+        _write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
+    return splits, class_names
+
+
+def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, *, mmap: bool = True) -> ImageData:
+    """Load, decode (or read from cache), split. Call on every process at once (see the module docstring).
+
+    ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed.
+    ``mmap=False`` reads the cached images into this process's own memory instead of mapping them (the
+    behaviour before memory-mapping; kept for measuring it)."""
+    name = cfg.dataset or default_dataset
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    index = _source_index_path(cache_dir, name, {"img": cfg.image_column, "lab": cfg.label_column,
+                                                 "channels": cfg.channels, "size": cfg.image_size})
+    known = _read_source_index(index, mmap) if index else None
+    if known is not None:  # a local folder decoded before and unchanged since: no `datasets` import, no scan
+        splits, class_names = known
+    else:
+        splits, class_names = _decode_source(cfg, name, cache_dir, is_main, log, mmap, index)
     shapes = {k: v.image_shape for k, v in splits.items()}
     if len(set(shapes.values())) > 1:
         raise DataError(f"The splits of {name!r} have different image shapes {shapes}. Pass --image-size N "

@@ -245,6 +245,7 @@ class TrainingRun:
 
     def epochs(self):
         """Epoch numbers from the resumed one to --epochs; stops early at --max-steps."""
+        self.progress.begin(self.global_step)
         while self.epoch < self.cfg.epochs and not self.done:
             self.train_loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
             if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
@@ -483,8 +484,7 @@ class TrainingRun:
 
     def _write_summary(self, extra: dict) -> dict:
         """summary.json: how the run ended (``status``) and what it reached; written for every ending."""
-        import accelerate
-        import datasets
+        from importlib.metadata import version
 
         acc = self.accelerator
         wall = time.time() - self.t_start

@@ -165,11 +165,15 @@ class Progress:
             self.bar.close()
             self.bar = None
 
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) at ``step``: the ETA counts from here."""
+        self.step_start, self.t_start = step, time.time()
+
     def update(self, step: int, epoch: int, loss: float | None, samples_per_s: float | None) -> None:
-        """After each optimizer step: postfix the bar, or print a line when ``every_s`` has passed."""
+        """At a log step: postfix the bar, or print a line when ``every_s`` has passed."""
         now = time.time()
         if self.step_start is None:
-            self.step_start, self.t_start = step - 1, now
+            self.begin(step - 1)
         if self.bar is not None:
             if loss is not None:
                 self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)

@@ -105,6 +105,39 @@ def test_cache_and_lock_files_follow_the_umask(small, tmp_path):
         assert p.stat().st_mode & 0o777 == 0o664, (p, oct(p.stat().st_mode))
 
 
+# --- launch cost: an unchanged local folder is read from the cache without importing datasets ------------
+
+SECOND_LOAD = textwrap.dedent("""
+    import sys
+    from common.config import CommonConfig
+    from common.data import load_image_data
+
+    data = load_image_data(CommonConfig(dataset=sys.argv[1], cache_dir=sys.argv[2]), "", True, print)
+    print("datasets imported:", "datasets" in sys.modules, "train", len(data.train), "test", len(data.test),
+          "classes", ",".join(data.class_names), "sum", int(data.train.images.sum()))
+""")
+
+
+def test_an_unchanged_folder_is_read_without_datasets_and_a_changed_one_is_decoded_again(tmp_path):
+    source = write_parquet_dataset(tmp_path / "src", {"train": 40, "test": 12})
+
+    def second_load():
+        proc = subprocess.run([sys.executable, "-c", SECOND_LOAD, str(source), str(tmp_path / "c")], cwd=str(REPO),
+                              env=recipe_env(tmp_path), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    first = second_load()
+    assert "datasets imported: True" in first and "decoding" in first
+    again = second_load()
+    assert "datasets imported: False" in again and "decoding" not in again
+    assert again.splitlines()[-1].split(" train ")[1] == first.splitlines()[-1].split(" train ")[1]  # same data
+    # the data changes (a new file with more rows): the shortcut must not serve the old images
+    write_parquet_dataset(tmp_path / "src", {"train": 48, "test": 12}, seed=5)
+    changed = second_load()
+    assert "datasets imported: True" in changed and "(48 images)" in changed, changed
+
+
 # --- 11.12: every process calls at once; one decodes per cache file, the others wait on its lock -------
 
 RACER = textwrap.dedent("""
