@@ -496,7 +496,7 @@ class TrainingRun:
                        "compile_s": 0.0},
             "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "accelerate": accelerate.__version__, "datasets": datasets.__version__,
+                         "accelerate": version("accelerate"), "datasets": version("datasets"),
                          "platform": platform.platform()},
             **extra,
         }
