@@ -10,16 +10,23 @@ evaluation-only EMA and cut the epochs to 94% by about 12%; it also keeps no sec
 
 Parameters and floating-point buffers (BatchNorm running statistics) are averaged. The tensor lists are
 built once; a step is two multi-tensor kernels every ``every`` steps and nothing in between, with no
-device sync. The slow copy and the step count are registered with Accelerate's checkpointing, so a
-resumed run averages exactly as the uninterrupted one. Under DDP every rank holds equal parameters; the
+device sync. The slow copy and the step count go into every checkpoint as ``lookahead.safetensors``
+(through Accelerate's save/load-state hooks; tensors only, so loading a checkpoint someone sent you runs no
+code), and a resumed run averages exactly as the uninterrupted one. Under DDP every rank holds equal parameters; the
 BatchNorm buffers that reach the model's forward are rank 0's (DDP broadcasts them), so evaluation and the
 saved weights are the same model on every rank.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
+
+from common.errors import RecipeError
+
+STATE_FILE = "lookahead.safetensors"
 
 
 class Lookahead:
@@ -29,7 +36,9 @@ class Lookahead:
                                  *accelerator.unwrap_model(model).buffers()) if t.is_floating_point()]
         self.slow = [t.detach().clone() for t in self.live] if every else []
         if every:
-            accelerator.register_for_checkpointing(self)
+            self.is_main = accelerator.is_main_process
+            accelerator.register_save_state_pre_hook(lambda models, weights, out_dir: self.save(Path(out_dir)))
+            accelerator.register_load_state_pre_hook(lambda models, in_dir: self.load(Path(in_dir)))
 
     def decay(self, step: int) -> float:
         return self.base ** self.every * (step / self.total) ** 3
@@ -46,9 +55,25 @@ class Lookahead:
         elif self.steps == self.total:  # the end of the run: the weights become the average
             torch._foreach_copy_(self.live, self.slow)
 
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "slow": [t.clone() for t in self.slow]}
+    def save(self, checkpoint_dir: Path) -> None:
+        """Rank 0's slow copy (every rank resumes from it, as every rank starts from rank 0's model)."""
+        from safetensors.torch import save_file
 
-    def load_state_dict(self, state: dict) -> None:
-        self.steps = int(state["steps"])
-        torch._foreach_copy_(self.slow, [t.to(s.device, s.dtype) for s, t in zip(self.slow, state["slow"])])
+        if self.is_main:
+            tensors = {f"slow.{i}": t.detach().cpu().contiguous() for i, t in enumerate(self.slow)}
+            save_file({**tensors, "steps": torch.tensor([self.steps])}, str(checkpoint_dir / STATE_FILE))
+
+    def load(self, checkpoint_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        path = checkpoint_dir / STATE_FILE
+        if not path.is_file():
+            raise RecipeError(f"The checkpoint {checkpoint_dir} has no {STATE_FILE} (the Lookahead weight average), "
+                              "so it was written without averaging or by an older version. Resume it with "
+                              "--lookahead-every 0, or start a new run with a new --output-dir.")
+        state = load_file(str(path))
+        if len(state) != len(self.slow) + 1:
+            raise RecipeError(f"{path} holds {len(state) - 1} averaged tensors, this model has {len(self.slow)}: "
+                              "the checkpoint belongs to another model. Resume with the run's own settings.")
+        self.steps = int(state["steps"][0])
+        torch._foreach_copy_(self.slow, [state[f"slow.{i}"].to(s.device, s.dtype) for i, s in enumerate(self.slow)])

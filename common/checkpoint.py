@@ -34,8 +34,15 @@ STEP_DIR = re.compile(r"^step-\d{8}$")
 # Config fields that may change on resume without changing what the checkpoint means.
 RESUME_MAY_CHANGE = {"epochs", "profile", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints",
                      "log_every", "progress_every_s", "eval_every", "eval_every_steps", "target_accuracy",
-                     "timeout_s", "max_steps", "cache_dir", "data_on_device", "eval_batch_size", "dataset",
-                     "compile"}
+                     "timeout_s", "max_steps", "cache_dir", "data_on_device", "eval_batch_size"}
+# Settings that decide what a resumed run means: taken from the checkpoint when not given, refused when given
+# with another value (the reason is the error's).
+RESUME_KEEPS = {
+    "seed": "it chose the images held out for validation and the order of the data",
+    "val_fraction": "it chose the images held out for validation",
+    "grad_accum": "the saved data position counts its micro-batches",
+    "dataset": "the checkpoint was trained on that data",
+}
 # Optimizer hyperparameters a resume applies from the command line (a checkpoint restores the old ones).
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum")
 
@@ -159,6 +166,28 @@ def checkpoint_meta(cfg, accelerator, model) -> dict:
             "config": dataclasses.asdict(cfg), "model_signature": model_signature(accelerator.unwrap_model(model))}
 
 
+def adopt_resume_settings(path: Path, cfg) -> list[str]:
+    """Before the data is read: the checkpoint's seed, validation fraction, accumulation and dataset, unless
+    the command line gives another value, which is refused (it would validate on trained-on images, or
+    resume at the wrong data position). Returns notes on what was taken from the checkpoint."""
+    saved, explicit = read_state(path).get("config", {}), getattr(cfg, "explicit", set())
+    refused, taken = [], []
+    for key, why in RESUME_KEEPS.items():
+        if key not in saved or getattr(cfg, key) == saved[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key in explicit:
+            refused.append(f"{flag} {getattr(cfg, key)!r} (the run used {saved[key]!r}: {why})")
+        else:
+            setattr(cfg, key, saved[key])
+            taken.append(f"{flag} {saved[key]!r}")
+    if refused:
+        raise RecipeError(f"Refusing to resume from {path} with {'; '.join(refused)}. Resume without "
+                          f"{'that flag' if len(refused) == 1 else 'those flags'} (the run's own values are then "
+                          "used), or start a new run with a new --output-dir. Nothing was changed.")
+    return [f"resuming with the run's own {', '.join(taken)} (from the checkpoint)"] if taken else []
+
+
 def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[str]:
     """Refuse a checkpoint of another model or global batch; return notes on what else changed."""
     mine, theirs = model_signature(accelerator.unwrap_model(model)), state.get("model_signature", {})
@@ -183,6 +212,25 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
                      f"{accelerator.num_processes}. The global batch ({cfg.batch_size}) and data order are kept; "
                      "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted one.")
     return notes
+
+
+def check_pickles(path: Path) -> None:
+    """Refuse a checkpoint whose pickles hold anything beyond tensors and numpy arrays (loading those could run
+    code; a checkpoint written here holds none), or that holds custom_checkpoint_*.pkl files, which Accelerate
+    would unpickle without ``weights_only``. Every file is opened with ``weights_only``, so nothing runs."""
+    from accelerate.utils.other import load
+
+    bad = [f"{f} (custom state, which these recipes never write)" for f in sorted(path.glob("custom_checkpoint_*"))]
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".pkl", ".bin", ".pt") and not f.name.startswith("custom_checkpoint_"):
+            try:
+                load(f, map_location="cpu")
+            except Exception as err:  # noqa: BLE001 - anything but plain tensor data is refused
+                bad.append(f"{f} ({str(err).splitlines()[-1][:160] if str(err) else type(err).__name__})")
+    if bad:
+        raise RecipeError(f"The checkpoint {path} holds pickled data that is not plain tensors: {'; '.join(bad)}. "
+                          "Loading it could run code, so the resume was refused and nothing was loaded. Resume only "
+                          "from checkpoints you wrote or trust, or start a new run with a new --output-dir.")
 
 
 def apply_hyperparameters(optimizer, scheduler, fresh: list[dict]) -> list[str]:

@@ -705,6 +705,19 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
     return ImageData(train_split, val_split, splits.get("test"), class_names, name)
 
 
+def data_fingerprint(data: "ImageData") -> str:
+    """A short hash of what training and validation see: the class names, the image shape, and each split's
+    labels and held-out positions. A checkpoint records it; a resume on other data is refused."""
+    h = hashlib.sha256(json.dumps([list(data.class_names), list(data.shape)]).encode())
+    for split in (data.train, data.val):
+        if split is not None:
+            h.update(len(split).to_bytes(8, "little"))
+            h.update(split.labels.numpy().tobytes())
+            if split.index is not None:
+                h.update(split.index.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit, ImageSplit]:
     """A fixed, seeded random fraction of ``split`` becomes validation; the same for every process. Both
     results index ``split``'s images (no copy of them is made)."""

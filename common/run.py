@@ -44,6 +44,7 @@ What each call promises:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import json
@@ -60,10 +61,11 @@ from common import rundir
 from common.accelerator import make_accelerator, per_process_batch, startup_line
 from common.augment import batch_generator
 from common.config import sanitize_for_hparams, save_config
-from common.data import load_image_data, make_loader
+from common.data import data_fingerprint, load_image_data, make_loader
 from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError, report
 from common.guard import LossScaleWatch, StepGuard
 from common.profiler import StepProfiler
+from common.schedule import lr_multiplier
 from common.stopping import StopFlag
 from common.tracking import MetricsLog, Progress, Throughput
 
@@ -154,6 +156,8 @@ class TrainingRun:
     def _claim_run_dir(self) -> None:
         def claim():
             run_dir, resume, made = rundir.resolve(self.cfg, self.recipe)
+            if resume is not None:  # a refused resume leaves the run directory as it was, its lock file included
+                ckpt.adopt_resume_settings(resume, copy.copy(self.cfg))
             run_dir.mkdir(parents=True, exist_ok=True)
             self.lock = rundir.RunDirLock(run_dir)
             return run_dir, resume, made, self.lock.token
@@ -162,6 +166,9 @@ class TrainingRun:
         self.accelerator.project_configuration.set_directories(str(self.run_dir))
         self.accelerator.project_configuration.logging_dir = str(self.run_dir)
         rundir.check_shared(self.accelerator, self.run_dir, token)
+        if self.resume_path is not None:  # before any data is read: the split depends on these settings
+            for note in ckpt.adopt_resume_settings(self.resume_path, self.cfg):
+                self.say(f"NOTE: {note}")
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -195,6 +202,7 @@ class TrainingRun:
                      "class_names": data.class_names, "mean": transform.mean, "std": transform.std,
                      "config": dataclasses.asdict(cfg)}
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
+        self.data_fingerprint = data_fingerprint(data)
         if self.resume_path is not None:
             state = self._resume(self.resume_path)
         else:
@@ -213,7 +221,7 @@ class TrainingRun:
         self.meter = Throughput(acc.device)
         self.guard, self.scale_watch = StepGuard(acc, optimizer), LossScaleWatch(acc.scaler)
         self.last_loss, self.last_speed, self.stopping, self.step_lr = None, None, False, None
-        self.epoch_eval, self.eval_now = None, False
+        self.epoch_eval, self.eval_now, self.checkpoint_after_eval = None, False, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
         self.say(f"run dir: {self.run_dir}  model: {self.card['model']} "
                  f"{sum(p.numel() for p in unwrapped.parameters()):,} params  data: {data.source} "
@@ -225,12 +233,20 @@ class TrainingRun:
         cfg, acc = self.cfg, self.accelerator
         state = ckpt.read_state(path)
         notes = ckpt.check_resumable(path, state, cfg, acc, self.model)
+        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+            raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' labels "
+                              "or the images held out for validation are not the same (the dataset folder changed, or "
+                              "another dataset was given). Resuming would validate on other images than the run did. "
+                              "Resume on the run's own data, or start a new run with a new --output-dir.")
+        if state["config"].get("epochs", cfg.epochs) != cfg.epochs:
+            notes.append(self._schedule_change_note(state))
         if cfg.resume_from != "latest":
             moved = self._on_main(lambda: ckpt.supersede_newer(self.run_dir, state["global_step"]))
             if moved:
                 notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
                              f"renamed ({', '.join(moved)}) and will not be resumed from.")
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        ckpt.check_pickles(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
         acc.load_state(str(path))
         changes = ckpt.apply_hyperparameters(self.optimizer, self.scheduler, fresh)
         for note in notes:
@@ -241,12 +257,29 @@ class TrainingRun:
                  f"step {state['global_step']}")
         return state
 
+    def _schedule_change_note(self, state: dict) -> str:
+        cfg, step = self.cfg, state["global_step"]
+        old_epochs = state["config"]["epochs"]
+
+        def multiplier(epochs):
+            total = self.steps_per_epoch * epochs
+            return lr_multiplier(step, total, int(round(cfg.warmup_fraction * total)), cfg.schedule,
+                                 cfg.warmup_start, cfg.final_lr)
+
+        return (f"--epochs {cfg.epochs} differs from the run's {old_epochs}: the LR schedule is recomputed for "
+                f"{self.steps_per_epoch * cfg.epochs} steps instead of {self.steps_per_epoch * old_epochs}, so at step "
+                f"{step} the learning rate moves from {multiplier(old_epochs):.3g} to {multiplier(cfg.epochs):.3g} of "
+                f"its peak and follows the new curve from there; the result will differ from a run started with "
+                f"--epochs {cfg.epochs}.")
+
     # --- the loop --------------------------------------------------------------------------------
 
     def epochs(self):
         """Epoch numbers from the resumed one to --epochs; stops early at --max-steps."""
         self.progress.begin(self.global_step)
-        while self.epoch < self.cfg.epochs and not self.done:
+        # A run stopped on an epoch's last step resumes into that epoch with no batches left: its evaluation
+        # and epoch end still run (also when that was the run's last step).
+        while self.epoch < self.cfg.epochs and (not self.done or self.start_batch == len(self.train_loader)):
             self.train_loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
             if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
                 self.train_loader.dataset.set_epoch(self.epoch)
@@ -352,8 +385,13 @@ class TrainingRun:
             raise Preempted(f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
                             f"{self.global_step}: checkpoint written to {path}. Rerun the same command with "
                             f"--output-dir {self.run_dir} --resume-from latest to continue.")
-        if checkpoint_now:
-            self._checkpoint(batches_in_epoch=self.batch + 1)
+        # An evaluation due at this step goes first (record_eval then writes the checkpoint), so the checkpoint
+        # holds its result; at an epoch's last step end_epoch checkpoints after the epoch's evaluation.
+        if checkpoint_now and self.batch + 1 < len(self.train_loader):
+            if self.eval_now:
+                self.checkpoint_after_eval = True
+            else:
+                self._checkpoint(batches_in_epoch=self.batch + 1)
         return self.eval_now
 
     def _log_window(self) -> None:
@@ -368,6 +406,7 @@ class TrainingRun:
     def _checkpoint(self, batches_in_epoch: int, epoch: int | None = None) -> Path:
         state = {"epoch": self.epoch if epoch is None else epoch, "batches_in_epoch": batches_in_epoch,
                  "global_step": self.global_step, "best": self.best, "skipped_steps": self.skipped_steps,
+                 "data_fingerprint": self.data_fingerprint,
                  **ckpt.checkpoint_meta(self.cfg, self.accelerator, self.model)}
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
         self.saved_step = self.global_step
@@ -398,6 +437,9 @@ class TrainingRun:
             self.eval_now = False
         else:
             self.epoch_eval = metrics
+        if self.checkpoint_after_eval:  # --checkpoint-every fell on this step too: the checkpoint knows this result
+            self.checkpoint_after_eval = False
+            self._checkpoint(batches_in_epoch=self.batch + 1)
 
     def _log_eval(self, split: str, metrics: dict, data_split) -> np.ndarray | None:
         """Scalars to metrics.jsonl and TensorBoard, and the images to TensorBoard; returns the confusion

@@ -7,7 +7,10 @@
   TERM, so the checkpoint must be written well inside that (it takes about a second for these models).
 - A launcher killed outright (``kill -9``) leaves its workers running under PID 1; a watcher thread sees
   the parent change within a second and raises the same flag, so the orphans checkpoint and exit
-  instead of racing a rerun in the same run directory.
+  instead of racing a rerun in the same run directory. Only workers of a launcher (torchrun or
+  ``accelerate launch`` set TORCHELASTIC_RUN_ID) watch: ``nohup python recipes/x.py &`` keeps running when
+  its shell logs out, and a HUP that was ignored at start (nohup) stays ignored.
+- A second Ctrl-C ends the process at once (KeyboardInterrupt), without waiting for a step boundary.
 """
 
 from __future__ import annotations
@@ -22,17 +25,25 @@ WATCH_INTERVAL_S = 1.0
 class StopFlag:
     def __init__(self, watch_parent: bool = True):
         self.reason = ""
-        self._previous = {sig: signal.signal(sig, self._on_signal)
-                          for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+            if signal.getsignal(sig) is signal.SIG_IGN:  # `nohup` ignores HUP: a logout must not stop the run
+                continue
+            self._previous[sig] = signal.signal(sig, self._on_signal)
         self._parent = os.getppid()
         self._done = threading.Event()
-        if watch_parent and self._parent != 1:
+        # Only a launcher's worker watches its parent: a plain `python recipe.py` (under nohup, say) outlives
+        # the shell that started it on purpose.
+        launched = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+        if watch_parent and launched and self._parent != 1:
             threading.Thread(target=self._watch_parent, name="launcher-watch", daemon=True).start()
 
     def __bool__(self) -> bool:
         return bool(self.reason)
 
     def _on_signal(self, signum, frame) -> None:
+        if self.reason and signum == signal.SIGINT:  # a second Ctrl-C: stop now, without the checkpoint
+            raise KeyboardInterrupt
         self.reason = self.reason or f"signal {signal.Signals(signum).name}"
 
     def _watch_parent(self) -> None:

@@ -248,10 +248,11 @@ REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resume
                                            "--eval-batch-size", 20, "--checkpoint-every", 5,
                                            "--keep-checkpoints", 10]),
     # every checkpoint kept: a 2-process resume test starts from a copy of one of them
+    # an evaluation and a checkpoint on the same steps: the checkpoint must hold that evaluation's result
     ("mnist_convnet", 1): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
-                                          "--keep-checkpoints", 10]),
+                                          "--eval-every-steps", 5, "--keep-checkpoints", 10]),
     ("mnist_convnet", 2): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
-                                          "--keep-checkpoints", 10]),
+                                          "--eval-every-steps", 5, "--keep-checkpoints", 10]),
     ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
     ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
 }
@@ -274,6 +275,9 @@ def stopped_at(ref_run: Path, step: int, dest: Path) -> Path:
     shutil.copytree(ref_run / "checkpoints" / name, dest / "checkpoints" / name)
     for f in ("config.json", "metrics.jsonl"):
         shutil.copy(ref_run / f, dest / f)
+    best = ref_run / "best"
+    if best.is_dir() and json.loads((best / "model.json").read_text())["step"] <= step:  # the stopped run had it
+        shutil.copytree(best, dest / "best")
     return dest
 
 

@@ -58,6 +58,9 @@ def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
         stopped_at(full, 5, part)
     state = json.loads((checkpoints(part)[-1] / "trainer_state.json").read_text())
     assert (state["epoch"], state["batches_in_epoch"], state["global_step"]) == (0, 5, 5)
+    # step 5 evaluated before it checkpointed: the checkpoint's best is that evaluation's accuracy
+    at_5 = [r["eval/accuracy"] for r in read_jsonl(full / "metrics.jsonl") if r["step"] == 5 and "eval/accuracy" in r]
+    assert at_5 and state["best"] == at_5[0], (state["best"], at_5)
     if nproc == 1:  # 1 process goes on in two legs: to the end of epoch 1 (--max-steps 9), then to the end
         proc = check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest",
                                               "--max-steps", 9], env, nproc))
@@ -68,8 +71,12 @@ def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
     else:
         proc = check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc))
         assert "resumed from" in proc.stdout and "epoch 1, batch 5, step 5" in proc.stdout
-    a, b = weights(full), weights(part)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for folder in ("final", "best"):
+        a = load_file(str(full / folder / "model.safetensors"))
+        b = load_file(str(part / folder / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), folder
+    summaries = [json.loads((r / "summary.json").read_text()) for r in (full, part)]
+    assert summaries[0]["best"] == summaries[1]["best"] and summaries[0]["final"] == summaries[1]["final"]
     assert losses(full) == losses(part) and len(losses(full)) == 18
 
 
@@ -202,6 +209,75 @@ def test_resume_refuses_another_model(tmp_path, env, mnist_like):
     proc = run_in_process("fashion_mnist_mlp", [*base, "--hidden", "64", "--resume-from", "latest"], env)
     assert proc.returncode == 2
     assert "different model" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def tree(run: Path) -> dict:
+    """Every file of a run directory with its size and modification time."""
+    return {str(p.relative_to(run)): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+
+
+def test_resume_refuses_settings_that_change_what_the_run_means(tmp_path, env, mnist_like):
+    """--seed, --val-fraction, --grad-accum and --dataset decide the held-out images and the data position:
+    a resume that gives another value is refused with the flag named and the run directory untouched; left
+    out, the run's own value is used. Data that changed under the same path is refused too. A changed
+    --epochs is accepted with a note saying how the LR schedule moves."""
+    run = tmp_path / "run"
+    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run]
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--seed", 3, "--val-fraction", 0.2, "--max-steps", 4], env))
+    before = tree(run)
+    other = tmp_path / "other"
+    other.symlink_to(mnist_like, target_is_directory=True)
+    for flag, value in [("--seed", 4), ("--val-fraction", 0.3), ("--grad-accum", 2), ("--dataset", other)]:
+        proc = run_in_process("fashion_mnist_mlp", [*base, "--seed", 3, "--val-fraction", 0.2, flag, value,
+                                                    "--resume-from", "latest"], env)
+        assert proc.returncode == 2 and f"Refusing to resume" in proc.stderr and flag in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr and tree(run) == before, flag
+    proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--epochs", 3, "--max-steps", 6,
+                                                         "--resume-from", "latest"], env))
+    assert "resuming with the run's own --seed 3, --val-fraction 0.2" in proc.stdout, proc.stdout
+    assert "--epochs 3 differs from the run's 2: the LR schedule is recomputed" in proc.stdout
+    # the same folder with other images: the held-out split would differ
+    moved = tmp_path / "data"
+    import shutil
+
+    shutil.copytree(mnist_like, moved)
+    run2 = tmp_path / "run2"
+    args = ["--dataset", moved, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run2]
+    check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 2], env))
+    from conftest import write_parquet_dataset
+
+    write_parquet_dataset(moved, {"train": 320}, seed=9)
+    before = tree(run2)
+    proc = run_in_process("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env)
+    assert proc.returncode == 2 and "The data differs from what the checkpoint" in proc.stderr, proc.stderr
+    # found once the data is read, after the run directory was claimed: only the claim's lock token is new
+    assert {k: v for k, v in tree(run2).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+
+
+def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp_path, env, mnist_like, monkeypatch):
+    """A stop request that lands on the run's very last step: the checkpoint is written and the run exits 75;
+    the resume has no batches left but still runs the last epoch's evaluation and end, so its summary
+    (epochs completed, best, final) equals the uninterrupted run's."""
+    from common.run import TrainingRun
+
+    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP]
+    full, part = tmp_path / "full", tmp_path / "part"
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
+    real = TrainingRun.guard_step
+
+    def stop_on_the_last_step(self, grad_norm=None):
+        if self.global_step + 1 == self.total_steps:
+            self.stop.reason = "a test's stop request"
+        return real(self, grad_norm)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(TrainingRun, "guard_step", stop_on_the_last_step)
+        proc = run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part], env)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part, "--resume-from", "latest"], env))
+    a, b = (json.loads((r / "summary.json").read_text()) for r in (full, part))
+    assert a["epochs_completed"] == b["epochs_completed"] == 2
+    assert a["best"] == b["best"] and a["final"] == b["final"] and a["global_step"] == b["global_step"]
 
 
 def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, reference_run):

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -96,6 +97,27 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
     again = check_ok(run_in_process("fashion_mnist_mlp", [*args[:-4], "--epochs", 1, "--output-dir", run,
                                                           "--resume-from", "latest"], env))
     assert "resumed from" in again.stdout
+
+
+def test_a_nohup_run_survives_the_logout_of_its_shell(tmp_path, env, mnist_like):
+    """README's `nohup python recipes/x.py ... > log &` from a login shell (a session of its own): the shell
+    exits (the run is re-parented) and the logout's HUP reaches the run; it keeps training and completes.
+    The same run under a launcher still stops when its launcher dies (test above)."""
+    run, log = tmp_path / "run", tmp_path / "log"
+    args = " ".join(["--dataset", str(mnist_like), "--epochs", "25", "--batch-size", "32", *MLP, "--log-every", "1",
+                     "--output-dir", str(run)])
+    shell = subprocess.run(["bash", "-c", f"nohup {sys.executable} recipes/fashion_mnist_mlp.py {args} > {log} 2>&1 & "
+                            "echo $!"], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=30,
+                           start_new_session=True)
+    pid = int(shell.stdout.split()[-1])  # the shell has exited: the run's parent is gone
+    try:
+        wait_for(lambda: logged_steps(run) >= 3, 120, "the run to train a few steps")
+        os.kill(pid, signal.SIGHUP)  # what the logout delivers
+        wait_for(lambda: (run / "summary.json").exists(), 240, "the run to finish")
+    finally:
+        kill_leftovers(run)
+    assert status(run) == "completed", log.read_text()[-2000:]
+    assert "stopped by" not in log.read_text()
 
 
 def test_one_writer_per_run_directory_and_a_terminated_launcher(tmp_path, env, mnist_like):

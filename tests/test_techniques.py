@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,18 +22,21 @@ from conftest import check_ok, launch, read_jsonl, run_in_process, stopped_at
 
 
 class _Acc:
-    """The two Accelerator methods Lookahead uses, for a plain single-process model."""
+    """What Lookahead uses of an Accelerator, for a plain single-process model."""
 
-    num_processes = 1
+    num_processes, is_main_process = 1, True
 
     def __init__(self):
-        self.registered = []
+        self.save_hooks, self.load_hooks = [], []
 
     def unwrap_model(self, model):
         return model
 
-    def register_for_checkpointing(self, obj):
-        self.registered.append(obj)
+    def register_save_state_pre_hook(self, hook):
+        self.save_hooks.append(hook)
+
+    def register_load_state_pre_hook(self, hook):
+        self.load_hooks.append(hook)
 
 
 def _model():
@@ -40,12 +44,13 @@ def _model():
     return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
 
 
-def test_lookahead_follows_the_formula_and_checkpoints():
+def test_lookahead_follows_the_formula_and_checkpoints(tmp_path):
     """Every 5 steps slow <- lerp(slow, weights, 1 - 0.95**5 * (t/T)**3) and weights <- slow, BatchNorm
-    statistics included; at the last planned step the weights become the average; the state round-trips."""
+    statistics included; at the last planned step the weights become the average; the state round-trips
+    through a safetensors file in the checkpoint folder (no pickle)."""
     acc, model, total = _Acc(), _model(), 23
     avg = Lookahead(acc, model, total_steps=total)
-    assert acc.registered == [avg]
+    assert len(acc.save_hooks) == len(acc.load_hooks) == 1
     slow = {k: v.clone() for k, v in model.state_dict().items() if v.is_floating_point()}
     for t in range(1, total + 1):
         with torch.no_grad():
@@ -65,8 +70,11 @@ def test_lookahead_follows_the_formula_and_checkpoints():
             assert all(torch.equal(a, b) for a, b in zip(avg.slow, avg.live))
         else:
             assert all(torch.equal(after[k], before[k]) for k in before)  # nothing between updates
-    fresh = Lookahead(_Acc(), _model(), total_steps=total)
-    fresh.load_state_dict(avg.state_dict())
+    acc.save_hooks[0]([model], None, str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["lookahead.safetensors"]
+    fresh_acc = _Acc()
+    fresh = Lookahead(fresh_acc, _model(), total_steps=total)
+    fresh_acc.load_hooks[0]([model], str(tmp_path))
     assert fresh.steps == total and all(torch.equal(a, b) for a, b in zip(fresh.slow, avg.slow))
 
 
@@ -76,7 +84,7 @@ def test_lookahead_off_changes_nothing():
     before = [t.clone() for t in model.state_dict().values()]
     for _ in range(10):
         avg.step()
-    assert acc.registered == [] and all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    assert acc.save_hooks == acc.load_hooks == [] and all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
 
 
 def test_bias_groups_scale_the_lr_keep_the_decay_and_freeze_early_params():
@@ -265,11 +273,17 @@ def test_cifar_resume_with_lookahead_and_whitening_is_exact(nproc, tmp_path, env
     # then floating-point buffers)
     from common.checkpoint import find_latest
 
-    state = torch.load(find_latest(full) / "custom_checkpoint_0.pkl", weights_only=True)
+    state = load_file(str(find_latest(full) / "lookahead.safetensors"))
     model = CifarCNN((3, 32, 32), 4, widths=(8, 16, 16))
     names = [n for n, _ in model.named_parameters()] + [n for n, b in model.named_buffers() if b.is_floating_point()]
-    assert state["steps"] == summary["global_step"] and len(state["slow"]) == len(names)
-    assert all(torch.equal(a[n], t) for n, t in zip(names, state["slow"]))
+    assert int(state["steps"][0]) == summary["global_step"] and len(state) == len(names) + 1
+    assert all(torch.equal(a[n], state[f"slow.{i}"]) for i, n in enumerate(names))
+    # every pickle of a checkpoint loads under weights_only (Accelerate's loader: tensors and numpy arrays only)
+    from accelerate.utils.other import load as weights_only_load
+
+    for f in find_latest(full).iterdir():
+        if f.suffix in (".pkl", ".bin", ".pt"):
+            weights_only_load(f)
 
 
 def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
@@ -285,3 +299,36 @@ def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
     assert card["input_shape"] == [3, 32, 32]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final"]["test/accuracy"] >= 0.6, summary["final"]  # chance: 0.25
+
+
+class _Planted:
+    """A pickle that, when loaded without weights_only, creates a file: what a received checkpoint could do."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_resuming_a_received_checkpoint_runs_none_of_its_pickles(tmp_path, env, reference_run):
+    """A checkpoint someone sent you with a code-running pickle planted where Accelerate keeps registered
+    objects' state (custom_checkpoint_0.pkl, which it loads without weights_only), or in its RNG state: the
+    resume refuses each with a one-paragraph error naming the file, and the code never runs. (The Lookahead
+    average lives in lookahead.safetensors; a clean checkpoint resumes, see the test above.)"""
+    ref = reference_run("cifar_cnn", 1)
+    part = stopped_at(ref.run, 3, tmp_path / "part")
+    checkpoint = next((part / "checkpoints").iterdir())
+    marker = tmp_path / "code-ran"
+    args = [*ref.train_args, "--output-dir", part, "--resume-from", "latest"]
+    planted = checkpoint / "custom_checkpoint_0.pkl"
+    torch.save({"steps": 3, "slow": _Planted(marker)}, planted)
+    proc = run_in_process("cifar_cnn", args, env)
+    assert proc.returncode == 2 and not marker.exists()
+    assert "Traceback" not in proc.stderr and str(planted) in proc.stderr, proc.stderr[-2000:]
+    planted.unlink()
+    rng = checkpoint / "random_states_0.pkl"
+    torch.save({"random_state": _Planted(marker)}, rng)
+    proc = run_in_process("cifar_cnn", args, env)
+    assert proc.returncode == 2 and not marker.exists()
+    assert "Traceback" not in proc.stderr and str(rng) in proc.stderr, proc.stderr[-2000:]
