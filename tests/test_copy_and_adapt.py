@@ -51,6 +51,7 @@ def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags:
     out = capsys.readouterr().out
     # the copy lies outside the repository: do what the printed next steps say
     assert f"accelerate launch {dest} --dataset /path/to/image_folder" in out, out
+    assert f"photo.png --recipe {dest}" in out
     assert "PYTHONPATH" not in out  # common is installed: the copy imports it from anywhere
     run = tmp_path / "runs" / "shapes"
     args = ["--dataset", str(data), *map(str, run_flags), "--output-dir", str(run)]
@@ -78,7 +79,10 @@ def predict_accuracy(run: Path, images: Path, monkeypatch, capsys) -> float:
 
     monkeypatch.chdir(run.parents[1])
     capsys.readouterr()
-    assert predict([str(run), str(images), "--format", "json", "--top-k", "1"]) == 0, capsys.readouterr().err
+    # the user's own copy: named with --recipe, as the next steps say
+    recipe = next(p / "my_recipe.py" for p in run.parents if (p / "my_recipe.py").is_file())
+    assert predict([str(run), str(images), "--format", "json", "--top-k", "1", "--recipe", str(recipe)]) == 0, \
+        capsys.readouterr().err
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 3 * 10
     return sum(Path(r["file"]).parent.name == r["predictions"][0]["label"] for r in results) / len(results)

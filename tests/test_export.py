@@ -88,12 +88,12 @@ def test_export_checks_with_onnxruntime(tmp_path, make_run, kind, tta, how, caps
     run_dir, card, model = make_run(kind, tta)
     out = tmp_path / "model.onnx"
     if how == "cli":
-        proc = subprocess.run([sys.executable, "-m", "common.tools.export", str(run_dir), "--onnx", str(out)],
+        proc = subprocess.run([sys.executable, "-m", "common.tools.export", str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)],
                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
         code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     else:
         monkeypatch.chdir(tmp_path)
-        code = main([str(run_dir), "--onnx", str(out)])
+        code = main([str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)])
         stdout, stderr = capsys.readouterr()
     assert code == 0, stdout + stderr
     assert "onnxruntime check passed" in stdout and "TorchScript exporter" in stdout
@@ -123,13 +123,13 @@ def test_default_exporter_needs_no_onnxscript(tmp_path, make_run):
     """After README's install there is no onnxscript: the default works, --exporter dynamo says what to install."""
     run_dir, _, _ = make_run("ConvNet")
     out = tmp_path / "model.onnx"
-    ok = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--onnx", str(out)],
+    ok = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)],
                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "onnxruntime check passed" in ok.stdout
 
     dyn = tmp_path / "dynamo.onnx"
-    bad = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--onnx", str(dyn),
+    bad = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(dyn),
                           "--exporter", "dynamo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "pip install onnxscript" in bad.stderr and "leave out --exporter" in bad.stderr
@@ -141,7 +141,7 @@ def test_default_exporter_needs_no_onnxscript(tmp_path, make_run):
 def test_missing_requirement_names_the_install(tmp_path, make_run, module):
     run_dir, _, _ = make_run("MLP")
     out = tmp_path / "model.onnx"
-    proc = subprocess.run([sys.executable, "-c", WITHOUT.format(module=module), str(run_dir), "--onnx", str(out)],
+    proc = subprocess.run([sys.executable, "-c", WITHOUT.format(module=module), str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"needs the {module} package" in proc.stderr and "pip install -r requirements.txt" in proc.stderr
@@ -168,7 +168,7 @@ def test_failed_export_names_a_fix_that_is_not_the_same_exporter(tmp_path, make_
         raise RuntimeError("an operator this exporter cannot translate")
 
     monkeypatch.setattr(torch.onnx, "export", broken_export)
-    assert main([str(run_dir), "--onnx", str(out)]) == 2
+    assert main([str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)]) == 2
     err = capsys.readouterr().err
     assert "TorchScript exporter" in err and "cannot translate" in err
     assert "pip install onnxscript`, then add --exporter dynamo" in err
@@ -178,7 +178,7 @@ def test_failed_export_names_a_fix_that_is_not_the_same_exporter(tmp_path, make_
 def test_export_raw_model_in_process(tmp_path, make_run, capsys):
     run_dir, card, model = make_run("ConvNet")
     out = tmp_path / "raw.onnx"
-    assert main([str(run_dir / "best"), "--onnx", str(out), "--no-preprocess", "--exporter", "torchscript"]) == 0
+    assert main([str(run_dir / "best"), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out), "--no-preprocess", "--exporter", "torchscript"]) == 0
     assert "onnxruntime check passed" in capsys.readouterr().out
     x = torch.randn(2, *card["input_shape"])
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])

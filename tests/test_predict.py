@@ -59,8 +59,11 @@ def build_model(cfg, in_shape, num_classes):
 """
 
 SPECS = {  # model class -> the recipe that builds it, its settings, and the data it was "trained" on
-    "ConvNet": dict(recipe="mnist_convnet", settings={"width": 4, "dropout": 0.1}, input_shape=[1, 28, 28],
-                    class_names=["zero", "one", "two", "three", "four"], mean=[0.13], std=[0.31]),
+    "ConvNet": dict(recipe="mnist_convnet", settings={"model": "deep", "width": 4, "dropout": 0.1},
+                    input_shape=[1, 28, 28], class_names=["zero", "one", "two", "three", "four"], mean=[0.13],
+                    std=[0.31]),
+    "LeanConvNet": dict(recipe="mnist_convnet", settings={"width": 4, "hidden": 8}, input_shape=[1, 20, 20],
+                        class_names=["a", "b", "c"], mean=[0.13], std=[0.31]),
     "CifarCNN": dict(recipe="cifar_cnn", settings={"widths": "8,16,16"}, input_shape=[3, 32, 32],
                      class_names=["cat", "dog", "bird", "fish"], mean=[0.49, 0.48, 0.45], std=[0.25, 0.24, 0.26]),
     "MLP": dict(recipe="fashion_mnist_mlp", settings={"hidden": "16", "dropout": 0.0}, input_shape=[1, 12, 12],
@@ -153,7 +156,8 @@ def run_cli(*args, timeout=120, cwd=REPO):
 def test_build_model_from_card_matches_saved_weights(tmp_path, kind):
     run_dir, card, model = make_model_dir(tmp_path, kind)
     state, loaded_card = checkpoint.load_model_dir(run_dir)
-    rebuilt = build_model_from_card(loaded_card)
+    # the user's own recipe file is imported on their word (--recipe), never on model.json's
+    rebuilt = build_model_from_card(loaded_card, card["recipe_file"] if kind == "TinyNet" else None)
     rebuilt.load_state_dict(state)  # strict: same architecture, settings from the card's config
     assert type(rebuilt).__name__ == kind == loaded_card["model"]
     rebuilt.eval()
@@ -163,11 +167,27 @@ def test_build_model_from_card_matches_saved_weights(tmp_path, kind):
 
 
 def test_model_class_of_a_users_own_recipe_file(tmp_path, capsys):
-    """A recipe file outside the repository with its own model class: predicted from the file model.json
-    names, from a folder outside the repository; once moved, --recipe points at it."""
+    """A recipe file outside the repository with its own model class: model.json's word alone never imports
+    it (a run folder is data); --recipe, the user's explicit word, does, wherever the file now lives. A
+    recipe name that reaches outside recipes/ is refused too, and neither file runs."""
     run_dir, card, model = make_model_dir(tmp_path, "TinyNet")
     images = write_images(tmp_path / "imgs", 3, (10, 10), "L")
+    marker = tmp_path / "recipe-ran"
+    own = Path(card["recipe_file"])
+    own.write_text(own.read_text() + f"\nfrom pathlib import Path\nPath({str(marker)!r}).touch()\n")
     proc = run_cli(run_dir, *images, "--format", "json", "--top-k", 1, cwd=tmp_path)
+    assert proc.returncode == 2 and "--recipe path/to/that_recipe.py" in proc.stderr and str(own) in proc.stderr
+    assert "Traceback" not in proc.stderr and not marker.exists()
+    payload = tmp_path / "payload.py"
+    payload.write_text(f"from pathlib import Path\nPath({str(marker)!r}).touch()\n")
+    card_path = run_dir / "best" / "model.json"
+    forged = {**card, "recipe": "../../" + str(payload.with_suffix("")).lstrip("/"), "recipe_file": str(payload)}
+    card_path.write_text(json.dumps(forged))
+    proc = run_cli(run_dir, *images, cwd=tmp_path)
+    assert proc.returncode == 2 and "not one of this repository's recipes" in proc.stderr and not marker.exists()
+    card_path.write_text(json.dumps(card))
+    own.write_text(own.read_text().replace(f"Path({str(marker)!r}).touch()", ""))
+    proc = run_cli(run_dir, *images, "--format", "json", "--top-k", 1, "--recipe", own, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["model"] == "TinyNet" and doc["recipe"] == "my_tiny_net"
@@ -180,8 +200,8 @@ def test_model_class_of_a_users_own_recipe_file(tmp_path, capsys):
 
     moved = tmp_path / "elsewhere" / "renamed_recipe.py"
     moved.parent.mkdir()
-    Path(card["recipe_file"]).rename(moved)
-    assert main([str(run_dir), *map(str, images)]) == 2
+    own.rename(moved)
+    assert main([str(run_dir), *map(str, images), "--recipe", str(own)]) == 2
     assert "--recipe" in capsys.readouterr().err
     assert main([str(run_dir), *map(str, images), "--recipe", str(moved), "--format", "json"]) == 0
     again = json.loads(capsys.readouterr().out)

@@ -118,7 +118,9 @@ def next_steps(source: str, dest: Path) -> str:
              f"run goes to runs/{dest.stem}-YYYYMMDD-HHMMSS/ under the current folder unless you pass --output-dir:",
              f"       accelerate launch {script} --dataset /path/to/image_folder",
              "  4. classify images with the trained model (from the folder you trained in, or give the run's full path):",
-             f"       python -m common.tools.predict runs/{dest.stem}-YYYYMMDD-HHMMSS photo.png"]
+             "     (--recipe names the file that defines the model: predict and export import only the repository's "
+             "own recipes unless told which file to trust)",
+             f"       python -m common.tools.predict runs/{dest.stem}-YYYYMMDD-HHMMSS photo.png --recipe {script}"]
     if not common_installed():
         lines.append(f"note: the common package is not installed in this Python, so the commands above will not find "
                      f"it. Run `pip install -e {shlex.quote(str(REPO_ROOT))}` (README's `pip install -r "

@@ -172,8 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                         help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
                              "torch.export-based exporter, also needs `pip install onnxscript`")
-    parser.add_argument("--recipe", help="the recipe file that trained the model, when model.json's recipe_file "
-                        "is not on this machine")
+    parser.add_argument("--recipe", help="the recipe file that defines the model, when it is not one of this "
+                        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check-batch", type=int, default=4, help="random images in the onnxruntime check")
     parser.add_argument("--atol", type=float, default=1e-4, help="max abs logit difference allowed (default 1e-4)")

@@ -42,20 +42,26 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".ti
 # --- model ---------------------------------------------------------------------------------------
 
 def load_recipe(card: dict, recipe_file=None):
-    """Import the recipe that trained the model, as a module: model.json's ``recipe_file``, else the
-    repository's ``recipes/<recipe>.py``; ``recipe_file`` overrides both (a run copied elsewhere)."""
+    """Import the recipe that trained the model, as a module. A run folder is data, not code: without
+    ``recipe_file`` (--recipe, the user's explicit word) only the repository's own ``recipes/<name>.py`` is
+    imported, where the name model.json gives is a bare recipe name. Anything else model.json points at is
+    refused with the path and the flag that trusts it."""
     import importlib.util
+    import re
 
-    repo_recipe = Path(__file__).resolve().parents[2] / "recipes" / f"{card.get('recipe')}.py"
+    recipes_dir = Path(__file__).resolve().parents[2] / "recipes"
+    name, recorded = str(card.get("recipe", "")), card.get("recipe_file") or "no file recorded"
     if recipe_file:
-        candidates = [Path(recipe_file).expanduser()]
+        path = Path(recipe_file).expanduser()
+        if not path.is_file():
+            raise RecipeError(f"--recipe {recipe_file} is not a file. Pass the recipe file the run was trained with.")
+    elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and (recipes_dir / f"{name}.py").is_file():
+        path = recipes_dir / f"{name}.py"
     else:
-        candidates = ([Path(card["recipe_file"])] if card.get("recipe_file") else []) + [repo_recipe]
-    path = next((c for c in candidates if c.is_file()), None)
-    if path is None:
-        raise RecipeError(f"The recipe that trained this model ({card.get('recipe')}, "
-                          f"{card.get('recipe_file') or 'no file recorded'}) is not on this machine, and its model is "
-                          "defined there. Pass --recipe path/to/that_recipe.py.")
+        raise RecipeError(f"model.json names the recipe {name!r} ({recorded}), which is not one of this repository's "
+                          f"recipes in {recipes_dir}. Its model is defined in that file, and importing it runs it, so "
+                          "it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
+                          "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py.")
     spec = importlib.util.spec_from_file_location(f"_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look the module up while the Config class is made
@@ -279,8 +285,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", help="write the output to this file instead of stdout")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    parser.add_argument("--recipe", help="the recipe file that trained the model, when model.json's recipe_file "
-                        "is not on this machine")
+    parser.add_argument("--recipe", help="the recipe file that defines the model, when it is not one of this "
+                        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust")
     parser.add_argument("--no-tta", action="store_true", help="no test-time augmentation even if the run "
                         "evaluated with it")
     return parser.parse_args(argv)
