@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -54,6 +55,22 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Temp file, fsync, rename, fsync the folder: readers see the old file or the new one, even after a crash."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _fsync_write(tmp, text)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -78,7 +95,10 @@ def is_complete(path: Path) -> bool:
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise DamagedCheckpoint(f"{Path(path) / STATE_FILE} is unreadable ({type(err).__name__}: {err})") from None
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -117,6 +137,9 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
     if accelerator.is_main_process:
         for f in tmp.glob("*.safetensors"):
             follow_umask(f)
+        for f in tmp.iterdir():  # every rank's files on disk before the folder is renamed and marked complete
+            if f.is_file():
+                _fsync_file(f)
         _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -170,7 +193,14 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
     """Before the data is read: the checkpoint's seed, validation fraction, accumulation and dataset, unless
     the command line gives another value, which is refused (it would validate on trained-on images, or
     resume at the wrong data position). Returns notes on what was taken from the checkpoint."""
-    saved, explicit = read_state(path).get("config", {}), getattr(cfg, "explicit", set())
+    try:
+        saved = read_state(path).get("config", {})
+    except DamagedCheckpoint:  # the resume falls back to an older checkpoint; the run's settings are the same
+        try:
+            saved = json.loads((Path(path).parents[1] / "config.json").read_text())
+        except (OSError, ValueError):
+            return []
+    explicit = getattr(cfg, "explicit", set())
     refused, taken = [], []
     for key, why in RESUME_KEEPS.items():
         if key not in saved or getattr(cfg, key) == saved[key]:
@@ -214,19 +244,39 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
     return notes
 
 
-def check_pickles(path: Path) -> None:
-    """Refuse a checkpoint whose pickles hold anything beyond tensors and numpy arrays (loading those could run
-    code; a checkpoint written here holds none), or that holds custom_checkpoint_*.pkl files, which Accelerate
-    would unpickle without ``weights_only``. Every file is opened with ``weights_only``, so nothing runs."""
+class DamagedCheckpoint(Exception):
+    """A complete-marked checkpoint whose files cannot be read (a crash or power loss while it was written)."""
+
+
+def verify_files(path: Path) -> None:
+    """Before Accelerate loads ``path``: raise DamagedCheckpoint if a file cannot be read whole (a safetensors
+    file shorter than its header says, a truncated pickle), and refuse (RecipeError) a checkpoint whose pickles
+    hold anything beyond tensors and numpy arrays (loading those could run code; a checkpoint written here
+    holds none) or that holds custom_checkpoint_*.pkl files, which Accelerate would unpickle without
+    ``weights_only``. Every pickle is opened with ``weights_only``, so nothing runs. Every rank reaches the
+    same verdict (the files are shared), so every rank takes the same way on."""
     from accelerate.utils.other import load
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as handle:
+                for key in handle.keys():
+                    handle.get_slice(key)
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+            raise DamagedCheckpoint(f"{f} is damaged ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})") from None
 
     bad = [f"{f} (custom state, which these recipes never write)" for f in sorted(path.glob("custom_checkpoint_*"))]
     for f in sorted(path.iterdir()):
         if f.suffix in (".pkl", ".bin", ".pt") and not f.name.startswith("custom_checkpoint_"):
             try:
                 load(f, map_location="cpu")
-            except Exception as err:  # noqa: BLE001 - anything but plain tensor data is refused
+            except pickle.UnpicklingError as err:
+                if "Weights only load failed" not in str(err):
+                    raise DamagedCheckpoint(f"{f} is damaged ({str(err).splitlines()[0][:160]})") from None
                 bad.append(f"{f} ({str(err).splitlines()[-1][:160] if str(err) else type(err).__name__})")
+            except (OSError, EOFError, RuntimeError, ValueError) as err:  # truncated or emptied by a crash
+                raise DamagedCheckpoint(f"{f} is damaged ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})") from None
     if bad:
         raise RecipeError(f"The checkpoint {path} holds pickled data that is not plain tensors: {'; '.join(bad)}. "
                           "Loading it could run code, so the resume was refused and nothing was loaded. Resume only "

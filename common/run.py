@@ -49,6 +49,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -83,6 +84,8 @@ class TrainingRun:
         self.run_dir, self.resume_path, self.lock, self.made_dir, self.started = None, None, None, False, False
         self.log, self.profiler, self.progress = None, None, None
         self.t_start, self.train_start = time.time(), None
+        # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
+        self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
 
     # --- start and end ---------------------------------------------------------------------------
 
@@ -204,7 +207,7 @@ class TrainingRun:
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
         self.data_fingerprint = data_fingerprint(data)
         if self.resume_path is not None:
-            state = self._resume(self.resume_path)
+            state = self._resume_newest_readable()
         else:
             if cfg.resume_from == "latest":
                 self.say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
@@ -228,6 +231,29 @@ class TrainingRun:
                  f"train={len(data.train)} val={len(data.val) if data.val else 0} "
                  f"test={len(data.test) if data.test else 0}")
         self.train_start = time.time()
+        # "running" first: a start killed outright (OOM killer, node loss) leaves this start's "running", never
+        # an earlier start's "preempted" that a requeue script would act on
+        self._write_summary({})
+
+    def _resume_newest_readable(self) -> dict:
+        """--resume-from latest falls back past a checkpoint that was marked complete but cannot be read (a power
+        loss while it was written), and says so; the damaged folder is renamed damaged-step-N and kept."""
+        while True:
+            try:
+                return self._resume(self.resume_path)
+            except ckpt.DamagedCheckpoint as err:
+                damaged = self.resume_path
+                older = [p for p in ckpt.complete_checkpoints(self.run_dir) if p.name < damaged.name]
+                if self.cfg.resume_from != "latest" or not older:
+                    raise RecipeError(f"Cannot resume from {damaged}: {err}. "
+                                      + ("Pass --resume-from latest to fall back to an older checkpoint, or another "
+                                         "checkpoint folder." if older else "No older complete checkpoint exists: start "
+                                         "a new run with a new --output-dir.")) from None
+                self.accelerator.wait_for_everyone()  # every rank has seen the damage before the folder moves
+                self._on_main(lambda: os.replace(damaged, damaged.with_name(f"damaged-{damaged.name}")))
+                self.say(f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
+                         f"damaged-{damaged.name} and the run resumes from the previous one, {older[-1]}.")
+                self.resume_path = older[-1]
 
     def _resume(self, path: Path) -> dict:
         cfg, acc = self.cfg, self.accelerator
@@ -246,7 +272,7 @@ class TrainingRun:
                 notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
                              f"renamed ({', '.join(moved)}) and will not be resumed from.")
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        ckpt.check_pickles(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
+        ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
         acc.load_state(str(path))
         changes = ckpt.apply_hyperparameters(self.optimizer, self.scheduler, fresh)
         for note in notes:
@@ -531,7 +557,8 @@ class TrainingRun:
         acc = self.accelerator
         wall = time.time() - self.t_start
         summary = {
-            "recipe": self.recipe, "status": self.status, "final": {}, "best": {self.cfg.monitor: self.best},
+            "recipe": self.recipe, "status": self.status, "start_id": self.start_id, "final": {},
+            "best": {self.cfg.monitor: self.best},
             "epochs_completed": self.epoch, "global_step": self.global_step, "skipped_steps": self.skipped_steps,
             "wall_time_s": round(wall, 2),
             "timing": {"train_start": self.train_start, "train_s": round(time.time() - (self.train_start or time.time()), 2),
@@ -543,7 +570,7 @@ class TrainingRun:
             **extra,
         }
         if acc.is_main_process:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            ckpt.write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     # --- --eval-only -----------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -151,9 +152,58 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mn
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
+    # killed outright: summary.json tells the truth, "running" from this start (written at its start)
+    assert json.loads((run / "summary.json").read_text())["status"] == "running"
     last = json.loads((checkpoints(run)[-1] / "trainer_state.json").read_text())["global_step"]
     again = check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", last + 3], env))
     assert "resumed from" in again.stdout and f"step {last}" in again.stdout
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+import safetensors.torch
+from conftest import run_in_process
+
+real, calls = safetensors.torch.save_file, []
+
+
+def save_then_die(*args, **kwargs):  # the second checkpoint dies after its first file
+    real(*args, **kwargs)
+    calls.append(args[1] if len(args) > 1 else kwargs.get("filename"))
+    if sum(".tmp-step-" in str(c) for c in calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+safetensors.torch.save_file = save_then_die
+run_in_process("fashion_mnist_mlp", sys.argv[1:], dict(os.environ))
+"""
+
+
+def test_a_kill_during_a_checkpoint_write_and_a_damaged_complete_checkpoint(tmp_path, env, mnist_like):
+    """SIGKILL between two files of a checkpoint write: the half-written folder is never resumed from. Then
+    the newest checkpoint, marked complete, loses the end of its weights (what a power loss can leave of
+    files that were not fsynced): --resume-from latest says so, keeps it as damaged-step-N and resumes from
+    the previous one. Both resumes end with the same weights as an uninterrupted run."""
+    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2,
+            "--keep-checkpoints", 10]
+    full, part = tmp_path / "full", tmp_path / "part"
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *map(str, base), "--output-dir", str(part)],
+                            env={**env, "PYTHONPATH": f"{REPO / 'tests'}:{env.get('PYTHONPATH', '')}"},
+                            cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [c.name for c in checkpoints(part)] == ["step-00000002"]
+    assert any(p.name.startswith(".tmp-step-") for p in (part / "checkpoints").iterdir())
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part, "--resume-from", "latest",
+                                                  "--max-steps", 6], env))
+    newest = checkpoints(part)[-1]
+    weights_file = next(newest.glob("model*.safetensors"))
+    weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
+    proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part, "--resume-from", "latest"], env))
+    assert f"the newest checkpoint {newest} is damaged" in proc.stdout, proc.stdout
+    assert (newest.parent / f"damaged-{newest.name}").is_dir()
+    a, b = weights(full), weights(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_nonfinite_loss_stops_every_rank_before_the_step(tmp_path, env, mnist_like):

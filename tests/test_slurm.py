@@ -157,17 +157,18 @@ FAKE_ACCELERATE = """#!/bin/bash
 # accelerate stand-in: records how the run ended ($FAKE_STATUS) in <--output-dir>/summary.json
 while [ $# -gt 0 ] && [ "$1" != --output-dir ]; do shift; done
 mkdir -p "$2"
-[ "$FAKE_STATUS" = missing ] || echo "{\\"status\\": \\"$FAKE_STATUS\\"}" > "$2/summary.json"
+[ "$FAKE_STATUS" = missing ] || echo "{\\"status\\": \\"$FAKE_STATUS\\", \\"start_id\\": \\"$RECIPES_START_ID\\"}" > "$2/summary.json"
 [ "$FAKE_STATUS" = completed ]
 """
 
 
 @pytest.mark.parametrize("ending,code,requeued", [
     ("preempted", 0, True), ("completed", 0, False), ("target_missed", 4, False), ("nonfinite_loss", 1, False),
-    ("crashed", 1, False), ("missing", 1, False), ("stale", 1, False)])
+    ("crashed", 1, False), ("running", 1, False), ("missing", 1, False), ("stale", 1, False)])
 def test_requeue_decision_reads_summary_status(ending, code, requeued, tmp_path):
     """Only a run that recorded "preempted" in this start is requeued; "stale" is a summary.json left
-    by an earlier start (here: preempted), which must not requeue forever."""
+    by an earlier start (here: preempted, written a moment ago, so no clock comparison could tell), which must
+    not requeue forever; "running" is this start killed outright (OOM killer, node loss)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("accelerate", FAKE_ACCELERATE)):
@@ -176,11 +177,10 @@ def test_requeue_decision_reads_summary_status(ending, code, requeued, tmp_path)
     run = tmp_path / "run"
     if ending == "stale":
         run.mkdir()
-        (run / "summary.json").write_text('{"status": "preempted"}')
-        os.utime(run / "summary.json", (time.time() - 3600,) * 2)
+        (run / "summary.json").write_text('{"status": "preempted", "start_id": "job-7-start-0"}')
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SCONTROL_LOG=str(tmp_path / "requeues.log"),
                FAKE_STATUS="missing" if ending == "stale" else ending, RUN_DIR=str(run), SLURM_JOB_ID="7",
-               SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
+               SLURM_RESTART_COUNT="1", SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
                PROCS_PER_NODE="1")
     proc = subprocess.run(["bash", str(SCRIPT), str(RECIPE)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stdout + proc.stderr
