@@ -449,6 +449,16 @@ def _temp_name(path: Path) -> Path:
     return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
 
 
+def _create_exclusive(tmp: Path) -> int:
+    """A new file, never an existing one and never through a symlink (a link planted in a shared cache folder
+    would otherwise redirect the write to another user's file). A leftover of this name (a dead writer with
+    the same host and PID) is unlinked first; unlinking a symlink removes the link, not its target. Mode 0o666
+    follows the umask like every other file of a run (mkstemp would force 0600)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+
+
 def _write_cache(path: Path, split: ImageSplit, class_names):
     """Write to a temporary file, fsync, rename: a reader sees no file or the whole file, even after a crash."""
     import numpy as np
@@ -467,8 +477,7 @@ def _write_cache(path: Path, split: ImageSplit, class_names):
     raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
     tmp = _temp_name(path)
     try:
-        # os.open with 0o666 follows the umask like every other file of a run (mkstemp would force 0600).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = _create_exclusive(tmp)
         with os.fdopen(fd, "wb") as f:
             f.write(len(raw).to_bytes(8, "little"))
             f.write(raw)
@@ -502,7 +511,7 @@ def _file_lock(lock_path: Path, on_wait):
     """Hold an exclusive flock on ``lock_path``; yields False where the filesystem has no flock. The lock is
     released when the file is closed, including when the process dies, so a crashed decoder frees it."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # follows the umask, like the cache files
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # follows the umask, like the cache
     except OSError as err:
         raise DataError(f"Could not create {lock_path} ({err.strerror or err}). Pass --cache-dir a directory this "
                         "user can write, or fix the permissions of that one.") from None
@@ -577,7 +586,7 @@ def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log
             if locked:  # tell the processes waiting on this lock, so they do not decode again to fail alike
                 with contextlib.suppress(OSError):
                     tmp = _temp_name(error_file)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+                    fd = _create_exclusive(tmp)
                     with os.fdopen(fd, "w") as f:
                         f.write(str(err))
                     os.replace(tmp, error_file)
@@ -626,7 +635,7 @@ def _read_source_index(index: Path, mmap: bool):
 def _write_source_index(index: Path, files: dict, class_names) -> None:
     tmp = _temp_name(index)
     with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next run the full path
-        with open(tmp, "w") as f:
+        with os.fdopen(_create_exclusive(tmp), "w") as f:
             json.dump({"splits": files, "class_names": list(class_names)}, f)
         os.replace(tmp, index)
 

@@ -90,6 +90,39 @@ def test_cache_is_fsynced_before_it_is_renamed_into_place(small, tmp_path, monke
         assert ("fsync", events[rename][1]) in events[:rename], events
 
 
+def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, monkeypatch):
+    """In a group-shared cache folder someone plants symlinks where this process will write its temporary
+    files (the names are predictable: file, host, PID), while it decodes (after its clean-up of stale
+    temporary files): the write replaces the link, the file it pointed at is untouched, and the cache is
+    written and read back as usual."""
+    import socket
+
+    import common.data as data_module
+
+    first = load(small, tmp_path / "c")
+    names = [p.name for p in cache_files(tmp_path / "c")]
+    ref = first.train.images.clone()
+    del first
+    for p in (tmp_path / "c").iterdir():
+        p.unlink()
+    victim = tmp_path / "someone_elses_file"
+    victim.write_text("precious")
+    real_decode = data_module._decode_split
+
+    def decode_while_someone_plants_links(*args, **kwargs):
+        for name in names:
+            link = tmp_path / "c" / f"{name}.{socket.gethostname()}.{os.getpid()}.tmp"
+            if not link.is_symlink():
+                link.symlink_to(victim)
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "_decode_split", decode_while_someone_plants_links)
+    again = load(small, tmp_path / "c")
+    assert victim.read_text() == "precious"
+    assert torch.equal(again.train.images, ref)
+    assert sorted(p.name for p in cache_files(tmp_path / "c")) == sorted(names)
+
+
 # --- 11.13: permissions follow the umask ------------------------------------------------------------
 
 def test_cache_and_lock_files_follow_the_umask(small, tmp_path):
