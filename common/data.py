@@ -375,6 +375,8 @@ def _class_names(train, lab_col: str):
 # without reading the whole file (a full checksum would cost every process a pass over the data each run).
 
 TAIL_BYTES = 1 << 16
+LOCK_WAIT_S = 4 * 3600  # how long a process waits for a peer to decode a split before it gives up
+LOCK_POLL_S = 0.5
 
 
 class _Damaged(Exception):
@@ -516,16 +518,31 @@ def _file_lock(lock_path: Path, on_wait):
         raise DataError(f"Could not create {lock_path} ({err.strerror or err}). Pass --cache-dir a directory this "
                         "user can write, or fix the permissions of that one.") from None
     try:
-        locked = True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            on_wait()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
-            locked = False
+        locked, deadline = True, time.time() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # a peer decodes: wait (a stop signal interrupts the wait, common.stopping)
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                if time.time() > deadline:
+                    raise DataError(f"Gave up after {LOCK_WAIT_S // 60} minutes waiting for {holder} to decode into "
+                                    f"the cache (it holds {lock_path}). If that process is gone (a machine that lost "
+                                    "its connection to a network filesystem can hold a lock), delete the lock file "
+                                    "and rerun, or pass --cache-dir a folder of your own.") from None
+                if on_wait is not None:
+                    on_wait(holder)
+                    on_wait = None
+                time.sleep(LOCK_POLL_S)
+            except OSError as err:
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                locked = False
+                break
+        if locked:  # name the holder for whoever waits next
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{socket.gethostname()} PID {os.getpid()} since {time.strftime('%H:%M:%S')}".encode(), 0)
         yield locked
     finally:
         os.close(fd)
@@ -562,8 +579,8 @@ def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log
     error_file = path.with_suffix(".error")
     before = _identity(error_file)
 
-    def waiting():
-        say(f"waiting for another process to decode {what} into {path} ...")
+    def waiting(holder):
+        say(f"waiting for {holder} to decode {what} into {path} ...")
 
     with _file_lock(path.with_suffix(".lock"), waiting) as locked:
         try:

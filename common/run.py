@@ -83,6 +83,7 @@ class TrainingRun:
         self.accelerator, self.stop = None, None
         self.run_dir, self.resume_path, self.lock, self.made_dir, self.started = None, None, None, False, False
         self.log, self.profiler, self.progress = None, None, None
+        self.epoch, self.global_step, self.best, self.skipped_before = 0, 0, None, 0
         self.t_start, self.train_start = time.time(), None
         # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
         self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
@@ -117,7 +118,9 @@ class TrainingRun:
         return self.exit_code
 
     def _close(self, err) -> None:
-        if err is not None and self.started:
+        # A stop while reading the data (before the start) is recorded too, so a requeue script sees this start's
+        # "preempted" rather than an earlier start's summary.
+        if err is not None and (self.started or (isinstance(err, Preempted) and self.run_dir is not None)):
             self._write_summary({} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
         if self.stop is not None:
             self.stop.close()
@@ -176,8 +179,12 @@ class TrainingRun:
     # --- data ------------------------------------------------------------------------------------
 
     def load_data(self):
-        """Decode (once per node, cached) or read the cache; hold out validation from train if needed."""
-        return load_image_data(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
+        """Decode (once per node, cached) or read the cache; hold out validation from train if needed. A stop
+        request ends this phase at once (nothing to checkpoint yet)."""
+        self.stop.interruptible("reading the data")
+        data = load_image_data(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
+        self.stop.interruptible(None)
+        return data
 
     def loader(self, split, train: bool = False, alternating_flip: bool = False):
         """A DataLoader over a decoded split: the global --batch-size split over processes and
@@ -311,6 +318,8 @@ class TrainingRun:
                 self.train_loader.dataset.set_epoch(self.epoch)
             self.epoch_t0, self.epoch_eval = time.time(), None
             yield self.epoch
+        # the final evaluation follows; the last checkpoint holds everything trained, so a stop ends it at once
+        self.stop.interruptible("running the final evaluation")
 
     def batches(self, loader):
         """This epoch's batches, resuming mid-epoch where the checkpoint left off."""
@@ -513,6 +522,7 @@ class TrainingRun:
         """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
         curves.png and confusion_matrix.png, and the --target-accuracy check."""
         cfg, acc = self.cfg, self.accelerator
+        self.stop.interruptible(None)  # final/ and summary.json are written whole
         self._settle()
         self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too
         split = "test" if self.data.test is not None else "val"
@@ -607,6 +617,7 @@ class TrainingRun:
         """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder)."""
         from safetensors.torch import load_file
 
+        self.stop.interruptible("evaluating (--eval-only)")  # nothing to save: a stop request ends it at once
         root = Path(self.cfg.checkpoint).expanduser()
         candidates = [root, root / "best", root / "final", ckpt.find_latest(root)]
         found = next((c / ckpt.WEIGHTS for c in candidates if c is not None and (c / ckpt.WEIGHTS).is_file()), None)
@@ -623,6 +634,7 @@ class TrainingRun:
 
     def report_eval_only(self, data, metrics: dict | None) -> None:
         """Print and write eval-<split>.json beside the weights (a new file if one exists); target check."""
+        self.stop.interruptible(None)
         if metrics is None:
             raise RecipeError(f"The dataset {data.source!r} has no test or validation split to evaluate on. Add a "
                               "test split, or set --val-fraction above 0.")

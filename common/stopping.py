@@ -11,6 +11,8 @@
   ``accelerate launch`` set TORCHELASTIC_RUN_ID) watch: ``nohup python recipes/x.py &`` keeps running when
   its shell logs out, and a HUP that was ignored at start (nohup) stays ignored.
 - A second Ctrl-C ends the process at once (KeyboardInterrupt), without waiting for a step boundary.
+- Phases with nothing to checkpoint (reading and decoding the data, waiting for a peer to decode it, the
+  final evaluation, all of --eval-only) are ``interruptible``: a stop request ends them at once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ WATCH_INTERVAL_S = 1.0
 
 class StopFlag:
     def __init__(self, watch_parent: bool = True):
-        self.reason = ""
+        self.reason, self.phase = "", None
         self._previous = {}
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
             if signal.getsignal(sig) is signal.SIG_IGN:  # `nohup` ignores HUP: a logout must not stop the run
@@ -45,6 +47,24 @@ class StopFlag:
         if self.reason and signum == signal.SIGINT:  # a second Ctrl-C: stop now, without the checkpoint
             raise KeyboardInterrupt
         self.reason = self.reason or f"signal {signal.Signals(signum).name}"
+        if self.phase:  # nothing to checkpoint in this phase: stop at once
+            self._raise()
+
+    def _raise(self) -> None:
+        from common.errors import Preempted
+
+        phase, self.phase = self.phase, None
+        raise Preempted(f"stopped by {self.reason} while {phase}; no training was lost (nothing had trained since "
+                        "the last checkpoint). Rerun the same command (with --resume-from latest once the run has "
+                        "started) to continue.")
+
+    def interruptible(self, phase: str | None) -> None:
+        """From now on a stop request ends the process at once with Preempted (``phase`` names what it was
+        doing: reading the data, the final evaluation, ...); None: back to stopping at the next optimizer step.
+        A request that came before raises here."""
+        self.phase = phase
+        if phase and self.reason:
+            self._raise()
 
     def _watch_parent(self) -> None:
         while not self._done.wait(WATCH_INTERVAL_S):

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (ACCELERATE, REPO, check_ok, free_port, launch, read_jsonl, recipe_env, run_in_process,
-                      stopped_at)
+from conftest import (ACCELERATE, REPO, check_ok, free_port, import_recipe, launch, read_jsonl, recipe_env,
+                      run_in_process, stopped_at)
 
 MLP = ["--hidden", "32"]
 CONV = ["--width", "8"]
@@ -137,6 +137,69 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
     assert 0 < step < 400 * 9
     again = check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", step + 3], env))
     assert "resumed from" in again.stdout and f"step {step}" in again.stdout
+
+
+def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_path, env, mnist_like, monkeypatch):
+    """TERM while the data is decoded, and TERM during the final evaluation: each ends the process at once with
+    exit 75 and "preempted" in summary.json (the data phase has trained nothing; the final evaluation follows
+    the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
+    process at once, without waiting for the step."""
+    import common.data as data_module
+    from common.run import TrainingRun
+    from common.stopping import StopFlag
+
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--output-dir", run,
+            "--resume-from", "latest", "--cache-dir", tmp_path / "cache"]
+    real_decode, t0 = data_module._decode_split, time.time()
+
+    def decode_then_terminated(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # a long decode: the signal must end it, not the sleep
+        return real_decode(*a, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(data_module, "_decode_split", decode_then_terminated)
+        proc = run_in_process("fashion_mnist_mlp", args, env)
+    assert proc.returncode == 75 and time.time() - t0 < 50, proc.stderr[-2000:]
+    assert "while reading the data" in proc.stdout and json.loads((run / "summary.json").read_text())["status"] == "preempted"
+
+    flags, real_evaluate = [], import_recipe("fashion_mnist_mlp").evaluate
+    real_interruptible = StopFlag.interruptible
+
+    def remember(self, phase):
+        flags.append(self)
+        return real_interruptible(self, phase)
+
+    def evaluate_then_terminated(*a, **kw):
+        if flags and flags[-1].phase == "running the final evaluation":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+        return real_evaluate(*a, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(StopFlag, "interruptible", remember)
+        mp.setattr(import_recipe("fashion_mnist_mlp"), "evaluate", evaluate_then_terminated)
+        proc = run_in_process("fashion_mnist_mlp", args, env)
+    assert proc.returncode == 75 and "while running the final evaluation" in proc.stdout, proc.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted" and not (run / "final").exists()
+    again = check_ok(run_in_process("fashion_mnist_mlp", args, env))
+    assert "resumed from" in again.stdout and (run / "final" / "model.safetensors").exists()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+    real_guard = TrainingRun.guard_step
+
+    def two_ctrl_c(self, grad_norm=None):
+        if self.global_step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_guard(self, grad_norm)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(TrainingRun, "guard_step", two_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):  # out of main(), as from `python recipe.py`: Python exits 130
+            run_in_process("fashion_mnist_mlp", [*args[:8], "--output-dir", tmp_path / "run2"], env)
+    assert not (tmp_path / "run2" / "checkpoints").exists()  # ended at once: no stop checkpoint
 
 
 def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mnist_like):
