@@ -215,6 +215,8 @@ class TrainingRun:
         self.data_fingerprint = data_fingerprint(data)
         if self.resume_path is not None:
             state = self._resume_newest_readable()
+            if acc.is_main_process and not (self.run_dir / "config.json").exists():  # continued in a new folder
+                save_config(cfg, self.run_dir / "config.json")
         else:
             if cfg.resume_from == "latest":
                 self.say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")

@@ -25,6 +25,7 @@ from common.errors import RecipeError
 
 RUN_MARKERS = ("config.json", "checkpoints", "metrics.jsonl", "summary.json")
 LOCK_FILE = ".lock"
+SHARED_WAIT_S = 5.0  # how long a rank retries reading the main process's lock token
 
 
 def holds_run(path: Path) -> bool:
@@ -43,10 +44,14 @@ class RunDirLock:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_FILE
-        self.file = open(self.path, "a+")
+        try:
+            self.file = open(self.path, "a+")
+        except OSError as err:
+            raise RecipeError(f"Cannot write in the run directory {run_dir} ({err.strerror or err}): it is read-only, "
+                              "full or not this user's. Pass --output-dir a folder this user can write.") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # EWOULDBLOCK: another process holds it
             self.file.seek(0)
             holder = self.file.read().split()
             self.file.close()
@@ -55,11 +60,19 @@ class RunDirLock:
                 f"The run directory {run_dir} is in use by another run ({who}); two runs writing one folder would "
                 "mix their checkpoints and logs. Wait for that run to end (or stop it), or pass another "
                 "--output-dir.") from None
+        except OSError as err:  # the filesystem cannot lock (an NFS mount without a lock service, say)
+            self.file.close()
+            raise RecipeError(
+                f"The filesystem of the run directory {run_dir} refused a file lock ({err.strerror or err}), which "
+                "keeps two runs from writing one folder. On NFS, run the lock service (rpc.statd / nfslock) or "
+                "mount with local_lock=all on a single node; on Lustre, mount with -o flock. Or pass --output-dir "
+                "on a filesystem that supports flock.") from None
         self.token = secrets.token_hex(8)
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"{os.getpid()} {socket.gethostname()} {int(time.time())} {self.token}\n")
         self.file.flush()
+        os.fsync(self.file.fileno())  # other nodes read the token (check_shared): on the server before they look
 
     def release(self) -> None:
         if not self.file.closed:
@@ -77,20 +90,28 @@ def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
                 f"--resume-from {cfg.resume_from} is not a complete checkpoint (no such folder, or it lacks the "
                 "completion marker because its write was interrupted). Pass --resume-from latest to pick the "
                 "newest complete one, or another checkpoint folder under <run>/checkpoints/.")
-        return (Path(cfg.output_dir).expanduser() if cfg.output_dir else ckpt.parent.parent), ckpt, False
+        source_run = ckpt.resolve().parent.parent
+        if not cfg.output_dir:
+            if ckpt.resolve().parent.name != "checkpoints" or not holds_run(source_run):
+                raise RecipeError(
+                    f"--resume-from {cfg.resume_from} is a checkpoint outside a run directory (it is not in a run's "
+                    "checkpoints/ folder), so there is no run to continue in place. Pass --output-dir a new or "
+                    "empty folder for the continued run, or put the checkpoint back under <run>/checkpoints/.")
+            return source_run, ckpt, False
+        run_dir = Path(cfg.output_dir).expanduser()
+        check_output_dir(run_dir)
+        if holds_run(run_dir) and run_dir.resolve() != source_run:
+            raise RecipeError(
+                f"--output-dir {run_dir} already holds another run than the one {cfg.resume_from} belongs to "
+                f"({source_run}). Nothing was overwritten. Pass a new or empty --output-dir for the continued run.")
+        return run_dir, ckpt, not run_dir.exists()
     if not cfg.output_dir:
         if cfg.resume_from == "latest":
             raise RecipeError("--resume-from latest needs --output-dir <run directory> to know which run to "
                               "continue. Pass the same --output-dir as the run you want to resume.")
         return new_default_dir(recipe), None, True
     run_dir = Path(cfg.output_dir).expanduser()
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RecipeError(f"--output-dir {run_dir} is a file, not a folder. Pass a folder path for the run.")
-    if not is_empty(run_dir) and not holds_run(run_dir):
-        raise RecipeError(
-            f"--output-dir {run_dir} already holds files that are not a run (e.g. "
-            f"{sorted(p.name for p in run_dir.iterdir())[0]}); writing a run into it would mix the two. Nothing "
-            "was written. Pass a new or empty folder.")
+    check_output_dir(run_dir)
     made = not run_dir.exists()
     if cfg.resume_from == "latest":
         return run_dir, find_latest(run_dir), made
@@ -99,6 +120,17 @@ def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
             f"The output directory {run_dir} already holds a run. Nothing was overwritten. Pass "
             "--resume-from latest to continue that run, or choose a new --output-dir.")
     return run_dir, None, made
+
+
+def check_output_dir(run_dir: Path) -> None:
+    """A folder path (new, empty or a run's): never a file, never a folder of other things."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RecipeError(f"--output-dir {run_dir} is a file, not a folder. Pass a folder path for the run.")
+    if not is_empty(run_dir) and not holds_run(run_dir):
+        raise RecipeError(
+            f"--output-dir {run_dir} already holds files that are not a run (e.g. "
+            f"{sorted(p.name for p in run_dir.iterdir())[0]}); writing a run into it would mix the two. Nothing "
+            "was written. Pass a new or empty folder.")
 
 
 def new_default_dir(recipe: str) -> Path:
@@ -125,10 +157,14 @@ def check_shared(accelerator, run_dir: Path, token: str | None) -> None:
 
     box = [token]
     broadcast_object_list(box, from_process=0)
-    try:
-        seen = (run_dir / LOCK_FILE).read_text().split()[-1] == box[0]
-    except (OSError, IndexError):
-        seen = False
+    seen, deadline = False, time.time() + SHARED_WAIT_S
+    while not seen and time.time() < deadline:  # a network filesystem's attribute cache can lag a moment
+        try:
+            seen = (run_dir / LOCK_FILE).read_text().split()[-1] == box[0]
+        except (OSError, IndexError):
+            seen = False
+        if not seen:
+            time.sleep(0.2)
     missing = accelerator.reduce(torch.tensor([0.0 if seen else 1.0], device=accelerator.device), "sum")
     if missing.item():
         raise RecipeError(

@@ -393,6 +393,40 @@ def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp
     assert a["best"] == b["best"] and a["final"] == b["final"] and a["global_step"] == b["global_step"]
 
 
+def test_resume_from_a_path_checks_the_run_directory_and_a_lock_error_is_named(tmp_path, env, mnist_like,
+                                                                                 monkeypatch):
+    """--resume-from PATH of a checkpoint that someone sent you (in a downloads folder): without --output-dir it is
+    refused (the folder above it is not a run, and must not become one); with a new --output-dir the run
+    continues there and writes its config.json; a dataset folder as --output-dir is refused. A lock the
+    filesystem cannot take is named as that, not as "in use"."""
+    import shutil
+
+    import common.rundir as rundir_module
+
+    run = tmp_path / "run"
+    base = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP]
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", run, "--max-steps", 2], env))
+    downloads = tmp_path / "downloads"
+    received = shutil.copytree(checkpoints(run)[-1], downloads / checkpoints(run)[-1].name)
+    before = sorted(p.name for p in downloads.iterdir())
+    proc = run_in_process("fashion_mnist_mlp", [*base, "--resume-from", received], env)
+    assert proc.returncode == 2 and "outside a run directory" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in downloads.iterdir()) == before
+    proc = run_in_process("fashion_mnist_mlp", [*base, "--resume-from", received, "--output-dir", mnist_like], env)
+    assert proc.returncode == 2 and "holds files that are not a run" in proc.stderr, proc.stderr
+    new = tmp_path / "continued"
+    proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--resume-from", received, "--output-dir", new], env))
+    assert "resumed from" in proc.stdout and (new / "config.json").is_file() and (new / "final").is_dir()
+
+    def no_lock_service(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(rundir_module.fcntl, "flock", no_lock_service)
+    proc = run_in_process("fashion_mnist_mlp", [*base, "--output-dir", tmp_path / "nfs"], env)
+    assert proc.returncode == 2 and "refused a file lock (No locks available)" in proc.stderr, proc.stderr
+    assert "in use by another run" not in proc.stderr
+
+
 def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, reference_run):
     """The 2-process MLP reference run's mid-epoch step-5 checkpoint resumed on 1 process: the global batch
     stays 32 (1 x 32 instead of 2 x 16), the change is said, and the run ends with the weights of the
