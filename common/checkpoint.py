@@ -329,6 +329,18 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def restore_interrupted_swaps(run_dir: Path) -> list[str]:
+    """A crash between the two renames of ``save_model_dir`` leaves best/ (or final/) missing and its previous
+    copy as .old-best: put it back. Returns the folders restored."""
+    restored = []
+    for name in ("best", "final"):
+        folder, old = Path(run_dir) / name, Path(run_dir) / f".old-{name}"
+        if old.is_dir() and not folder.exists():
+            os.replace(old, folder)
+            restored.append(name)
+    return restored
+
+
 def find_model_dir(path: Path) -> Path:
     """Accept a model dir, or a run dir (prefers best/, then final/)."""
     path = Path(path)

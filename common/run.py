@@ -211,6 +211,8 @@ class TrainingRun:
                      "model": type(unwrapped).__name__, "input_shape": list(data.shape),
                      "class_names": data.class_names, "mean": transform.mean, "std": transform.std,
                      "config": dataclasses.asdict(cfg)}
+        if acc.is_main_process:
+            ckpt.restore_interrupted_swaps(self.run_dir)
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
         self.data_fingerprint = data_fingerprint(data)
         if self.resume_path is not None:

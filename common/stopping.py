@@ -1,6 +1,6 @@
 """Why a run should stop early, noticed on any rank: a signal, or a launcher that is gone.
 
-- SIGTERM, SIGINT, SIGHUP and SIGUSR1 set a flag; the training loop sees it at the next optimizer step
+- SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 set a flag; the training loop sees it at the next optimizer step
   (``common.run``), every rank writes a checkpoint, and the run exits with 75 ("preempted").
   torchrun forwards TERM/INT/HUP/QUIT to its workers, not USR1: under SLURM, slurm/train.sbatch turns
   the USR1 warning into a TERM for the launcher. torchrun kills its workers 30 s after forwarding a
@@ -22,13 +22,15 @@ import signal
 import threading
 
 WATCH_INTERVAL_S = 1.0
+# torchrun forwards TERM, INT, HUP and QUIT to its workers; USR1 comes from slurm/train.sbatch's warning.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 class StopFlag:
     def __init__(self, watch_parent: bool = True):
         self.reason, self.phase = "", None
         self._previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is signal.SIG_IGN:  # `nohup` ignores HUP: a logout must not stop the run
                 continue
             self._previous[sig] = signal.signal(sig, self._on_signal)

@@ -114,7 +114,7 @@ class InProcessResult:
 
 
 _RECIPE_MODULES: dict[Path, object] = {}
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def recipe_path(recipe) -> Path:

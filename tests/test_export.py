@@ -167,12 +167,20 @@ def test_failed_export_names_a_fix_that_is_not_the_same_exporter(tmp_path, make_
         Path(args[2]).write_bytes(b"half")
         raise RuntimeError("an operator this exporter cannot translate")
 
-    monkeypatch.setattr(torch.onnx, "export", broken_export)
-    assert main([str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)]) == 2
+    args = [str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)]
+    assert main(args) == 0  # a good export first: a failed one must leave it as it is
+    good = out.read_bytes()
+    capsys.readouterr()
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.onnx, "export", broken_export)
+        assert main(args) == 2
     err = capsys.readouterr().err
     assert "TorchScript exporter" in err and "cannot translate" in err
     assert "pip install onnxscript`, then add --exporter dynamo" in err
-    assert not out.exists()  # no half-written file left behind
+    assert out.read_bytes() == good  # the previous file kept, no half-written one beside it
+    assert sorted(p.name for p in tmp_path.glob("*.onnx*")) == ["model.onnx"]
+    assert main([*args, "--atol", "0"]) != 0  # the onnxruntime check fails: the previous file is kept too
+    assert out.read_bytes() == good and "was not written (the previous file there is kept)" in capsys.readouterr().out
 
 
 def test_export_raw_model_in_process(tmp_path, make_run, capsys):

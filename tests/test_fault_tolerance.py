@@ -98,7 +98,8 @@ def test_incomplete_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_p
     assert not fake.exists() and checkpoints(run)[-1].name == "step-00000018"
 
 
-def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env, mnist_like):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT])  # torchrun forwards QUIT too
+def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env, mnist_like, sig):
     """SIGTERM to a running process: it finishes the step, writes a checkpoint, records "preempted", exits
     75 and says how to continue; the same command resumes. In this process (the signal handler and the
     stop path are the same code at any process count); a TERM reaching both ranks of a real 2-process
@@ -116,7 +117,7 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
             metrics = run / "metrics.jsonl"
             if metrics.exists() and metrics.read_text().count('"train/loss"') >= 2:
                 if not returned.is_set():
-                    os.kill(os.getpid(), signal.SIGTERM)  # handled by the recipe's stop flag
+                    os.kill(os.getpid(), sig)  # handled by the recipe's stop flag
                 return
             time.sleep(0.05)
 
@@ -129,7 +130,7 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
         killer.join(timeout=10)
     assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
-    assert "stopped by signal SIGTERM at step" in out and "--resume-from latest to continue" in out, out
+    assert f"stopped by signal {sig.name} at step" in out and "--resume-from latest to continue" in out, out
     assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
     ckpts = checkpoints(run)
     assert ckpts, "no checkpoint written on SIGTERM"
@@ -200,6 +201,17 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
         with pytest.raises(KeyboardInterrupt):  # out of main(), as from `python recipe.py`: Python exits 130
             run_in_process("fashion_mnist_mlp", [*args[:8], "--output-dir", tmp_path / "run2"], env)
     assert not (tmp_path / "run2" / "checkpoints").exists()  # ended at once: no stop checkpoint
+
+
+def test_best_and_final_are_restored_after_a_crash_between_their_two_renames(tmp_path):
+    from common.checkpoint import restore_interrupted_swaps
+
+    (tmp_path / ".old-best").mkdir()
+    (tmp_path / ".old-best" / "model.json").write_text("{}")
+    (tmp_path / "final").mkdir()
+    (tmp_path / ".old-final").mkdir()  # final/ exists: the swap finished, the leftover is not restored
+    assert restore_interrupted_swaps(tmp_path) == ["best"]
+    assert (tmp_path / "best" / "model.json").exists() and (tmp_path / ".old-final").exists()
 
 
 def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mnist_like):

@@ -41,6 +41,7 @@ import argparse
 import importlib
 import inspect
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     example = torch.rand((args.check_batch, *predictor.input_shape), generator=gen)
     if not preprocess:  # what a normalized batch looks like
         example = (example - wrapper.mean) / wrapper.std
+    final, out = out, out.with_name(f".{out.name}.{os.getpid()}.tmp.onnx")  # a previous good file stays until the check
     try:
         export_onnx(wrapper, example, out, dynamo, args.opset)
     except Exception as err:  # the exporters raise many types
@@ -205,16 +207,22 @@ def run(args: argparse.Namespace) -> int:
         raise RecipeError(f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter, torch "
                           f"{torch.__version__}) failed on this model: {type(err).__name__}: {first}. To get a file, "
                           f"{other}, or pass another --opset (e.g. --opset 17).") from None
-    description = input_description(card, preprocess, predictor.tta)
-    add_metadata(out, card, description)
+    try:
+        description = input_description(card, preprocess, predictor.tta)
+        add_metadata(out, card, description)
+        diff = check_onnxruntime(out, wrapper, example)
+        if not diff < args.atol:
+            print(f"onnxruntime check FAILED: max abs logit difference to torch is {diff:.3g} "
+                  f"(allowed {args.atol:g}) on {args.check_batch} random images; {final} was not written"
+                  f"{' (the previous file there is kept)' if final.exists() else ''}")
+            return EXIT_CHECK_FAILED
+        os.replace(out, final)
+    finally:
+        out.unlink(missing_ok=True)
+    out = final
     print(f"wrote {out} from {predictor.model_dir} ({card.get('model')}, "
           f"{'dynamo' if dynamo else 'TorchScript'} exporter, torch {torch.__version__})")
     print(f"input: {description}")
-    diff = check_onnxruntime(out, wrapper, example)
-    if not diff < args.atol:
-        print(f"onnxruntime check FAILED: max abs logit difference to torch is {diff:.3g} "
-              f"(allowed {args.atol:g}) on {args.check_batch} random images")
-        return EXIT_CHECK_FAILED
     import onnxruntime
 
     print(f"onnxruntime check passed: max abs logit difference to torch {diff:.3g} < {args.atol:g} "
