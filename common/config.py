@@ -35,7 +35,8 @@ TECHNIQUE_FLAGS = {
     "--lookahead-every": "cifar_cnn", "--channels-last": "cifar_cnn", "--whiten-init": "cifar_cnn",
     "--bias-lr-scale": "cifar_cnn", "--whiten-bias-epochs": "cifar_cnn",
     "--sync-bn": "mnist_convnet, cifar_cnn", "--momentum": "cifar_cnn", "--widths": "cifar_cnn",
-    "--width": "mnist_convnet", "--depth": "mnist_convnet", "--hidden": "fashion_mnist_mlp",
+    "--width": "mnist_convnet", "--depth": "mnist_convnet", "--hidden": "fashion_mnist_mlp, mnist_convnet",
+    "--model": "mnist_convnet", "--betas": "mnist_convnet, fashion_mnist_mlp",
 }
 
 DATASET_HELP = ("Hub dataset id, or a local directory datasets.load_dataset reads (a clone of the Hub repo "
@@ -110,15 +111,38 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Keep the recipe docstring's line breaks and show every default."""
 
 
+# Flags of Hugging Face example scripts (and HfArgumentParser) that mean something else here, or are spelled
+# differently: naming one gets this repository's flag instead of a bare "unrecognized arguments".
+HF_FLAGS = {
+    "learning_rate": "--lr", "num_train_epochs": "--epochs",
+    "per_device_train_batch_size": "--batch-size (the GLOBAL batch per optimizer step, split over processes)",
+    "per_device_eval_batch_size": "--eval-batch-size (global, split over processes)",
+    "train_batch_size": "--batch-size", "resume_from_checkpoint": "--resume-from (a checkpoint folder, or latest)",
+    "with_tracking": "--report-to (tensorboard by default)", "checkpointing_steps": "--checkpoint-every",
+    "gradient_accumulation_steps": "--grad-accum", "lr_scheduler_type": "--schedule",
+    "num_warmup_steps": "--warmup-fraction (a fraction of the run's optimizer steps)",
+    "warmup_ratio": "--warmup-fraction", "max_train_steps": "--max-steps", "logging_steps": "--log-every",
+    "dataset_name": "--dataset", "mixed_precision": "a launcher setting here: put it before the script, "
+    "`accelerate launch --mixed_precision bf16 recipes/<recipe>.py`, or set it in the launcher config",
+    "fp16": "a launcher setting here: `accelerate launch --mixed_precision fp16 recipes/<recipe>.py`",
+    "bf16": "a launcher setting here: `accelerate launch --mixed_precision bf16 recipes/<recipe>.py`",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear paragraph, exit code 2, no traceback
         self.print_usage(sys.stderr)
         if message.startswith("unrecognized arguments"):
-            others = [f"{flag} (a knob of {TECHNIQUE_FLAGS[flag]})" for flag in message.split(":", 1)[1].split()
-                      if flag.split("=")[0] in TECHNIQUE_FLAGS]
+            unknown = [flag.split("=")[0] for flag in message.split(":", 1)[1].split() if flag.startswith("--")]
+            others = [f"{flag} (a knob of {TECHNIQUE_FLAGS[flag.replace('_', '-')]})" for flag in unknown
+                      if flag.replace("_", "-") in TECHNIQUE_FLAGS]
+            hf = [f"{flag} -> {HF_FLAGS[flag[2:].replace('-', '_')]}" for flag in unknown
+                  if flag[2:].replace("-", "_") in HF_FLAGS]
             if others:
                 message += (f"; {', '.join(others)}: this recipe does not use that technique. Copy its lines from "
                             "the recipe that has it, or use that recipe")
+            if hf:
+                message += f"; in these recipes: {'; '.join(hf)}"
         self.exit(EXIT_BAD_INPUT, f"error: {message}. Run with --help to see every option and its default.\n")
 
 
@@ -132,28 +156,81 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
         kwargs = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+        # the snake_case spelling (--output_dir) that accelerate launch, torchrun and HfArgumentParser accept
+        # works too; --help lists the kebab-case form only
+        alias = "--" + f.name if "_" in f.name else None
         if typ is bool:
             # --flag turns it on, --flag false / --no-flag turn it off.
             kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
             parser.add_argument(flag, **kwargs)
-            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
-                                help=argparse.SUPPRESS)
+            negatives = ["--no-" + f.name.replace("_", "-")] + (["--no_" + f.name] if alias else [])
+            parser.add_argument(*negatives, dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             kwargs.update(type=typ, metavar=typ.__name__.upper())
             parser.add_argument(flag, **kwargs)
+        if alias:
+            parser.add_argument(alias, **{**kwargs, "help": argparse.SUPPRESS})
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="YAML or JSON file of settings (e.g. a run's config.json); flags on the command line "
+                             "override it")
     return parser
+
+
+def _from_file(cls, path: str) -> dict:
+    """--config FILE: its fields converted to their types; unknown keys or wrong types are a ConfigError."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).expanduser().read_text())  # JSON is YAML too
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err}). Pass an existing YAML or "
+                          "JSON file.") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path} is not valid YAML or JSON ({str(err).splitlines()[0]}).") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of setting names to values (like a run's "
+                          "config.json), not {type(loaded).__name__}.")
+    hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    names = {k: k.replace("-", "_") for k in loaded}
+    unknown = sorted(k for k, name in names.items() if name not in fields)
+    if unknown:
+        raise ConfigError(f"--config {path} has settings this recipe does not know: {', '.join(unknown)}. Remove "
+                          "them (python <recipe> --help lists every setting).")
+    values = {}
+    for key, value in loaded.items():
+        name, typ = names[key], hints[names[key]]
+        try:
+            if typ is bool:
+                value = value if isinstance(value, bool) else _parse_bool(str(value))
+            elif value is not None and not isinstance(value, typ):
+                if typ is int and isinstance(value, float) and not value.is_integer():
+                    raise ValueError(value)
+                value = typ(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            raise ConfigError(f"--config {path}: {key} = {value!r} is not a {typ.__name__}.") from None
+        choices = fields[name].metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}.")
+        values[name] = value
+    return values
 
 
 def parse_config(cls, argv=None, description: str = ""):
     """Parse the command line into a validated ``cls`` instance; bad values exit with one paragraph."""
     parser = build_parser(cls, description)
     args = parser.parse_args(argv)
+    config_file = args.config
     # Which flags were given (not defaulted): --eval-only takes every other setting from the run it scores.
     for action in parser._actions:
         action.default = argparse.SUPPRESS
-    given = set(vars(parser.parse_args(argv)))
+    given = set(vars(parser.parse_args(argv))) - {"config"}
+    values = {k: v for k, v in vars(args).items() if k != "config"}
     try:
-        cfg = cls(**vars(args))
+        if config_file:  # the file's settings, then the command line's on top
+            from_file = _from_file(cls, config_file)
+            values.update({k: v for k, v in from_file.items() if k not in given})
+            given |= set(from_file)
+        cfg = cls(**values)
         validate(cfg)
     except ConfigError as err:
         sys.stderr.write(f"error: {err}\n")

@@ -108,6 +108,33 @@ def test_technique_flag_of_another_recipe_is_explained(tmp_path, mnist_like):
     assert proc.returncode == 2 and "--lookahead-every (a knob of cifar_cnn)" in proc.stderr
 
 
+def test_snake_case_flags_and_a_config_file_work_and_hf_flags_are_translated(tmp_path, mnist_like):
+    """An Accelerate user's habits: --output_dir works like --output-dir; --config takes a YAML or JSON file
+    (a run's own config.json repeats it) with the command line on top, and the merged settings are saved;
+    flags of HF example scripts that are spelled differently here name this repository's flag; a config
+    file with a setting the recipe does not know is refused, naming it."""
+    env = recipe_env(tmp_path)
+    first = tmp_path / "first"
+    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch_size", 32,
+                                                  *MLP, "--max_steps", 2, "--output_dir", first], env))
+    saved = json.loads((first / "config.json").read_text())
+    assert saved["batch_size"] == 32 and saved["max_steps"] == 2
+    again = tmp_path / "again"
+    check_ok(run_in_process("fashion_mnist_mlp", ["--config", first / "config.json", "--max-steps", 3,
+                                                  "--output-dir", again], env))
+    merged = json.loads((again / "config.json").read_text())
+    assert {**saved, "max_steps": 3, "output_dir": str(again)} == merged
+    (tmp_path / "c.yaml").write_text(f"dataset: {mnist_like}\nlr: 0.01\nlearning_rate: 0.02\n")
+    proc = run_in_process("fashion_mnist_mlp", ["--config", tmp_path / "c.yaml"], env)
+    assert proc.returncode == 2 and "does not know: learning_rate" in proc.stderr, proc.stderr
+    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--learning_rate", 0.1,
+                                                "--per_device_train_batch_size", 8, "--mixed_precision", "bf16"], env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    for hint in ("--learning_rate -> --lr", "--per_device_train_batch_size -> --batch-size (the GLOBAL batch",
+                 "`accelerate launch --mixed_precision bf16 recipes/<recipe>.py`"):
+        assert hint in proc.stderr, proc.stderr
+
+
 def test_cpu_config_that_starts_one_process_says_so(tmp_path, mnist_like):
     """`accelerate launch --cpu --num_processes 2` without MPI starts one process: the recipe sees it and
     names the config that really gives two."""
