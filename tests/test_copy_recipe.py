@@ -114,3 +114,21 @@ def test_parent_is_a_file_and_common_not_installed(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(copy_recipe, "common_installed", lambda: False)
     assert main(["cifar_cnn", str(tmp_path / "mine.py")]) == 0
     assert f"pip install -e {REPO}" in capsys.readouterr().out
+
+
+def test_console_scripts_are_installed_beside_python_m(tmp_path):
+    """`pip install -e .` (requirements.txt) puts recipes-predict, recipes-export and recipes-copy next to
+    the interpreter; each is the same tool as `python -m common.tools.<name>`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bin_dir = Path(sys.executable).parent
+    for script, module in (("recipes-predict", "predict"), ("recipes-export", "export"), ("recipes-copy", "copy_recipe")):
+        exe = bin_dir / script
+        assert exe.is_file(), f"{script} is not installed: reinstall with pip install -r requirements.txt"
+        out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+        ref = subprocess.run([sys.executable, "-m", f"common.tools.{module}", "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == ref.returncode == 0
+        assert out.stdout.split("\n", 1)[1] == ref.stdout.split("\n", 1)[1]  # all but the usage line's program name
