@@ -132,3 +132,12 @@ def test_console_scripts_are_installed_beside_python_m(tmp_path):
                              text=True, timeout=120)
         assert out.returncode == ref.returncode == 0
         assert out.stdout.split("\n", 1)[1] == ref.stdout.split("\n", 1)[1]  # all but the usage line's program name
+
+
+def test_windows_gets_one_paragraph_instead_of_an_import_traceback():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.platform = 'win32'; import common"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "use WSL 2" in proc.stderr and "Traceback" not in proc.stderr
