@@ -26,6 +26,10 @@ from pathlib import Path
 import torch
 
 from common.errors import RecipeError
+from common.files import fsync_dir as _fsync_dir
+from common.files import fsync_file as _fsync_file
+from common.files import write_atomic  # noqa: F401 - summary.json and config.json use it too
+from common.files import write_fsynced as _fsync_write
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -46,40 +50,6 @@ RESUME_KEEPS = {
 }
 # Optimizer hyperparameters a resume applies from the command line (a checkpoint restores the old ones).
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum")
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Temp file, fsync, rename, fsync the folder: readers see the old file or the new one, even after a crash."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    _fsync_write(tmp, text)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def follow_umask(path: Path) -> None:

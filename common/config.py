@@ -286,7 +286,9 @@ def to_dict(cfg) -> dict:
 
 
 def save_config(cfg, path: Path) -> None:
-    path.write_text(json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    from common.files import write_atomic
+
+    write_atomic(path, json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
 
 
 def sanitize_for_hparams(cfg_dict: dict) -> dict:

@@ -97,7 +97,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
     written and read back as usual."""
     import socket
 
-    import common.data as data_module
+    import common.sources as sources_module
 
     first = load(small, tmp_path / "c")
     names = [p.name for p in cache_files(tmp_path / "c")]
@@ -107,7 +107,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
         p.unlink()
     victim = tmp_path / "someone_elses_file"
     victim.write_text("precious")
-    real_decode = data_module._decode_split
+    real_decode = sources_module.decode_split
 
     def decode_while_someone_plants_links(*args, **kwargs):
         for name in names:
@@ -116,7 +116,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
                 link.symlink_to(victim)
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(data_module, "_decode_split", decode_while_someone_plants_links)
+    monkeypatch.setattr(sources_module, "decode_split", decode_while_someone_plants_links)
     again = load(small, tmp_path / "c")
     assert victim.read_text() == "precious"
     assert torch.equal(again.train.images, ref)
@@ -177,10 +177,11 @@ RACER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     import common.data as data
+    import common.sources as sources
     from common.config import CommonConfig
 
     cache, rank, out, go, *datasets = sys.argv[1:]
-    real = data._decode_split
+    real = sources.decode_split
 
     def counted(split, *args, **kw):
         with open(Path(out) / "decodes", "a") as f:
@@ -188,7 +189,7 @@ RACER = textwrap.dedent("""
         time.sleep(1.0)  # hold the lock long enough that the peer really waits on it
         return real(split, *args, **kw)
 
-    data._decode_split = counted
+    sources.decode_split = counted
     while not Path(go).exists():  # start both processes' loads together
         time.sleep(0.01)
     results = []

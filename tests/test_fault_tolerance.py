@@ -44,7 +44,7 @@ def run(recipe, args, env, nproc=1):
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
     """Stopped mid-epoch (step 5 of 9 in epoch 1) and resumed: same weights and per-step losses as the
-    uninterrupted reference run (--checkpoint-every 5). ConvNet with BatchNorm and dropout, so data
+    uninterrupted reference run (--checkpoint-every 5). LeanConvNet with BatchNorm, so data
     order, RNG and BN statistics all have to continue. 1 process: stopped by --max-steps 5, in this
     process, resumed to the end of epoch 1 (--max-steps 9), stopped there and resumed from the epoch
     boundary to the end. 2 processes (real gloo processes): resumed from the reference run's own step-5
@@ -145,14 +145,14 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
     exit 75 and "preempted" in summary.json (the data phase has trained nothing; the final evaluation follows
     the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
     process at once, without waiting for the step."""
-    import common.data as data_module
+    import common.sources as sources_module
     from common.run import TrainingRun
     from common.stopping import StopFlag
 
     run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--output-dir", run,
             "--resume-from", "latest", "--cache-dir", tmp_path / "cache"]
-    real_decode, t0 = data_module._decode_split, time.time()
+    real_decode, t0 = sources_module.decode_split, time.time()
 
     def decode_then_terminated(*a, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -160,7 +160,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
         return real_decode(*a, **kw)
 
     with monkeypatch.context() as mp:
-        mp.setattr(data_module, "_decode_split", decode_then_terminated)
+        mp.setattr(sources_module, "decode_split", decode_then_terminated)
         proc = run_in_process("fashion_mnist_mlp", args, env)
     assert proc.returncode == 75 and time.time() - t0 < 50, proc.stderr[-2000:]
     assert "while reading the data" in proc.stdout and json.loads((run / "summary.json").read_text())["status"] == "preempted"

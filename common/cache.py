@@ -1,0 +1,286 @@
+"""The decoded-image cache shared by the processes of a node (see ``common.data`` for the contract): one
+safetensors file per decoded split, written once under a file lock and read by every process through a
+memory map; the checks that catch a damaged file; and the index that lets an unchanged local folder skip
+``datasets`` on the next launch."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from common.errors import DataError
+from common.files import create_exclusive as _create_exclusive
+from common.files import fsync_dir as _fsync_dir
+from common.files import temp_name as _temp_name
+from common.splits import ImageSplit
+
+CACHE_VERSION = "2"  # 2: images memory-mapped from a checked safetensors layout (labels first)
+CACHE_FORMAT = "accelerate-recipes-decoded/2"
+TAIL_BYTES = 1 << 16
+LOCK_WAIT_S = 4 * 3600  # how long a process waits for a peer to decode a split before it gives up
+LOCK_POLL_S = 0.5
+
+
+class _Damaged(Exception):
+    """The cache file exists but cannot be trusted; the message says why."""
+
+
+def _cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
+    key = hashlib.sha256(json.dumps([CACHE_VERSION, fingerprint, settings], sort_keys=True).encode()).hexdigest()
+    return cache_dir / f"{key[:32]}.safetensors"
+
+
+def _read_cache(path: Path, mmap: bool = True) -> ImageSplit:
+    """Open a cache file written by ``_write_cache``; FileNotFoundError if absent, _Damaged if not intact."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise _Damaged(f"{size} bytes, shorter than a header")
+        hlen = int.from_bytes(head, "little")
+        if hlen > min(size - 8, 1 << 26):
+            raise _Damaged(f"header of {hlen} bytes in a {size}-byte file")
+        try:
+            header = json.loads(f.read(hlen))
+            meta = header["__metadata__"]
+            assert meta["format"] == CACHE_FORMAT
+            lab, img = header["labels"], header["images"]
+            assert lab["dtype"] == "I64" and img["dtype"] == "U8" and len(img["shape"]) == 4
+            n = img["shape"][0]
+            n_img = n * img["shape"][1] * img["shape"][2] * img["shape"][3]
+            assert lab["shape"] == [n] and lab["data_offsets"] == [0, 8 * n]
+            assert img["data_offsets"] == [8 * n, 8 * n + n_img]
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise _Damaged("unreadable header") from None
+        start = 8 + hlen
+        if size != start + 8 * n + n_img:
+            raise _Damaged(f"{size} bytes, expected {start + 8 * n + n_img}")
+        labels = f.read(8 * n)
+        f.seek(start + 8 * n + n_img - min(TAIL_BYTES, n_img))
+        tail = f.read(TAIL_BYTES)
+        if f"{zlib.crc32(labels):08x}" != meta["labels_crc32"] or f"{zlib.crc32(tail):08x}" != meta["tail_crc32"]:
+            raise _Damaged("checksum mismatch")
+        shape = tuple(img["shape"])
+        # Map / read through the descriptor that was checked, not the name, which a peer may rename over.
+        if mmap:
+            # Copy-on-write mapping: pages are the page cache's, shared by every process of the node until one
+            # writes to them (nothing here does: batches are gathered copies). NOTE: the file must never be
+            # rewritten in place (a truncated mapped file faults its readers); writers rename a new file over it.
+            images = np.memmap(f, dtype=np.uint8, mode="c", offset=start + 8 * n, shape=shape)
+        else:
+            f.seek(start + 8 * n)
+            images = np.fromfile(f, dtype=np.uint8, count=n_img).reshape(shape)
+    labels = torch.from_numpy(np.frombuffer(labels, dtype="<i8").astype(np.int64))
+    return ImageSplit(torch.from_numpy(images), labels)
+
+
+def _write_cache(path: Path, split: ImageSplit, class_names):
+    """Write to a temporary file, fsync, rename: a reader sees no file or the whole file, even after a crash."""
+    import numpy as np
+
+    images = split.images.contiguous().numpy()
+    labels = split.labels.numpy().astype("<i8").tobytes()
+    n, n_img = images.shape[0], images.size
+    header = {
+        "__metadata__": {"format": CACHE_FORMAT, "class_names": json.dumps(class_names),
+                         "labels_crc32": f"{zlib.crc32(labels):08x}",
+                         "tail_crc32": f"{zlib.crc32(images.reshape(-1)[-TAIL_BYTES:]):08x}"},
+        "labels": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
+        "images": {"dtype": "U8", "shape": list(images.shape), "data_offsets": [8 * n, 8 * n + n_img]},
+    }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
+    tmp = _temp_name(path)
+    try:
+        fd = _create_exclusive(tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            f.write(labels)
+            f.write(memoryview(np.ascontiguousarray(images).reshape(-1)))
+            f.flush()
+            os.fsync(f.fileno())  # data on disk before the rename publishes it
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise DataError(f"Could not write the decoded-image cache {path} ({err.strerror or err}). Free space there, "
+                        "or pass --cache-dir a writable directory with room for the decoded images.") from None
+    _fsync_dir(path.parent)
+
+
+def _remove_stale_temps(path: Path, max_age_s: float = 86400):
+    """Temporary files of a writer that died. Called under the lock of ``path``, so this key's temporary files
+    are all stale; those of other keys only when a day old (their writers may be alive, unlocked)."""
+    now = time.time()
+    for tmp in path.parent.glob("*.tmp"):
+        try:
+            if tmp.name.startswith(path.name + ".") or now - tmp.stat().st_mtime > max_age_s:
+                tmp.unlink()
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path, on_wait):
+    """Hold an exclusive flock on ``lock_path``; yields False where the filesystem has no flock. The lock is
+    released when the file is closed, including when the process dies, so a crashed decoder frees it."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # follows the umask, like the cache
+    except OSError as err:
+        raise DataError(f"Could not create {lock_path} ({err.strerror or err}). Pass --cache-dir a directory this "
+                        "user can write, or fix the permissions of that one.") from None
+    try:
+        locked, deadline = True, time.time() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # a peer decodes: wait (a stop signal interrupts the wait, common.stopping)
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+                if time.time() > deadline:
+                    raise DataError(f"Gave up after {LOCK_WAIT_S // 60} minutes waiting for {holder} to decode into "
+                                    f"the cache (it holds {lock_path}). If that process is gone (a machine that lost "
+                                    "its connection to a network filesystem can hold a lock), delete the lock file "
+                                    "and rerun, or pass --cache-dir a folder of your own.") from None
+                if on_wait is not None:
+                    on_wait(holder)
+                    on_wait = None
+                time.sleep(LOCK_POLL_S)
+            except OSError as err:
+                if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                locked = False
+                break
+        if locked:  # name the holder for whoever waits next
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{socket.gethostname()} PID {os.getpid()} since {time.strftime('%H:%M:%S')}".encode(), 0)
+        yield locked
+    finally:
+        os.close(fd)
+
+
+def _identity(path: Path):
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log, mmap: bool) -> ImageSplit:
+    """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
+    say = log if is_main else (lambda *_: None)
+    damage = None
+    try:
+        return _read_cache(path, mmap)
+    except FileNotFoundError:
+        pass
+    except PermissionError as err:
+        raise DataError(f"The decoded-image cache {path} is not readable by this user ({err.strerror}). Make it "
+                        "readable (a cache shared with a team wants a umask of 002 for whoever writes it), or pass "
+                        "--cache-dir a directory of your own.") from None
+    except _Damaged as err:
+        damage = err
+        say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"Could not create the cache directory {path.parent} ({err.strerror or err}). Pass "
+                        "--cache-dir a directory this user can write.") from None
+    error_file = path.with_suffix(".error")
+    before = _identity(error_file)
+
+    def waiting(holder):
+        say(f"waiting for {holder} to decode {what} into {path} ...")
+
+    with _file_lock(path.with_suffix(".lock"), waiting) as locked:
+        try:
+            return _read_cache(path, mmap)  # a peer wrote it while this process waited
+        except FileNotFoundError:
+            pass
+        except _Damaged as err:
+            if damage is None:
+                say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
+        if locked:
+            after = _identity(error_file)
+            if after is not None and after != before:  # the peer that held the lock failed on this split
+                raise DataError(error_file.read_text())
+            _remove_stale_temps(path)
+        say(f"decoding {what} into {path} ...")
+        try:
+            split = decode()
+            _write_cache(path, split, class_names)
+        except DataError as err:
+            if locked:  # tell the processes waiting on this lock, so they do not decode again to fail alike
+                with contextlib.suppress(OSError):
+                    tmp = _temp_name(error_file)
+                    fd = _create_exclusive(tmp)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(str(err))
+                    os.replace(tmp, error_file)
+            raise
+        with contextlib.suppress(OSError):
+            error_file.unlink()
+        if not mmap:
+            return split
+        try:
+            return _read_cache(path, mmap)
+        except (OSError, _Damaged) as err:
+            raise DataError(f"The decoded-image cache {path} could not be read back right after writing it ({err}). "
+                            "Check the disk behind --cache-dir, or pass another --cache-dir.") from None
+
+
+def _source_index_path(cache_dir: Path, name: str, settings: dict) -> Path | None:
+    """For a local dataset folder: a cache entry keyed by every file's path, size and modification time and
+    by the decoding settings, naming the decoded split files. None for a Hub id (only ``datasets`` can tell
+    whether its copy changed)."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return None
+    stats = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .git, .cache
+        for f in sorted(filenames):
+            try:
+                st = os.stat(os.path.join(dirpath, f))
+            except OSError:
+                return None
+            stats.append((os.path.relpath(os.path.join(dirpath, f), path), st.st_size, st.st_mtime_ns))
+    key = json.dumps([CACHE_VERSION, str(path.resolve()), stats, settings], sort_keys=True)
+    return cache_dir / f"source-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+
+def _read_source_index(index: Path, mmap: bool):
+    """(splits, class names) when the index and every split file it names are intact, else None: the caller
+    then takes the full path, which re-decodes what is missing or damaged."""
+    try:
+        entry = json.loads(index.read_text())
+        return {k: _read_cache(index.parent / f, mmap) for k, f in entry["splits"].items()}, entry["class_names"]
+    except (OSError, ValueError, KeyError, TypeError, _Damaged):
+        return None
+
+
+def _write_source_index(index: Path, files: dict, class_names) -> None:
+    tmp = _temp_name(index)
+    with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next run the full path
+        with os.fdopen(_create_exclusive(tmp), "w") as f:
+            json.dump({"splits": files, "class_names": list(class_names)}, f)
+        os.replace(tmp, index)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("ACCELERATE_RECIPES_CACHE", Path.home() / ".cache" / "accelerate-recipes"))

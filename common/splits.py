@@ -1,0 +1,104 @@
+"""The decoded images of a dataset: ``ImageSplit`` (uint8 images and int64 labels, possibly an index into
+shared tensors), ``ImageData`` (train / validation / test and the class names), the seeded hold-out of a
+validation split, and the fingerprint a checkpoint records of what training and validation see."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import DataError
+
+
+class ImageSplit:
+    """The images and labels of one split.
+
+    ``source_images`` (N, C, H, W) uint8 and ``source_labels`` (N,) int64 may be shared: by the train and
+    held-out splits, and (memory-mapped from the cache) by the processes of a node. ``index`` (int64, or
+    None for all N rows) names this split's rows of them, in order.
+
+    ``images`` and ``labels`` are this split's own rows: free when ``index`` is None, otherwise a gathered
+    COPY made on each access (for a 54,000-image MNIST train split, 42 MB). Code that needs only some rows
+    should call ``images_at`` (gathers only those); batches go through ``make_loader``/``TensorImages``,
+    which gather per batch.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None = None):
+        self.source_images, self.source_labels = images, labels
+        self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
+
+    def __len__(self):
+        return (self.source_labels if self.index is None else self.index).numel()
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.source_images.shape[1:])
+
+    def images_at(self, positions) -> torch.Tensor:
+        """Images at ``positions`` (an int, slice or index tensor into this split); a slice of an unindexed
+        split is a view, everything else one gather."""
+        return self.source_images[positions if self.index is None else self.index[positions]]
+
+    @property
+    def images(self) -> torch.Tensor:
+        return self.source_images if self.index is None else self.source_images[self.index]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.source_labels if self.index is None else self.source_labels[self.index]
+
+    def select(self, positions: torch.Tensor) -> "ImageSplit":
+        """The rows at ``positions`` of this split, as a split sharing the same source tensors (no copy)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        return ImageSplit(self.source_images, self.source_labels,
+                          positions if self.index is None else self.index[positions])
+
+    def __repr__(self):
+        rows = "indexed" if self.index is not None else "all rows"
+        return f"ImageSplit({len(self)} images of {self.image_shape}, {rows})"
+
+
+@dataclass
+class ImageData:
+    train: ImageSplit
+    val: ImageSplit | None
+    test: ImageSplit | None
+    class_names: list[str]
+    source: str
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.train.image_shape
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+def data_fingerprint(data: "ImageData") -> str:
+    """A short hash of what training and validation see: the class names, the image shape, and each split's
+    labels and held-out positions. A checkpoint records it; a resume on other data is refused."""
+    h = hashlib.sha256(json.dumps([list(data.class_names), list(data.shape)]).encode())
+    for split in (data.train, data.val):
+        if split is not None:
+            h.update(len(split).to_bytes(8, "little"))
+            h.update(split.labels.numpy().tobytes())
+            if split.index is not None:
+                h.update(split.index.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit, ImageSplit]:
+    """A fixed, seeded random fraction of ``split`` becomes validation; the same for every process. Both
+    results index ``split``'s images (no copy of them is made)."""
+    n = len(split)
+    n_val = max(1, int(round(n * fraction)))
+    if n_val >= n:
+        raise DataError(f"Holding out {fraction:.0%} of a {n}-image train split leaves nothing to train on. "
+                        "Lower --val-fraction or add images.")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    val_idx, train_idx = perm[:n_val].sort().values, perm[n_val:].sort().values
+    return split.select(train_idx), split.select(val_idx)
