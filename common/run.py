@@ -47,10 +47,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
 import math
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -61,6 +59,7 @@ from common import checkpoint as ckpt
 from common import rundir
 from common.accelerator import make_accelerator, per_process_batch, startup_line
 from common.augment import batch_generator
+from common import evalonly, summary
 from common.config import sanitize_for_hparams, save_config
 from common.data import data_fingerprint, load_image_data, make_loader
 from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError, report
@@ -69,11 +68,6 @@ from common.profiler import StepProfiler
 from common.schedule import lr_multiplier
 from common.stopping import StopFlag
 from common.tracking import MetricsLog, Progress, Throughput
-
-# --eval-only takes these from the command line; every other setting comes from the run's config.json.
-EVAL_ONLY_OWN = {"eval_only", "checkpoint", "target_accuracy", "output_dir", "resume_from", "eval_batch_size",
-                 "cache_dir", "timeout_s", "profile", "data_on_device", "compile"}
-SPLIT_SETTINGS = ("seed", "val_fraction")  # they decide which train images are held out for validation
 
 
 class TrainingRun:
@@ -99,7 +93,7 @@ class TrainingRun:
             self.accelerator, self.note = make_accelerator(self.cfg)
             self.stop = StopFlag()
             if self.cfg.eval_only:
-                self._adopt_run_config()
+                self.eval_note = evalonly.adopt_run_config(self.cfg, self.say)
             else:
                 self._claim_run_dir()
             train(self.cfg, self)
@@ -550,14 +544,7 @@ class TrainingRun:
             save_curves_png(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
             if confusion is not None:  # the image TensorBoard got: the final split's, titled with the step
                 save_image_png(confusion, self.run_dir / "confusion_matrix.png")
-        summary = self._write_summary({"final": final})
-        rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
-        rows += [("best " + cfg.monitor, f"{self.best:.4f}" if self.best is not None else "-"),
-                 ("epochs completed", str(self.epoch)), ("optimizer steps", str(self.global_step)),
-                 ("wall time", f"{summary['wall_time_s']:.1f} s"), ("processes", str(acc.num_processes)),
-                 ("precision", acc.mixed_precision), ("run dir", str(self.run_dir))]
-        width = max(len(k) for k, _ in rows)
-        self.say("summary:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows))
+        self.say(summary.table(self, final, self._write_summary({"final": final})))
         if missed:
             self.say(f"TARGET MISSED: final {split} accuracy {acc_value if acc_value is None else f'{acc_value:.4f}'} "
                      f"is below --target-accuracy {cfg.target_accuracy:.4f}.")
@@ -565,100 +552,17 @@ class TrainingRun:
             self.say(f"target reached: final {split} accuracy {acc_value:.4f} >= {cfg.target_accuracy:.4f}")
 
     def _write_summary(self, extra: dict) -> dict:
-        """summary.json: how the run ended (``status``) and what it reached; written for every ending."""
-        from importlib.metadata import version
+        return summary.write(self, extra)
 
-        acc = self.accelerator
-        wall = time.time() - self.t_start
-        summary = {
-            "recipe": self.recipe, "status": self.status, "start_id": self.start_id, "final": {},
-            "best": {self.cfg.monitor: self.best},
-            "epochs_completed": self.epoch, "global_step": self.global_step, "skipped_steps": self.skipped_steps,
-            "wall_time_s": round(wall, 2),
-            "timing": {"train_start": self.train_start, "train_s": round(time.time() - (self.train_start or time.time()), 2),
-                       "compile_s": 0.0},
-            "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "accelerate": version("accelerate"), "datasets": version("datasets"),
-                         "platform": platform.platform()},
-            **extra,
-        }
-        if acc.is_main_process:
-            ckpt.write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        return summary
-
-    # --- --eval-only -----------------------------------------------------------------------------
-
-    def _adopt_run_config(self) -> None:
-        """--eval-only: take the dataset, split and model settings from the run's config.json, so the
-        weights are scored on the images the run held out; refuse overrides that would change the split."""
-        cfg = self.cfg
-        root = Path(cfg.checkpoint).expanduser()
-        found = next((d / "config.json" for d in (root, root.parent, root.parent.parent) if (d / "config.json").is_file()),
-                     None)
-        self.eval_note = ""
-        if found is None:
-            self.say(f"NOTE: no config.json found beside {root}: evaluating with this command line's settings.")
-            return
-        recorded = json.loads(found.read_text())
-        explicit = getattr(cfg, "explicit", set())
-        for key, value in recorded.items():
-            if not hasattr(cfg, key) or key in EVAL_ONLY_OWN:
-                continue
-            mine = getattr(cfg, key)
-            if key in explicit and mine != value:
-                if key in SPLIT_SETTINGS:
-                    raise RecipeError(
-                        f"--{key.replace('_', '-')} {mine} differs from the run's {value} ({found}), which chose the images "
-                        "held out of train for validation: evaluating with it would score images the model trained "
-                        f"on. Drop --{key.replace('_', '-')}; --eval-only uses the run's settings.")
-                if key == "dataset":
-                    self.eval_note = f"dataset {mine!r} (the run trained on {value!r})"
-                continue
-            setattr(cfg, key, value)
+    # --- --eval-only (common.evalonly) -------------------------------------------------------------
 
     def load_weights(self, model) -> None:
         """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder)."""
-        from safetensors.torch import load_file
-
         self.stop.interruptible("evaluating (--eval-only)")  # nothing to save: a stop request ends it at once
-        root = Path(self.cfg.checkpoint).expanduser()
-        candidates = [root, root / "best", root / "final", ckpt.find_latest(root)]
-        found = next((c / ckpt.WEIGHTS for c in candidates if c is not None and (c / ckpt.WEIGHTS).is_file()), None)
-        if found is None:
-            raise RecipeError(f"--checkpoint {self.cfg.checkpoint} holds no {ckpt.WEIGHTS} (looked in it, its best/ and "
-                              "final/ folders and its newest checkpoint). Pass a run directory or one of those folders.")
-        try:
-            self.accelerator.unwrap_model(model).load_state_dict(load_file(str(found)))
-        except RuntimeError as err:
-            raise RecipeError(f"The weights in {found} don't fit this recipe's model with these settings "
-                              f"({str(err).splitlines()[0]}). Use the recipe the run was trained with (model.json "
-                              "beside the weights names it).") from None
-        self.weights = found
+        self.weights = evalonly.load_weights(self.cfg, self.accelerator, model)
 
     def report_eval_only(self, data, metrics: dict | None) -> None:
         """Print and write eval-<split>.json beside the weights (a new file if one exists); target check."""
         self.stop.interruptible(None)
-        if metrics is None:
-            raise RecipeError(f"The dataset {data.source!r} has no test or validation split to evaluate on. Add a "
-                              "test split, or set --val-fraction above 0.")
-        split = "test" if data.test is not None else "val"
-        result = {"weights": str(self.weights), "split": split, "dataset": data.source, "loss": metrics["loss"],
-                  "accuracy": metrics["accuracy"], "count": metrics["count"],
-                  "per_class_accuracy": dict(zip(data.class_names, metrics["per_class_accuracy"])),
-                  "processes": self.accelerator.num_processes, "seed": self.cfg.seed,
-                  "val_fraction": self.cfg.val_fraction}
-        if self.eval_note:
-            result["note"] = self.eval_note
-        out = self.weights.parent / f"eval-{split}.json"
-        if out.exists():  # earlier results are kept: a new file per evaluation
-            out = out.with_name(f"eval-{split}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        self.say(f"eval-only: {split} accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f} "
-                 f"({metrics['count']} images) weights {self.weights}"
-                 + (f"; NOTE: {self.eval_note}" if self.eval_note else "") + f"; wrote {out}")
-        if self.accelerator.is_main_process:
-            out.write_text(json.dumps(result, indent=2) + "\n")
-        if self.cfg.target_accuracy and metrics["accuracy"] < self.cfg.target_accuracy:
-            self.say(f"TARGET MISSED: {split} accuracy {metrics['accuracy']:.4f} is below --target-accuracy "
-                     f"{self.cfg.target_accuracy:.4f}.")
+        if evalonly.report(self.cfg, self.accelerator, self.say, self.weights, self.eval_note, data, metrics):
             self.exit_code, self.status = EXIT_TARGET_MISSED, "target_missed"

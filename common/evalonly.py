@@ -1,0 +1,90 @@
+"""--eval-only: score saved weights on the split their run held out, with the run's own settings."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from common import checkpoint as ckpt
+from common.errors import RecipeError
+
+# --eval-only takes these from the command line; every other setting comes from the run's config.json.
+EVAL_ONLY_OWN = {"eval_only", "checkpoint", "target_accuracy", "output_dir", "resume_from", "eval_batch_size",
+                 "cache_dir", "timeout_s", "profile", "data_on_device", "config"}
+SPLIT_SETTINGS = ("seed", "val_fraction")  # they decide which train images are held out for validation
+
+
+def adopt_run_config(cfg, say) -> str:
+    """Take the dataset, split and model settings from the run's config.json, so the weights are scored on
+    the images the run held out; refuse overrides that would change the split. Returns a note ('' if none)."""
+    root = Path(cfg.checkpoint).expanduser()
+    found = next((d / "config.json" for d in (root, root.parent, root.parent.parent) if (d / "config.json").is_file()),
+                 None)
+    note = ""
+    if found is None:
+        say(f"NOTE: no config.json found beside {root}: evaluating with this command line's settings.")
+        return note
+    recorded = json.loads(found.read_text())
+    explicit = getattr(cfg, "explicit", set())
+    for key, value in recorded.items():
+        if not hasattr(cfg, key) or key in EVAL_ONLY_OWN:
+            continue
+        mine = getattr(cfg, key)
+        if key in explicit and mine != value:
+            if key in SPLIT_SETTINGS:
+                raise RecipeError(
+                    f"--{key.replace('_', '-')} {mine} differs from the run's {value} ({found}), which chose the images "
+                    "held out of train for validation: evaluating with it would score images the model trained "
+                    f"on. Drop --{key.replace('_', '-')}; --eval-only uses the run's settings.")
+            if key == "dataset":
+                note = f"dataset {mine!r} (the run trained on {value!r})"
+            continue
+        setattr(cfg, key, value)
+    return note
+
+
+def load_weights(cfg, accelerator, model) -> Path:
+    """Load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder); returns their file."""
+    from safetensors.torch import load_file
+
+    root = Path(cfg.checkpoint).expanduser()
+    candidates = [root, root / "best", root / "final", ckpt.find_latest(root)]
+    found = next((c / ckpt.WEIGHTS for c in candidates if c is not None and (c / ckpt.WEIGHTS).is_file()), None)
+    if found is None:
+        raise RecipeError(f"--checkpoint {cfg.checkpoint} holds no {ckpt.WEIGHTS} (looked in it, its best/ and "
+                          "final/ folders and its newest checkpoint). Pass a run directory or one of those folders.")
+    try:
+        accelerator.unwrap_model(model).load_state_dict(load_file(str(found)))
+    except RuntimeError as err:
+        raise RecipeError(f"The weights in {found} don't fit this recipe's model with these settings "
+                          f"({str(err).splitlines()[0]}). Use the recipe the run was trained with (model.json "
+                          "beside the weights names it).") from None
+    return found
+
+
+def report(cfg, accelerator, say, weights: Path, note: str, data, metrics: dict | None) -> bool:
+    """Print and write eval-<split>.json beside the weights (a new file if one exists). True when
+    --target-accuracy was missed."""
+    if metrics is None:
+        raise RecipeError(f"The dataset {data.source!r} has no test or validation split to evaluate on. Add a "
+                          "test split, or set --val-fraction above 0.")
+    split = "test" if data.test is not None else "val"
+    result = {"weights": str(weights), "split": split, "dataset": data.source, "loss": metrics["loss"],
+              "accuracy": metrics["accuracy"], "count": metrics["count"],
+              "per_class_accuracy": dict(zip(data.class_names, metrics["per_class_accuracy"])),
+              "processes": accelerator.num_processes, "seed": cfg.seed, "val_fraction": cfg.val_fraction}
+    if note:
+        result["note"] = note
+    out = weights.parent / f"eval-{split}.json"
+    if out.exists():  # earlier results are kept: a new file per evaluation
+        out = out.with_name(f"eval-{split}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    say(f"eval-only: {split} accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f} "
+        f"({metrics['count']} images) weights {weights}" + (f"; NOTE: {note}" if note else "") + f"; wrote {out}")
+    if accelerator.is_main_process:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    missed = bool(cfg.target_accuracy and metrics["accuracy"] < cfg.target_accuracy)
+    if missed:
+        say(f"TARGET MISSED: {split} accuracy {metrics['accuracy']:.4f} is below --target-accuracy "
+            f"{cfg.target_accuracy:.4f}.")
+    return missed
