@@ -59,13 +59,12 @@ from common import checkpoint as ckpt
 from common import rundir
 from common.accelerator import make_accelerator, per_process_batch, startup_line
 from common.augment import batch_generator
-from common import evalonly, summary
+from common import evalonly, resume, summary
 from common.config import sanitize_for_hparams, save_config
 from common.data import data_fingerprint, load_image_data, make_loader
 from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError, report
 from common.guard import LossScaleWatch, StepGuard
 from common.profiler import StepProfiler
-from common.schedule import lr_multiplier
 from common.stopping import StopFlag
 from common.tracking import MetricsLog, Progress, Throughput
 
@@ -210,7 +209,7 @@ class TrainingRun:
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
         self.data_fingerprint = data_fingerprint(data)
         if self.resume_path is not None:
-            state = self._resume_newest_readable()
+            state = resume.resume_newest_readable(self)
             if acc.is_main_process and not (self.run_dir / "config.json").exists():  # continued in a new folder
                 save_config(cfg, self.run_dir / "config.json")
         else:
@@ -239,69 +238,6 @@ class TrainingRun:
         # "running" first: a start killed outright (OOM killer, node loss) leaves this start's "running", never
         # an earlier start's "preempted" that a requeue script would act on
         self._write_summary({})
-
-    def _resume_newest_readable(self) -> dict:
-        """--resume-from latest falls back past a checkpoint that was marked complete but cannot be read (a power
-        loss while it was written), and says so; the damaged folder is renamed damaged-step-N and kept."""
-        while True:
-            try:
-                return self._resume(self.resume_path)
-            except ckpt.DamagedCheckpoint as err:
-                damaged = self.resume_path
-                older = [p for p in ckpt.complete_checkpoints(self.run_dir) if p.name < damaged.name]
-                if self.cfg.resume_from != "latest" or not older:
-                    raise RecipeError(f"Cannot resume from {damaged}: {err}. "
-                                      + ("Pass --resume-from latest to fall back to an older checkpoint, or another "
-                                         "checkpoint folder." if older else "No older complete checkpoint exists: start "
-                                         "a new run with a new --output-dir.")) from None
-                self.accelerator.wait_for_everyone()  # every rank has seen the damage before the folder moves
-                self._on_main(lambda: os.replace(damaged, damaged.with_name(f"damaged-{damaged.name}")))
-                self.say(f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
-                         f"damaged-{damaged.name} and the run resumes from the previous one, {older[-1]}.")
-                self.resume_path = older[-1]
-
-    def _resume(self, path: Path) -> dict:
-        cfg, acc = self.cfg, self.accelerator
-        state = ckpt.read_state(path)
-        notes = ckpt.check_resumable(path, state, cfg, acc, self.model)
-        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
-            raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' labels "
-                              "or the images held out for validation are not the same (the dataset folder changed, or "
-                              "another dataset was given). Resuming would validate on other images than the run did. "
-                              "Resume on the run's own data, or start a new run with a new --output-dir.")
-        if state["config"].get("epochs", cfg.epochs) != cfg.epochs:
-            notes.append(self._schedule_change_note(state))
-        if cfg.resume_from != "latest":
-            moved = self._on_main(lambda: ckpt.supersede_newer(self.run_dir, state["global_step"]))
-            if moved:
-                notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
-                             f"renamed ({', '.join(moved)}) and will not be resumed from.")
-        fresh = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
-        acc.load_state(str(path))
-        changes = ckpt.apply_hyperparameters(self.optimizer, self.scheduler, fresh)
-        for note in notes:
-            self.say(f"NOTE: {note}")
-        if changes:
-            self.say(f"NOTE: applied from the command line over the checkpoint's values: {', '.join(changes)}")
-        self.say(f"resumed from {path}: epoch {state['epoch'] + 1}, batch {state['batches_in_epoch']}, "
-                 f"step {state['global_step']}")
-        return state
-
-    def _schedule_change_note(self, state: dict) -> str:
-        cfg, step = self.cfg, state["global_step"]
-        old_epochs = state["config"]["epochs"]
-
-        def multiplier(epochs):
-            total = self.steps_per_epoch * epochs
-            return lr_multiplier(step, total, int(round(cfg.warmup_fraction * total)), cfg.schedule,
-                                 cfg.warmup_start, cfg.final_lr)
-
-        return (f"--epochs {cfg.epochs} differs from the run's {old_epochs}: the LR schedule is recomputed for "
-                f"{self.steps_per_epoch * cfg.epochs} steps instead of {self.steps_per_epoch * old_epochs}, so at step "
-                f"{step} the learning rate moves from {multiplier(old_epochs):.3g} to {multiplier(cfg.epochs):.3g} of "
-                f"its peak and follows the new curve from there; the result will differ from a run started with "
-                f"--epochs {cfg.epochs}.")
 
     # --- the loop --------------------------------------------------------------------------------
 
