@@ -54,6 +54,28 @@ class ConvNet(nn.Module):
         return self.head(self.features(x))
 
 
+class LeanConvNet(nn.Module):
+    """A fast MNIST net: a 5x5 conv and a 3x3 conv (no padding), each followed at once by a 2x2 maxpool, then
+    BatchNorm and ReLU on the pooled map, then a hidden linear layer and the head. Pooling straight after
+    each conv keeps the work on small maps: at width 24 it costs about 10 MFLOP per 28x28 training image
+    (forward + backward), 1/24 of ConvNet(width 48, depth 2)."""
+
+    def __init__(self, in_shape, num_classes: int, width: int = 24, hidden: int = 256, dropout: float = 0.0):
+        super().__init__()
+        c, h, w = in_shape
+        if h < 14 or w < 14:
+            raise DataError(f"The data can't feed this model: LeanConvNet needs images of at least 14x14 pixels, got {h}x{w}. {RESIZE_HINT}")
+        self.features = nn.Sequential(
+            nn.Conv2d(c, width, 5, bias=False), nn.MaxPool2d(2), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, bias=False), nn.MaxPool2d(2), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True))
+        size = (((h - 4) // 2 - 2) // 2) * (((w - 4) // 2 - 2) // 2)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * size, hidden), nn.ReLU(inplace=True),
+                                  nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
 class FrozenScaleBatchNorm(nn.BatchNorm2d):
     """BatchNorm with its scale fixed at 1 and only the bias trained (airbench): the following conv is
     scale-invariant anyway, so the scale only slows learning. eps 1e-12 and momentum 0.4 (torch's
@@ -127,6 +149,18 @@ def parse_ints(text: str, flag: str = "") -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise ConfigError(f"{flag or 'the value'} {text!r} is not a comma-separated list of positive integers; pass "
                           "e.g. 64,256,256.")
+    return values
+
+
+def parse_floats(text: str, flag: str = "", count: int = 0) -> tuple[float, ...]:
+    """'0.9,0.999' -> (0.9, 0.999); ``count`` > 0 demands exactly that many values."""
+    try:
+        values = tuple(float(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or (count and len(values) != count):
+        raise ConfigError(f"{flag or 'the value'} {text!r} is not a comma-separated list of "
+                          f"{count or 'some'} numbers; pass e.g. {','.join(['0.9', '0.999'][:count or 2])}.")
     return values
 
 

@@ -1,13 +1,14 @@
 """FashionMNIST with an MLP (flatten, 784 -> 1024 -> 1024 -> 10, ReLU, dropout), on 1 to N devices.
 
-Target: 89.5% test accuracy in 10 epochs with the defaults; README has the validation accuracy measured per
-seed on the real Fashion-MNIST train set (the test split was not used). Check it:
+Target: 90.0% validation accuracy in 6 epochs (about a minute on 2 CPU cores); README has the accuracy and wall
+time measured per seed on the real Fashion-MNIST train set. Check it:
 
-    accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.895   # exits 4 if missed
+    accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.90   # exits 4 if missed
 
 The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisation), --label-smoothing
-0.1, --warmup-fraction 0.02 --schedule cosine (warm-up, then cosine decay to zero), AdamW --lr 1e-3
---weight-decay 1e-4, --batch-size 128. No augmentation, no weight average: the simplest recipe to start from.
+0.1, --warmup-fraction 0.05 --schedule cosine (warm-up, then cosine decay to zero within the run), AdamW --lr 2e-3
+--weight-decay 1e-4, --batch-size 256 (half as many 7.5 MB gradient all-reduces per epoch as 128). No
+augmentation, no weight average: the simplest recipe to start from.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/fashion_mnist_mlp.py
@@ -33,7 +34,7 @@ from accelerate.utils import set_seed
 from common.augment import BatchTransform, channel_stats
 from common.config import DATASET_HELP, CommonConfig, knob, parse_config
 from common.metrics import evaluate
-from common.models import MLP, parse_ints
+from common.models import MLP, parse_floats, parse_ints
 from common.run import TrainingRun
 from common.schedule import build_scheduler
 
@@ -43,17 +44,19 @@ RECIPE = "fashion_mnist_mlp"
 @dataclass
 class Config(CommonConfig):
     dataset: str = knob("zalando-datasets/fashion_mnist", DATASET_HELP)
-    epochs: int = knob(10, "number of passes over the training split")
-    batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
-    lr: float = knob(1e-3, "peak learning rate (AdamW)")
+    epochs: int = knob(6, "number of passes over the training split")
+    batch_size: int = knob(256, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    lr: float = knob(2e-3, "peak learning rate (AdamW)")
+    betas: str = knob("0.9,0.999", "AdamW betas, comma-separated")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
-    warmup_fraction: float = knob(0.02, "fraction of optimizer steps spent warming the LR up linearly from 0")
+    warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
     label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
     hidden: str = knob("1024,1024", "hidden layer widths, comma-separated (e.g. 512 for one layer)")
     dropout: float = knob(0.2, "dropout after each hidden layer")
 
     def __post_init__(self):
         parse_ints(self.hidden, "--hidden")  # a malformed list fails here, before any data is read
+        parse_floats(self.betas, "--betas", count=2)
 
 
 def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
@@ -62,8 +65,8 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                             fused=True)  # one kernel per step (CPU too); masks a NaN step
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=parse_floats(cfg.betas, "--betas", count=2),
+                             weight_decay=cfg.weight_decay, fused=True)  # one kernel per step (CPU too); masks a NaN step
 
 
 def main(argv=None) -> int:

@@ -48,7 +48,7 @@ def test_tiny_benchmark_times_the_recipe_and_writes_a_complete_report(tmp_path):
     # the model and settings are the recipe's own: its Config defaults, --tiny's flags parsed by its parser
     cfg = report["settings"]["config"]
     assert report["recipe"] == "mnist_convnet" and cfg["width"] == 8 and cfg["batch_size"] == 32
-    assert cfg["lr"] == 2e-3 and cfg["label_smoothing"] == 0.1 and report["settings"]["model"] == "ConvNet"
+    assert cfg["lr"] == 1e-2 and cfg["label_smoothing"] == 0.1 and report["settings"]["model"] == "LeanConvNet"
     assert report["skipped"] == {"processes": "--skip processes"}
 
     rows = report["rows"]
