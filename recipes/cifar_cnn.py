@@ -1,8 +1,8 @@
 """CIFAR-10 with airbench94's method (arXiv 2404.00498), as an Accelerate script, on 1 to N devices.
 
-Result and time: README, Performance. Each part of the method is a flag: the airbench network (common.models),
-BatchNorm biases at --bias-lr-scale 64x the LR (common.optim), Lookahead averaging (common.averaging), an
-alternating --flip, --translate 2, 6-view test-time augmentation (--tta 2), warm-up from 0.2, decay to 0.07.
+Measured (README): 90.7% validation on CIFAR-10 (JPEG copy) after 10 epochs (seed 1), short of the 92% goal.
+Each part of the method is a flag: the airbench network (common.models), BatchNorm biases at --bias-lr-scale 64x
+the LR (common.optim), Lookahead (common.averaging), --flip (alternating), --translate 2, --tta 2 (6 views).
 
     accelerate launch recipes/cifar_cnn.py          # one process (CPU or one GPU)
     # two gloo processes on a CPU-only machine
