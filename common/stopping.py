@@ -7,9 +7,9 @@
   TERM, so the checkpoint must be written well inside that (it takes about a second for these models).
 - A launcher killed outright (``kill -9``) leaves its workers running under PID 1; a watcher thread sees
   the parent change within a second and raises the same flag, so the orphans checkpoint and exit
-  instead of racing a rerun in the same run directory. Only workers of a launcher (torchrun or
-  ``accelerate launch`` set TORCHELASTIC_RUN_ID) watch: ``nohup python recipes/x.py &`` keeps running when
-  its shell logs out, and a HUP that was ignored at start (nohup) stays ignored.
+  instead of racing a rerun in the same run directory. Only workers of a launcher (``accelerate launch``
+  or torchrun as the parent) watch: ``nohup python recipes/x.py &`` keeps running when its shell logs out,
+  and a HUP that was ignored at start (nohup) stays ignored.
 - A second Ctrl-C ends the process at once (KeyboardInterrupt), without waiting for a step boundary.
 - Phases with nothing to checkpoint (reading and decoding the data, waiting for a peer to decode it, the
   final evaluation, all of --eval-only) are ``interruptible``: a stop request ends them at once.
@@ -26,6 +26,20 @@ WATCH_INTERVAL_S = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
+LAUNCHERS = ("accelerate launch", "accelerate-launch", "torchrun", "torch.distributed.run", "torch/distributed/run")
+
+
+def launched_by_a_launcher(parent: int) -> bool:
+    """True when the parent process is `accelerate launch` (either launcher) or torchrun; a shell is not."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's workers, on any system
+        return True
+    try:
+        cmd = open(f"/proc/{parent}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:  # no /proc (macOS): the single-process accelerate launcher goes unwatched there
+        return False
+    return any(name in cmd for name in LAUNCHERS)
+
+
 class StopFlag:
     def __init__(self, watch_parent: bool = True):
         self.reason, self.phase = "", None
@@ -38,8 +52,7 @@ class StopFlag:
         self._done = threading.Event()
         # Only a launcher's worker watches its parent: a plain `python recipe.py` (under nohup, say) outlives
         # the shell that started it on purpose.
-        launched = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-        if watch_parent and launched and self._parent != 1:
+        if watch_parent and self._parent != 1 and launched_by_a_launcher(self._parent):
             threading.Thread(target=self._watch_parent, name="launcher-watch", daemon=True).start()
 
     def __bool__(self) -> bool:

@@ -98,7 +98,7 @@ def test_labels_outside_the_training_classes(tmp_path, env):
 def test_images_too_small_for_the_model(tmp_path, env):
     root = write_parquet_dataset(tmp_path / "d", {"train": 16}, shape=(1, 2, 2))
     assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
-                       "at least 4x4", "--image-size")
+                       "at least 14x14", "--image-size")
 
 
 def test_empty_split(tmp_path, env):

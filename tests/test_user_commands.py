@@ -202,10 +202,12 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monk
     # the tools' main() in this process (their command lines run in tests/test_predict.py and test_export.py)
     monkeypatch.chdir(workdir)
     capsys.readouterr()
-    assert predict.main([str(run), str(data / "cat"), "--format", "json"]) == 0
+    # the copy defines the model: the user names it (--recipe), as copy_recipe's next steps say
+    assert predict.main([str(run), str(data / "cat"), "--format", "json", "--recipe", str(dest)]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 16 and results[0]["predictions"][0]["label"] in ("cat", "dog", "frog")
-    assert export.main([str(run), "--onnx", str(workdir / "m.onnx")]) == 0, capsys.readouterr().err
+    assert export.main([str(run), "--onnx", str(workdir / "m.onnx"), "--recipe", str(dest)]) == 0, \
+        capsys.readouterr().err
     assert (workdir / "m.onnx").stat().st_size > 0
     check_ok(run_in_process(dest, ["--eval-only", "--checkpoint", run], env, cwd=workdir))
     result = json.loads((run / "best" / "eval-val.json").read_text())
