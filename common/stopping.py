@@ -26,7 +26,8 @@ WATCH_INTERVAL_S = 1.0
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
-LAUNCHERS = ("accelerate launch", "accelerate-launch", "torchrun", "torch.distributed.run", "torch/distributed/run")
+LAUNCHERS = ("accelerate launch", "accelerate-launch", "accelerate.commands.launch", "accelerate/commands/launch",
+             "torchrun", "torch.distributed.run", "torch/distributed/run")
 
 
 def launched_by_a_launcher(parent: int) -> bool:
