@@ -22,6 +22,7 @@ from common.errors import DataError
 from common.files import create_exclusive as _create_exclusive
 from common.files import fsync_dir as _fsync_dir
 from common.files import temp_name as _temp_name
+from common.files import write_atomic
 from common.splits import ImageSplit
 
 CACHE_VERSION = "2"  # 2: images memory-mapped from a checked safetensors layout (labels first)
@@ -227,11 +228,7 @@ def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log
         except DataError as err:
             if locked:  # tell the processes waiting on this lock, so they do not decode again to fail alike
                 with contextlib.suppress(OSError):
-                    tmp = _temp_name(error_file)
-                    fd = _create_exclusive(tmp)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(str(err))
-                    os.replace(tmp, error_file)
+                    write_atomic(error_file, str(err))
             raise
         with contextlib.suppress(OSError):
             error_file.unlink()
@@ -275,11 +272,8 @@ def _read_source_index(index: Path, mmap: bool):
 
 
 def _write_source_index(index: Path, files: dict, class_names) -> None:
-    tmp = _temp_name(index)
     with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next run the full path
-        with os.fdopen(_create_exclusive(tmp), "w") as f:
-            json.dump({"splits": files, "class_names": list(class_names)}, f)
-        os.replace(tmp, index)
+        write_atomic(index, json.dumps({"splits": files, "class_names": list(class_names)}))
 
 
 def default_cache_dir() -> Path:
