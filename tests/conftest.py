@@ -89,6 +89,19 @@ def env(tmp_path):
     return recipe_env(tmp_path)
 
 
+@pytest.fixture
+def foreground_signals():
+    """SIGINT and SIGQUIT as a foreground terminal gives them. A shell without job control starts a
+    background job (`pytest ... &`) with both ignored, and the recipes keep an ignored signal ignored, so a
+    test that sends them to its own process sets them first."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGQUIT)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, timeout: int = 240,
            extra_launch=(), port: int | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch` a recipe with a shipped config on a free port (or ``port``); returns the

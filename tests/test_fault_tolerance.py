@@ -99,7 +99,7 @@ def test_incomplete_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_p
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGQUIT])  # torchrun forwards QUIT too
-def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env, mnist_like, sig):
+def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env, mnist_like, sig, foreground_signals):
     """SIGTERM to a running process: it finishes the step, writes a checkpoint, records "preempted", exits
     75 and says how to continue; the same command resumes. In this process (the signal handler and the
     stop path are the same code at any process count); a TERM reaching both ranks of a real 2-process
@@ -140,7 +140,8 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
     assert "resumed from" in again.stdout and f"step {step}" in again.stdout
 
 
-def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_path, env, mnist_like, monkeypatch):
+def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_path, env, mnist_like, monkeypatch,
+                                                                          foreground_signals):
     """TERM while the data is decoded, and TERM during the final evaluation: each ends the process at once with
     exit 75 and "preempted" in summary.json (the data phase has trained nothing; the final evaluation follows
     the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
