@@ -64,6 +64,8 @@ def make_accelerator(cfg):
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
+    from common.tracking import log_with
+
     cpu = not has_accelerator_device()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     notes = [lost_processes_note()]
@@ -84,7 +86,7 @@ def make_accelerator(cfg):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
                                                   non_blocking=not cpu),
         step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
-        log_with="tensorboard",  # pointed at the run directory once all ranks agree on it
+        log_with=log_with(cfg.report_to) or None,  # pointed at the run directory once all ranks agree on it
         project_config=ProjectConfiguration(project_dir="."),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
     )

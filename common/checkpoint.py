@@ -39,7 +39,7 @@ STEP_DIR = re.compile(r"^step-\d{8}$")
 # Config fields that may change on resume without changing what the checkpoint means.
 RESUME_MAY_CHANGE = {"epochs", "profile", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints",
                      "log_every", "progress_every_s", "eval_every", "eval_every_steps", "target_accuracy",
-                     "timeout_s", "max_steps", "cache_dir", "data_on_device", "eval_batch_size"}
+                     "timeout_s", "max_steps", "cache_dir", "data_on_device", "eval_batch_size", "report_to"}
 # Settings that decide what a resumed run means: taken from the checkpoint when not given, refused when given
 # with another value (the reason is the error's).
 RESUME_KEEPS = {

@@ -90,6 +90,9 @@ class CommonConfig:
     log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
     progress_every_s: float = knob(30.0, "when output is not a terminal (nohup, SLURM), print a progress line this "
                                    "often, in seconds (0 = at every --log-every step)")
+    report_to: str = knob("tensorboard", "where the metrics go besides <run dir>/metrics.jsonl: Accelerate trackers, "
+                          "comma-separated (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, "
+                          "trackio), 'all' (every one installed) or 'none'")
     profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
     timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
@@ -272,6 +275,9 @@ def validate(cfg) -> None:
     need(0 <= cfg.target_accuracy <= 1, f"--target-accuracy is a fraction in [0, 1] (got {cfg.target_accuracy}); "
          "pass e.g. 0.99 for 99%.")
     need(cfg.profile >= 0, f"--profile takes a number of optimizer steps to record, >= 0 (got {cfg.profile}).")
+    from common.tracking import trackers_from
+
+    trackers_from(cfg.report_to)  # an unknown or uninstalled tracker: an error now, not a run that logs nowhere
     need(cfg.timeout_s >= 10, f"--timeout-s must be at least 10 seconds (got {cfg.timeout_s}).")
     need(not (cfg.eval_only and not cfg.checkpoint), "--eval-only needs --checkpoint <run or checkpoint directory> "
          "naming the weights to evaluate.")

@@ -222,7 +222,8 @@ class TrainingRun:
         self.best, self.skipped_before = state["best"], state["skipped_steps"]
         self.saved_step = self.global_step if self.resume_path is not None else None
         self.done = self.global_step >= self.total_steps
-        self.log = MetricsLog(acc, self.run_dir, self.global_step if self.resume_path is not None else None)
+        self.log = MetricsLog(acc, self.run_dir, self.global_step if self.resume_path is not None else None,
+                              self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg)))
         self.profiler = StepProfiler(acc, cfg.profile, self.run_dir)
         self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s)
         self.meter = Throughput(acc.device)
@@ -410,28 +411,14 @@ class TrainingRun:
             self.checkpoint_after_eval = False
             self._checkpoint(batches_in_epoch=self.batch + 1)
 
-    def _log_eval(self, split: str, metrics: dict, data_split) -> np.ndarray | None:
-        """Scalars to metrics.jsonl and TensorBoard, and the images to TensorBoard; returns the confusion
-        matrix image (None without a writer or images)."""
+    def _log_eval(self, split: str, metrics: dict, data_split, final: bool = False) -> np.ndarray | None:
+        """Scalars to metrics.jsonl and the trackers, images to TensorBoard; returns the confusion matrix image."""
         per_class = {f"{split}/accuracy_class/{name}": acc
                      for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
         self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
                      step=self.global_step, extra={f"{split}_time": round(time.time(), 3),
                                                    f"{split}_seconds": round(metrics["seconds"], 3)})
-        writer = self.log.writer
-        if writer is None or not metrics["count"]:
-            return None
-        from common.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
-
-        title = f"{confusion_matrix_title(split, metrics['count'])}, step {self.global_step}"
-        confusion = confusion_matrix_image(metrics["confusion"], self.data.class_names, title=title)
-        writer.add_image(f"{split}/confusion_matrix", confusion, self.global_step, dataformats="HWC")
-        preds, labels = metrics["preds"], metrics["labels"]
-        wrong = (preds != labels).nonzero().flatten()[:36]
-        writer.add_image(f"{split}/misclassified", misclassified_grid(data_split.images_at(wrong), labels[wrong], preds[wrong],
-                                                                      self.data.class_names),
-                         self.global_step, dataformats="HWC")
-        return confusion
+        return self.log.images(split, metrics, data_split, self.data.class_names, self.global_step, final)
 
     def end_epoch(self) -> None:
         """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
@@ -462,7 +449,8 @@ class TrainingRun:
         split = "test" if self.data.test is not None else "val"
         final, confusion = {}, None
         if metrics is not None:
-            confusion = self._log_eval(split, metrics, self.data.test if split == "test" else self.data.val)
+            confusion = self._log_eval(split, metrics, self.data.test if split == "test" else self.data.val,
+                                       final=True)
             final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"],
                      f"{split}/count": metrics["count"]}
         ckpt.save_model_dir(acc, model, self.run_dir / "final",

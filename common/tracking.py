@@ -1,6 +1,7 @@
-"""What a run reports while it trains: TensorBoard scalars and ``metrics.jsonl`` (main process only),
-throughput and memory, and progress where the user reads it (a bar in a terminal, a line every
-``--progress-every-s`` seconds in a log file)."""
+"""What a run reports while it trains: the trackers chosen with ``--report-to`` (TensorBoard by default,
+through Accelerate's tracker API: wandb, MLflow, Comet, Aim, ClearML, DVCLive, SwanLab, Trackio) and
+``metrics.jsonl`` (main process only), TensorBoard's evaluation images, throughput and memory, and progress
+where the user reads it (a bar in a terminal, a line every ``--progress-every-s`` seconds in a log file)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,66 @@ from pathlib import Path
 
 import torch
 
+from common.errors import ConfigError
+
+TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
+
+
+def trackers_from(report_to: str) -> list[str]:
+    """``--report-to`` as Accelerate tracker names: a comma list, ``all`` (every tracker whose package is
+    installed) or ``none``. A name Accelerate does not know, or whose package is missing, is an error before
+    anything runs (Accelerate itself would drop a missing one without a word, and the run would log nowhere)."""
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    names = list(dict.fromkeys(n.strip() for n in report_to.split(",") if n.strip()))
+    installed = [str(t) for t in get_available_trackers()]
+    if names in ([], ["none"]):
+        return []
+    if "all" in names or "none" in names:
+        if len(names) > 1:
+            raise ConfigError(f"--report-to {report_to!r}: 'all' and 'none' stand alone; pass one of them, or a "
+                              "comma-separated list of trackers.")
+        return sorted(installed, key=lambda n: n != "tensorboard")
+    unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
+    if unknown:
+        raise ConfigError(f"--report-to {report_to!r}: {', '.join(unknown)} is not one of Accelerate's trackers "
+                          f"({', '.join(LOGGER_TYPE_TO_CLASS)}). Pass a comma-separated list of them, 'all' or "
+                          "'none'; metrics.jsonl in the run directory is written in every case.")
+    missing = [n for n in names if n not in installed]
+    if missing:
+        raise ConfigError(f"--report-to {','.join(missing)}: the {' and '.join(missing)} package"
+                          f"{'s are' if len(missing) > 1 else ' is'} not installed in this Python environment, so "
+                          f"nothing would reach {'them' if len(missing) > 1 else 'it'}. Install it (pip install "
+                          f"{' '.join(missing)}), or leave it out of --report-to (trackers installed here: "
+                          f"{', '.join(installed) or 'none'}; metrics.jsonl is written in every case).")
+    return names
+
+
+def log_with(report_to: str) -> list:
+    """What ``Accelerator(log_with=...)`` gets: TensorBoard as a tracker object of our own (its folder is the
+    run directory's ``tensorboard/``, set once the run directory is known), every other tracker by name."""
+    from accelerate.tracking import TensorBoardTracker
+
+    class RunTensorBoard(TensorBoardTracker):
+        def __init__(self):
+            super().__init__(TENSORBOARD_DIR, ".")
+
+    return [RunTensorBoard() if name == "tensorboard" else name for name in trackers_from(report_to)]
+
 
 class MetricsLog:
-    """TensorBoard (through Accelerate's tracker) plus ``metrics.jsonl``, one JSON line per step: values
-    logged at a step already written are merged into its line, whose ``time`` is then that of its last
-    value (an evaluation row also carries ``eval_time``, when the evaluation finished, and
-    ``eval_seconds``). Main process only; other ranks no-op.
+    """The trackers plus ``metrics.jsonl``, one JSON line per step: values logged at a step already written
+    are merged into its line, whose ``time`` is then that of its last value (an evaluation row also carries
+    ``eval_time``, when the evaluation finished, and ``eval_seconds``). Main process only; other ranks no-op.
+    TensorBoard also gets the hyperparameters with the final metrics (its HParams tab) and, at each
+    evaluation, a confusion matrix and a grid of misclassified images; every other tracker gets the same
+    scalars, and the hyperparameters at the start (``project`` names its project or experiment, the run
+    directory's name its run).
 
     ``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a
     crashed run wrote after its checkpoint (TensorBoard hides its events past the step, ``purge_step``)."""
 
-    def __init__(self, accelerator, run_dir: Path, resume_step: int | None):
+    def __init__(self, accelerator, run_dir: Path, resume_step: int | None, project: str = "", hparams=None):
         self.accelerator, self.path = accelerator, Path(run_dir) / "metrics.jsonl"
         self.last: dict | None = None  # the file's last line, rewritten when its step logs more values
         if not accelerator.is_main_process:
@@ -35,15 +85,26 @@ class MetricsLog:
         self.path.write_text("".join(lines))
         self.last = kept[-1] if kept else None
         self.last_offset = sum(len(line.encode()) for line in lines[:-1])  # where the last line starts
-        purge = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
-        accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": purge})
+        for tracker in accelerator.log_with:
+            if getattr(tracker, "name", None) == "tensorboard":
+                tracker.logging_dir_param = str(run_dir)
+                tracker.init_kwargs = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
+        accelerator.init_trackers(project or TENSORBOARD_DIR, init_kwargs={
+            "mlflow": {"run_name": Path(run_dir).name}, "wandb": {"name": Path(run_dir).name, "dir": str(run_dir)}})
+        for tracker in accelerator.trackers:
+            if tracker.name != "tensorboard" and hparams:  # TensorBoard's come with the final metrics
+                tracker.store_init_configuration(hparams)
 
     @property
     def writer(self):
-        return self.accelerator.get_tracker("tensorboard", unwrap=True) if self.accelerator.is_main_process else None
+        """TensorBoard's SummaryWriter, or None (another rank, or not reported to)."""
+        if not self.accelerator.is_main_process:
+            return None
+        found = [t for t in self.accelerator.trackers if t.name == "tensorboard"]
+        return found[0].tracker if found else None
 
     def log(self, values: dict, step: int, extra: dict | None = None) -> None:
-        """``values`` go to TensorBoard and metrics.jsonl; ``extra`` (e.g. when an evaluation finished and
+        """``values`` go to every tracker and metrics.jsonl; ``extra`` (e.g. when an evaluation finished and
         how long it took) only to metrics.jsonl."""
         if not self.accelerator.is_main_process:
             return
@@ -64,13 +125,33 @@ class MetricsLog:
                 self.last_offset = f.tell()
             f.write(json.dumps(self.last) + "\n")
 
+    def images(self, split: str, metrics: dict, data_split, class_names, step: int, final: bool = False):
+        """TensorBoard's confusion matrix and misclassified grid for an evaluation; returns the confusion
+        matrix image (also drawn without TensorBoard for the final evaluation: the run's confusion_matrix.png),
+        or None."""
+        writer = self.writer
+        if not metrics["count"] or not self.accelerator.is_main_process or (writer is None and not final):
+            return None
+        from common.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
+
+        title = f"{confusion_matrix_title(split, metrics['count'])}, step {step}"
+        confusion = confusion_matrix_image(metrics["confusion"], class_names, title=title)
+        if writer is not None:
+            writer.add_image(f"{split}/confusion_matrix", confusion, step, dataformats="HWC")
+            preds, labels = metrics["preds"], metrics["labels"]
+            wrong = (preds != labels).nonzero().flatten()[:36]
+            grid = misclassified_grid(data_split.images_at(wrong), labels[wrong], preds[wrong], class_names)
+            writer.add_image(f"{split}/misclassified", grid, step, dataformats="HWC")
+        return confusion
+
     def hparams(self, hparams: dict, metrics: dict) -> None:
-        """One HParams session in the main event file: the sanitized config and the final metrics."""
-        if not self.accelerator.is_main_process:
+        """One HParams session in TensorBoard's main event file: the sanitized config and the final metrics."""
+        writer = self.writer
+        if writer is None:
             return
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        file_writer = self.writer._get_file_writer()
+        file_writer = writer._get_file_writer()
         for summary in hparams_summary(hparams, metrics):
             file_writer.add_summary(summary)
 

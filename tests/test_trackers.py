@@ -1,0 +1,70 @@
+"""--report-to: the same scalars and hyperparameters reach every tracker asked for, read back with each
+tracker's own reader (TensorBoard's EventAccumulator, MLflow's client on a local file store: no account, no
+network); 'none' writes metrics.jsonl and the PNGs only; a tracker that is unknown or not installed is a
+one-paragraph error before anything runs, with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import check_ok, read_jsonl, read_scalars, run_in_process
+
+MLP = ["--hidden", "32"]
+
+
+def test_tensorboard_and_mlflow_get_the_same_scalars_and_hparams(tmp_path, env, mnist_like):
+    pytest.importorskip("mlflow", reason="MLflow is in the [test] extra (pip install -e .[test])")
+    from mlflow.tracking import MlflowClient
+
+    store = (tmp_path / "mlruns").as_uri()
+    env.update(MLFLOW_TRACKING_URI=store, MLFLOW_ALLOW_FILE_STORE="true", MLFLOW_EXPERIMENT_NAME="digits")
+    run = tmp_path / "run"
+    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
+                                                  "--log-every", 2, "--output-dir", run,
+                                                  "--report-to", "tensorboard,mlflow"], env))
+    rows = read_jsonl(run / "metrics.jsonl")
+    client = MlflowClient(store)
+    [experiment] = [e for e in client.search_experiments() if e.name == "digits"]
+    [mlflow_run] = client.search_runs([experiment.experiment_id])
+    assert mlflow_run.info.run_name == run.name and mlflow_run.info.status == "FINISHED"
+    tensorboard = read_scalars(run)
+    for key in ("train/loss", "train/lr", "eval/accuracy", "eval/loss", "test/accuracy"):
+        expected = [(r["step"], r[key]) for r in rows if key in r]
+        assert expected, key
+        logged = [(m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)]
+        assert logged == expected, key  # MLflow keeps the float the run logged
+        assert [s for s, _ in tensorboard[key]] == [s for s, _ in expected], key
+        assert [v for _, v in tensorboard[key]] == pytest.approx([v for _, v in expected], rel=1e-6), key  # float32
+    params = mlflow_run.data.params
+    config = json.loads((run / "config.json").read_text())
+    assert params["lr"] == str(config["lr"]) and params["report_to"] == "tensorboard,mlflow"
+    assert params["dataset"] == str(mnist_like) and int(params["epochs"]) == 2
+
+
+def test_report_to_none_writes_the_run_files_only(tmp_path, env, mnist_like):
+    run = tmp_path / "run"
+    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP,
+                                                  "--output-dir", run, "--report-to", "none"], env))
+    assert not (run / "tensorboard").exists() and not list(run.rglob("events.out.tfevents.*"))
+    assert any("test/accuracy" in r for r in read_jsonl(run / "metrics.jsonl"))
+    assert (run / "curves.png").is_file() and (run / "confusion_matrix.png").is_file()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_an_unknown_or_missing_tracker_is_refused_before_anything_runs(tmp_path, env, mnist_like):
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    installed = {str(t) for t in get_available_trackers()}
+    missing = next(name for name in LOGGER_TYPE_TO_CLASS if name not in installed)
+    for value, needles in ((f"tensorboard,{missing}", [f"pip install {missing}", "not installed", "tensorboard"]),
+                           ("tensorbord", ["not one of Accelerate's trackers", "wandb", "mlflow"]),
+                           ("all,none", ["stand alone"])):
+        run = tmp_path / value.replace(",", "-")
+        proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--output-dir", run,
+                                                    "--report-to", value], env)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        message = proc.stderr.strip().splitlines()[-1]
+        assert all(n in message for n in needles), message
+        assert not run.exists()
