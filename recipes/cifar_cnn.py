@@ -5,8 +5,7 @@ Each part of the method is a flag: the airbench network (common.models), BatchNo
 the LR (common.optim), Lookahead (common.averaging), --flip (alternating), --translate 2, --tta 2 (6 views).
 
     accelerate launch recipes/cifar_cnn.py          # one process (CPU or one GPU)
-    # two gloo processes on a CPU-only machine
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py   # 2 CPU processes
     # all GPUs of one machine, bf16; the final model: all 50,000 images, the test split reported
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/cifar_cnn.py --val-fraction 0
     # resume (the same command starts fresh when there is nothing to resume)
@@ -24,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 
+import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
 from common.config import DATASET_HELP, CommonConfig, knob, parse_config
 from common.averaging import Lookahead

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 
+import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
 from common.config import DATASET_HELP, CommonConfig, knob, parse_config
 from common.metrics import evaluate

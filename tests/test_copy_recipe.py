@@ -140,3 +140,23 @@ def test_windows_gets_one_paragraph_instead_of_an_import_traceback():
     code = "import sys; sys.platform = 'win32'; import common"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "use WSL 2" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_package_of_your_own_named_common_is_named_instead_of_a_traceback(tmp_path, capsys):
+    """A copy beside a folder `common/` of the user's: copy_recipe warns, and the copy stops at start with one
+    paragraph naming both folders (Python would import the user's package as `common`); renamed, it runs."""
+    work = tmp_path / "work"
+    (work / "common").mkdir(parents=True)
+    (work / "common" / "__init__.py").write_text("HELPERS = 1\n")
+    assert main(["fashion_mnist_mlp", str(work / "mine.py")]) == 0
+    assert f"warning: {work / 'common'} exists beside the copy" in capsys.readouterr().out
+    env = users_shell_env(tmp_path)
+    proc = subprocess.run([sys.executable, str(work / "mine.py"), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [paragraph] = proc.stderr.strip().splitlines()
+    assert str(work / "common") in paragraph and str(REPO / "common") in paragraph and "Rename" in paragraph
+    (work / "common").rename(work / "my_common")
+    proc = subprocess.run([sys.executable, str(work / "mine.py"), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--report-to" in proc.stdout, proc.stderr

@@ -121,6 +121,11 @@ def next_steps(source: str, dest: Path) -> str:
              "     (--recipe names the file that defines the model: predict and export import only the repository's "
              "own recipes unless told which file to trust)",
              f"       python -m common.tools.predict runs/{dest.stem}-YYYYMMDD-HHMMSS photo.png --recipe {script}"]
+    shadow = dest.parent / "common"
+    if shadow.exists():
+        lines.append(f"warning: {shadow.resolve()} exists beside the copy: Python would import it as `common` instead "
+                     f"of this repository's library, and the copy stops at start saying so. Rename that folder "
+                     "(e.g. my_common) or move the copy elsewhere.")
     if not common_installed():
         lines.append(f"note: the common package is not installed in this Python, so the commands above will not find "
                      f"it. Run `pip install -e {shlex.quote(str(REPO_ROOT))}` (README's `pip install -r "
