@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from common.config import fields_with
 from common.errors import RecipeError
 from common.files import fsync_dir as _fsync_dir
 from common.files import fsync_file as _fsync_file
@@ -36,22 +37,6 @@ STATE_FILE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
 MODEL_CARD = "model.json"
 STEP_DIR = re.compile(r"^step-\d{8}$")
-# Config fields that may change on resume without changing what the checkpoint means.
-RESUME_MAY_CHANGE = {"epochs", "profile", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints",
-                     "log_every", "progress_every_s", "eval_every", "eval_every_steps", "target_accuracy",
-                     "timeout_s", "max_steps", "cache_dir", "data_on_device", "eval_batch_size", "report_to"}
-# Settings that decide what a resumed run means: taken from the checkpoint when not given, refused when given
-# with another value (the reason is the error's).
-RESUME_KEEPS = {
-    "seed": "it chose the images held out for validation and the order of the data",
-    "val_fraction": "it chose the images held out for validation",
-    "grad_accum": "the saved data position counts its micro-batches",
-    "dataset": "the checkpoint was trained on that data",
-}
-# Optimizer hyperparameters a resume applies from the command line (a checkpoint restores the old ones).
-HYPERPARAMETERS = ("lr", "weight_decay", "momentum")
-
-
 def follow_umask(path: Path) -> None:
     """safetensors writes files 0600; give them the mode every other file of the run gets."""
     mask = os.umask(0)
@@ -172,7 +157,7 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
             return []
     explicit = getattr(cfg, "explicit", set())
     refused, taken = [], []
-    for key, why in RESUME_KEEPS.items():
+    for key, why in ((name, meta["why"]) for name, meta in fields_with(cfg, on_resume="keep").items()):
         if key not in saved or getattr(cfg, key) == saved[key]:
             continue
         flag = "--" + key.replace("_", "-")
@@ -203,8 +188,8 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
             f"{cfg.batch_size}. The data position would be wrong; resume with --batch-size {state['global_batch']} "
             "(the per-process batch adapts to the number of processes).")
     notes = []
-    changed = {k: (v, getattr(cfg, k)) for k, v in state["config"].items()
-               if k not in RESUME_MAY_CHANGE and k not in HYPERPARAMETERS and hasattr(cfg, k) and getattr(cfg, k) != v}
+    noted = fields_with(cfg, on_resume="note")  # "keep" ones were settled before; "free" and "apply" need no note
+    changed = {k: (v, getattr(cfg, k)) for k, v in state["config"].items() if k in noted and getattr(cfg, k) != v}
     if changed:
         notes.append(f"resuming with changed settings {changed}; the result will differ from the original run.")
     if state["world_size"] != accelerator.num_processes:
@@ -253,14 +238,18 @@ def verify_files(path: Path) -> None:
                           "from checkpoints you wrote or trust, or start a new run with a new --output-dir.")
 
 
-def apply_hyperparameters(optimizer, scheduler, fresh: list[dict]) -> list[str]:
-    """After ``load_state`` restored the checkpoint's optimizer and scheduler: put back the learning
-    rate, weight decay and momentum this command line asked for (``fresh``: the param groups' values
-    before loading), keeping the schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
+def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[str]:
+    """After ``load_state`` restored the checkpoint's optimizer and scheduler: put back the optimizer
+    hyperparameters this command line asked for (the config fields marked ``on_resume="apply"``, e.g. the
+    learning rate, weight decay, momentum; ``fresh``: the param groups' values before loading), keeping the
+    schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
+    def show(value):
+        return ",".join(f"{v:g}" for v in value) if isinstance(value, (tuple, list)) else f"{value:g}"
+
     changes = []
     scheduler = getattr(scheduler, "scheduler", scheduler)  # the LambdaLR inside Accelerate's wrapper
     for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
-        for key in HYPERPARAMETERS:
+        for key in fields_with(cfg, on_resume="apply"):
             if key == "lr":
                 old, new = group.get("initial_lr", group["lr"]), want.get("initial_lr", want["lr"])
                 if old != new:
@@ -269,7 +258,7 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict]) -> list[str]:
                     group["lr"] = new * scheduler.lr_lambdas[i](scheduler.last_epoch)
                     changes.append(f"lr {old:g} -> {new:g}")
             elif key in group and group[key] != want.get(key):
-                changes.append(f"{key} {group[key]:g} -> {want[key]:g}")
+                changes.append(f"{key} {show(group[key])} -> {show(want[key])}")
                 group[key] = want[key]
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
     return sorted(set(changes))

@@ -19,25 +19,63 @@ from pathlib import Path
 from common.errors import EXIT_BAD_INPUT, ConfigError
 
 
-def knob(default, help: str, choices=None):
-    """A config field with its help text (and optional choices) stored for the CLI."""
-    meta = {"help": help}
+def knob(default, help: str, choices=None, *, on_resume: str = "note", why: str = "", eval_only: str = "run",
+         decides_split: bool = False):
+    """A config field with its help text (and optional choices) for the CLI, and the rules that concern it:
+
+    ``on_resume``: what resuming does when this command line gives another value than the checkpoint's.
+      ``"note"`` accepts it and says the result will differ from the original run; ``"free"`` accepts it
+      without a word (it changes how the run is watched or stored, not what it computes); ``"apply"`` puts it
+      over the optimizer state the checkpoint restores, and prints it (an optimizer hyperparameter);
+      ``"keep"`` takes the checkpoint's value when the flag is not given and refuses another (``why`` says why).
+    ``eval_only``: ``"run"`` means --eval-only takes the value from the run's config.json, ``"own"`` from
+      this command line.
+    ``decides_split``: it decides which training images are held out for validation, so --eval-only refuses
+      another value (it would score images the model trained on)."""
+    assert on_resume in ("note", "free", "apply", "keep") and (on_resume != "keep" or why), on_resume
+    meta = {"help": help, "on_resume": on_resume, "why": why, "eval_only": eval_only, "decides_split": decides_split}
     if choices is not None:
         meta["choices"] = choices
     return field(default=default, metadata=meta)
 
 
+RULE_DEFAULTS = {"on_resume": "note", "why": "", "eval_only": "run", "decides_split": False}
+
+
+def fields_with(cfg, **rule) -> dict[str, dict]:
+    """The fields of a config (class or instance) whose rules match, e.g. ``fields_with(cfg, on_resume="keep")``:
+    name -> metadata. A field of ``CommonConfig`` keeps the rules declared there when a recipe redeclares it
+    to change its default (the rules are about what the field means); a field declared without ``knob`` has
+    the default rules."""
+    shared = {f.name: f.metadata for f in dataclasses.fields(CommonConfig)}
+    found = {f.name: shared.get(f.name, f.metadata) for f in dataclasses.fields(cfg)}
+    return {name: meta for name, meta in found.items()
+            if all(meta.get(k, RULE_DEFAULTS[k]) == v for k, v in rule.items())}
+
+
 MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation produces, and which way is better
-# Technique flags some recipes have and others don't: naming one where it does not exist gets a clear
-# message instead of argparse's bare "unrecognized arguments".
-TECHNIQUE_FLAGS = {
-    "--translate": "mnist_convnet, cifar_cnn", "--flip": "cifar_cnn", "--tta": "cifar_cnn",
-    "--lookahead-every": "cifar_cnn", "--channels-last": "cifar_cnn", "--whiten-init": "cifar_cnn",
-    "--bias-lr-scale": "cifar_cnn", "--whiten-bias-epochs": "cifar_cnn",
-    "--sync-bn": "mnist_convnet, cifar_cnn", "--momentum": "cifar_cnn", "--widths": "cifar_cnn",
-    "--width": "mnist_convnet", "--depth": "mnist_convnet", "--hidden": "fashion_mnist_mlp, mnist_convnet",
-    "--model": "mnist_convnet", "--betas": "mnist_convnet, fashion_mnist_mlp",
-}
+
+
+def recipe_flags() -> dict[str, list[str]]:
+    """Flags of this repository's recipes that not every recipe has, and which recipes have them, read from
+    the recipes' source (parsed, never run): naming one where it does not exist gets a clear message
+    instead of argparse's bare "unrecognized arguments"."""
+    import ast
+
+    found: dict[str, list[str]] = {}
+    for path in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == "Config":
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        found.setdefault("--" + item.target.id.replace("_", "-"), []).append(path.stem)
+    shared = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(CommonConfig)}
+    return {flag: names for flag, names in found.items() if flag not in shared}
+
 
 DATASET_HELP = ("Hub dataset id, or a local directory datasets.load_dataset reads (a clone of the Hub repo "
                 "with parquet files, or an image folder with one sub-folder per class)")
@@ -48,53 +86,65 @@ class CommonConfig:
     """The knobs every recipe shares. A recipe subclasses this and changes defaults or adds fields."""
 
     # --- data ---
-    dataset: str = knob("", DATASET_HELP)
+    dataset: str = knob("", DATASET_HELP, on_resume="keep", why="the checkpoint was trained on that data")
     image_column: str = knob("", "image column name ('' = detect: image, img)")
     label_column: str = knob("", "label column name ('' = detect: label, labels)")
-    val_fraction: float = knob(0.1, "fraction of train held out for validation when the dataset has no validation split")
+    val_fraction: float = knob(0.1, "fraction of train held out for validation when the dataset has no validation split",
+                                on_resume="keep", why="it chose the images held out for validation", decides_split=True)
     image_size: int = knob(0, "resize images to this square size (0 = keep; all images must then share one size)")
     channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = keep the data's)")
-    cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)")
-    data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory")
+    cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)",
+                           on_resume="free", eval_only="own")
+    data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory",
+                                 on_resume="free", eval_only="own")
     # --- train ---
-    epochs: int = knob(2, "number of passes over the training split")
+    epochs: int = knob(2, "number of passes over the training split", on_resume="free")  # resume notes the new LR curve
     batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps")
-    eval_batch_size: int = knob(1000, "global batch size for evaluation")
-    lr: float = knob(1e-3, "peak learning rate")
-    weight_decay: float = knob(0.0, "weight decay")
+    eval_batch_size: int = knob(1000, "global batch size for evaluation", on_resume="free", eval_only="own")
+    lr: float = knob(1e-3, "peak learning rate", on_resume="apply")
+    weight_decay: float = knob(0.0, "weight decay", on_resume="apply")
     warmup_fraction: float = knob(0.0, "fraction of optimizer steps spent warming the LR up linearly from 0")
     warmup_start: float = knob(0.0, "LR multiplier the warm-up starts from (it rises linearly to 1)")
     schedule: str = knob("cosine", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
     final_lr: float = knob(0.0, "LR multiplier the schedule ends at (cosine and linear)")
-    grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
+    grad_accum: int = knob(1, "gradient accumulation steps per optimizer step", on_resume="keep",
+                          why="the saved data position counts its micro-batches")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
-    seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
+    seed: int = knob(42, "seed for weights, data order, held-out split and augmentation", on_resume="keep",
+                    why="it chose the images held out for validation and the order of the data", decides_split=True)
     max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
-                         "is still planned for all epochs, so a stopped run can be resumed exactly")
+                         "is still planned for all epochs, so a stopped run can be resumed exactly", on_resume="free")
     # --- eval ---
-    eval_every: int = knob(1, "evaluate on the validation split every N epochs")
-    eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)")
-    target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99")
-    eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split")
-    checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates")
+    eval_every: int = knob(1, "evaluate on the validation split every N epochs", on_resume="free")
+    eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)",
+                                 on_resume="free")
+    target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99",
+                                  on_resume="free", eval_only="own")
+    eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split", eval_only="own")
+    checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates",
+                           eval_only="own")
     # --- checkpoint ---
-    output_dir: str = knob("", "run directory ('' = runs/<recipe>-<timestamp>)")
-    resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path")
-    checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)")
-    keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)")
+    output_dir: str = knob("", "run directory ('' = runs/<recipe>-<timestamp>)", on_resume="free", eval_only="own")
+    resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path",
+                            on_resume="free", eval_only="own")
+    checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)", on_resume="free")
+    keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)",
+                                 on_resume="free")
     monitor: str = knob("eval/accuracy", "metric that decides the best model kept in best/",
                         choices=list(MONITOR_MODES))
     mode: str = knob("auto", "whether a larger or smaller --monitor value is better (auto: accuracy max, loss min)",
                      choices=["auto", "max", "min"])
     # --- logging ---
-    log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
+    log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps", on_resume="free")
     progress_every_s: float = knob(30.0, "when output is not a terminal (nohup, SLURM), print a progress line this "
-                                   "often, in seconds (0 = at every --log-every step)")
+                                   "often, in seconds (0 = at every --log-every step)", on_resume="free")
     report_to: str = knob("tensorboard", "where the metrics go besides <run dir>/metrics.jsonl: Accelerate trackers, "
                           "comma-separated (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, "
-                          "trackio), 'all' (every one installed) or 'none'")
-    profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
-    timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
+                          "trackio), 'all' (every one installed) or 'none'", on_resume="free", eval_only="own")
+    profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)",
+                        on_resume="free", eval_only="own")
+    timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging",
+                          on_resume="free", eval_only="own")
 
 
 _BOOL_TRUE = {"1", "true", "yes", "on"}
@@ -137,8 +187,9 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         if message.startswith("unrecognized arguments"):
             unknown = [flag.split("=")[0] for flag in message.split(":", 1)[1].split() if flag.startswith("--")]
-            others = [f"{flag} (a knob of {TECHNIQUE_FLAGS[flag.replace('_', '-')]})" for flag in unknown
-                      if flag.replace("_", "-") in TECHNIQUE_FLAGS]
+            technique = recipe_flags()
+            others = [f"{flag} (a knob of {', '.join(technique[flag.replace('_', '-')])})" for flag in unknown
+                      if flag.replace("_", "-") in technique]
             hf = [f"{flag} -> {HF_FLAGS[flag[2:].replace('-', '_')]}" for flag in unknown
                   if flag[2:].replace("-", "_") in HF_FLAGS]
             if others:

@@ -7,12 +7,9 @@ import time
 from pathlib import Path
 
 from common import checkpoint as ckpt
+from common.config import fields_with
 from common.errors import RecipeError
 
-# --eval-only takes these from the command line; every other setting comes from the run's config.json.
-EVAL_ONLY_OWN = {"eval_only", "checkpoint", "target_accuracy", "output_dir", "resume_from", "eval_batch_size",
-                 "cache_dir", "timeout_s", "profile", "data_on_device", "config"}
-SPLIT_SETTINGS = ("seed", "val_fraction")  # they decide which train images are held out for validation
 
 
 def adopt_run_config(cfg, say) -> str:
@@ -27,12 +24,13 @@ def adopt_run_config(cfg, say) -> str:
         return note
     recorded = json.loads(found.read_text())
     explicit = getattr(cfg, "explicit", set())
+    from_run, decides_split = fields_with(cfg, eval_only="run"), fields_with(cfg, decides_split=True)
     for key, value in recorded.items():
-        if not hasattr(cfg, key) or key in EVAL_ONLY_OWN:
+        if key not in from_run:  # the field's eval_only rule (common.config.knob): this command line's own
             continue
         mine = getattr(cfg, key)
         if key in explicit and mine != value:
-            if key in SPLIT_SETTINGS:
+            if key in decides_split:
                 raise RecipeError(
                     f"--{key.replace('_', '-')} {mine} differs from the run's {value} ({found}), which chose the images "
                     "held out of train for validation: evaluating with it would score images the model trained "

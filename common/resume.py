@@ -50,7 +50,7 @@ def resume_from(run, path: Path) -> dict:
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
     ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
     acc.load_state(str(path))
-    changes = ckpt.apply_hyperparameters(run.optimizer, run.scheduler, fresh)
+    changes = ckpt.apply_hyperparameters(run.optimizer, run.scheduler, fresh, cfg)
     for note in notes:
         run.say(f"NOTE: {note}")
     if changes:

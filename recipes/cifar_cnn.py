@@ -42,7 +42,7 @@ class Config(CommonConfig):
     epochs: int = knob(10, "number of passes over the training split")
     batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(1.5, "peak learning rate of the mean loss (SGD, Nesterov); scale it with --batch-size")
-    momentum: float = knob(0.85, "SGD momentum (Nesterov)")
+    momentum: float = knob(0.85, "SGD momentum (Nesterov)", on_resume="apply")
     weight_decay: float = knob(1.33e-3, "SGD weight decay (coupled to the LR, as torch's SGD does)")
     bias_lr_scale: float = knob(64.0, "BatchNorm biases learn this many times faster (their decay per step unchanged)")
     warmup_fraction: float = knob(0.23, "fraction of optimizer steps spent warming the LR up linearly")

@@ -48,7 +48,7 @@ class Config(CommonConfig):
     epochs: int = knob(6, "number of passes over the training split")
     batch_size: int = knob(256, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(2e-3, "peak learning rate (AdamW)")
-    betas: str = knob("0.9,0.999", "AdamW betas, comma-separated")
+    betas: str = knob("0.9,0.999", "AdamW betas, comma-separated", on_resume="apply")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
     label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")

@@ -51,7 +51,7 @@ class Config(CommonConfig):
     epochs: int = knob(3, "number of passes over the training split")
     batch_size: int = knob(256, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(1e-2, "peak learning rate (AdamW)")
-    betas: str = knob("0.7,0.9", "AdamW betas, comma-separated (short memories suit a 3-epoch run)")
+    betas: str = knob("0.7,0.9", "AdamW betas, comma-separated (short memories suit a 3-epoch run)", on_resume="apply")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.2, "fraction of optimizer steps spent warming the LR up linearly from 0")
     label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")

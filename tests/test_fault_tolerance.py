@@ -365,7 +365,7 @@ def test_resume_refuses_settings_that_change_what_the_run_means(tmp_path, env, m
         assert "Traceback" not in proc.stderr and tree(run) == before, flag
     proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--epochs", 3, "--max-steps", 6,
                                                          "--resume-from", "latest"], env))
-    assert "resuming with the run's own --seed 3, --val-fraction 0.2" in proc.stdout, proc.stdout
+    assert "resuming with the run's own --val-fraction 0.2, --seed 3" in proc.stdout, proc.stdout
     assert "--epochs 3 differs from the run's 2: the LR schedule is recomputed" in proc.stdout
     # the same folder with other images: the held-out split would differ
     moved = tmp_path / "data"

@@ -184,8 +184,10 @@ def test_resume_from_an_older_checkpoint_with_new_hyperparameters(tmp_path, env,
             "--checkpoint-every", 3, "--keep-checkpoints", 5, "--output-dir", run, "--max-steps", 9]
     check_ok(run_in_process("fashion_mnist_mlp", base, env))
     again = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--resume-from", run / "checkpoints" / "step-00000003",
-                                                  "--lr", "1e-5"], env))
-    assert "applied from the command line over the checkpoint's values: lr 0.002 -> 1e-05" in again.stdout
+                                                  "--lr", "1e-5", "--betas", "0.8,0.99"], env))
+    # every field marked on_resume="apply" (common.config.knob), the recipe's own --betas too
+    assert ("applied from the command line over the checkpoint's values: betas 0.9,0.999 -> 0.8,0.99, "
+            "lr 0.002 -> 1e-05") in again.stdout
     from common.checkpoint import complete_checkpoints, read_state
 
     latest = complete_checkpoints(run)
