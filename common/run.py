@@ -16,7 +16,9 @@ A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
                 if accelerator.sync_gradients:
                     if run.step_was_taken(): scheduler.step()
                     run.end_step()                     # log, checkpoint, preemption, --max-steps
-            if run.eval_due():
+                if run.eval_due():                     # --eval-every-steps
+                    run.record_eval(evaluate(...), model)
+            if run.eval_due():                         # epoch end; never the same weights twice
                 run.record_eval(evaluate(...), model)  # keeps best/
             run.end_epoch()                            # checkpoint
         run.finish(model, evaluate(...))               # final/ weights, summary.json, target check
@@ -230,6 +232,7 @@ class TrainingRun:
         self.guard, self.scale_watch = StepGuard(acc, optimizer), LossScaleWatch(acc.scaler)
         self.last_loss, self.last_speed, self.stopping, self.step_lr = None, None, False, None
         self.epoch_eval, self.eval_now, self.checkpoint_after_eval = None, False, False
+        self.evaluated_step, self.epoch_open, self.in_epoch = None, False, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
         self.say(f"run dir: {self.run_dir}  model: {self.card['model']} "
                  f"{sum(p.numel() for p in unwrapped.parameters()):,} params  data: {data.source} "
@@ -248,22 +251,31 @@ class TrainingRun:
         # A run stopped on an epoch's last step resumes into that epoch with no batches left: its evaluation
         # and epoch end still run (also when that was the run's last step).
         while self.epoch < self.cfg.epochs and (not self.done or self.start_batch == len(self.train_loader)):
+            self.epoch_open, self.in_epoch, started = True, False, self.epoch
             self.train_loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
             if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
                 self.train_loader.dataset.set_epoch(self.epoch)
             self.epoch_t0, self.epoch_eval = time.time(), None
             yield self.epoch
+            if self.epoch_open:
+                raise RecipeError(f"The recipe's loop did not call run.end_epoch() at the end of epoch {started + 1}: "
+                                  "the epoch was neither checkpointed nor counted, and the next one would repeat its "
+                                  "data order. Call run.end_epoch() as the last line of the epoch loop.")
         # the final evaluation follows; the last checkpoint holds everything trained, so a stop ends it at once
         self.stop.interruptible("running the final evaluation")
 
     def batches(self, loader):
         """This epoch's batches, resuming mid-epoch where the checkpoint left off."""
+        if not getattr(self, "epoch_open", False):
+            raise RecipeError("run.batches() was called outside `for epoch in run.epochs():` (or after run.end_epoch()): "
+                              "run.epochs() sets each epoch's shuffle and resume position, so every epoch would repeat "
+                              "the first one's data order. Loop over run.epochs() and call run.batches() inside it.")
         first, self.start_batch = self.start_batch, 0
         total = len(loader)
         if self.cfg.max_steps:  # the bar's total and ETA respect --max-steps
             total = min(total, first + (self.cfg.max_steps - self.global_step) * self.cfg.grad_accum)
         batches = self.accelerator.skip_first_batches(loader, first) if first else loader
-        self.batch, self.consumed = first, first
+        self.batch, self.consumed, self.in_epoch, steps_before = first, first, True, self.global_step
         t_wait = time.perf_counter()
         for images, labels in self.progress.wrap(batches, self.epoch, first, total):
             self.meter.add(labels.shape[0] * self.accelerator.num_processes, time.perf_counter() - t_wait)
@@ -273,6 +285,11 @@ class TrainingRun:
                 break
             t_wait = time.perf_counter()
         self.progress.close_bar()
+        self.in_epoch = False
+        if self.consumed - first >= self.cfg.grad_accum and self.global_step == steps_before:
+            raise RecipeError("The recipe's loop did not call run.end_step() after its optimizer steps: nothing was "
+                              "counted, logged or checkpointed. Call run.end_step() after each optimizer step "
+                              "(inside `if accelerator.sync_gradients:`).")
 
     def augment_generator(self) -> torch.Generator:
         """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
@@ -336,9 +353,8 @@ class TrainingRun:
         watch = getattr(self, "scale_watch", None)  # absent when start() failed before creating it
         return self.skipped_before + (watch.skipped if watch is not None else 0)
 
-    def end_step(self) -> bool:
-        """After each optimizer step: log, progress, checkpoint, stop. Returns True when an evaluation is
-        due at this step (--eval-every-steps)."""
+    def end_step(self) -> None:
+        """After each optimizer step: log, progress, checkpoint, stop (``eval_due`` says whether to evaluate)."""
         cfg = self.cfg
         self.global_step += 1
         self.profiler.step()
@@ -362,7 +378,6 @@ class TrainingRun:
                 self.checkpoint_after_eval = True
             else:
                 self._checkpoint(batches_in_epoch=self.batch + 1)
-        return self.eval_now
 
     def _log_window(self) -> None:
         loss_sum, count = self.guard.read(self.guard.window)
@@ -385,28 +400,33 @@ class TrainingRun:
     # --- evaluation ------------------------------------------------------------------------------
 
     def eval_due(self) -> bool:
-        """At the end of every --eval-every epochs, the last epoch, and where --max-steps stops."""
-        self._settle()
-        if self.data.val is None:
+        """The one place that decides whether to evaluate now. Inside the batch loop: at every --eval-every-steps
+        step. After it: at the end of every --eval-every epochs, the last epoch, and where --max-steps stops.
+        Never twice for the same weights (an --eval-every-steps step that ends an epoch is the epoch's)."""
+        if self.data.val is None or self.evaluated_step == self.global_step:
             return False
+        if self.in_epoch:
+            return self.eval_now  # set by end_step; no sync
+        self._settle()
         return (self.epoch + 1) % self.cfg.eval_every == 0 or self.epoch + 1 == self.cfg.epochs or self.done
 
     def record_eval(self, metrics: dict, model) -> None:
         """Log a validation result (scalars, per-class accuracy, confusion matrix, misclassified images)
         and keep the model in best/ when --monitor improved."""
         self._log_eval("eval", metrics, self.data.val)
+        self.evaluated_step = self.global_step
         value = metrics[self.cfg.monitor.split("/", 1)[1]]
         if self.best is None or (value > self.best if self.cfg.mode == "max" else value < self.best):
             self.best = value
             ckpt.save_model_dir(self.accelerator, model, self.run_dir / "best",
                                 {**self.card, "metrics": {self.cfg.monitor: value}, "epoch": self.epoch + 1,
                                  "step": self.global_step})
-        if self.eval_now:  # mid-epoch (--eval-every-steps): its own line; epoch-end results go in the epoch line
+        if self.eval_now and self.batch + 1 < len(self.train_loader):  # mid-epoch: its own line, not the epoch's
             self.say(f"eval at step {self.global_step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
                      f"({metrics['count']} images)")
-            self.eval_now = False
         else:
             self.epoch_eval = metrics
+        self.eval_now = False
         if self.checkpoint_after_eval:  # --checkpoint-every fell on this step too: the checkpoint knows this result
             self.checkpoint_after_eval = False
             self._checkpoint(batches_in_epoch=self.batch + 1)
@@ -423,6 +443,7 @@ class TrainingRun:
     def end_epoch(self) -> None:
         """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
         self._settle()
+        self.epoch_open = False
         finished = self.consumed == len(self.train_loader)
         line = f"epoch {self.epoch + 1}/{self.cfg.epochs}:"
         loss_sum, count = self.guard.read(self.guard.epoch)

@@ -136,10 +136,10 @@ def train(cfg: Config, run: TrainingRun) -> None:
                 if run.step_was_taken():  # False when fp16 loss scaling skipped the step
                     scheduler.step()
                     lookahead.step()  # every 5 steps; at the last step the weights become the average
-                if run.end_step():  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
-                    run.record_eval(validate(val_loader), model)  # --eval-every-steps
-        # --- eval and checkpoint ---
-        if run.eval_due():
+                run.end_step()  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
+            if run.eval_due():  # at --eval-every-steps; never twice for the same weights
+                run.record_eval(validate(val_loader), model)
+        if run.eval_due():  # --- eval and checkpoint: every --eval-every epochs and the last
             run.record_eval(validate(val_loader), model)  # keeps the best --monitor value in best/
         run.end_epoch()
 

@@ -134,11 +134,11 @@ def train(cfg: Config, run: TrainingRun) -> None:
             if accelerator.sync_gradients:
                 if run.step_was_taken():  # False when fp16 loss scaling skipped the step
                     scheduler.step()
-                if run.end_step():  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
-                    run.record_eval(validate(val_loader), model)  # --eval-every-steps
+                run.end_step()  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
+            if run.eval_due():  # at --eval-every-steps; never twice for the same weights
+                run.record_eval(validate(val_loader), model)
 
-        # --- eval and checkpoint ---
-        if run.eval_due():
+        if run.eval_due():  # --- eval and checkpoint: every --eval-every epochs and the last
             run.record_eval(validate(val_loader), model)  # keeps the best --monitor value in best/
         run.end_epoch()
 

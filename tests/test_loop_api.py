@@ -1,0 +1,48 @@
+"""The loop API decides evaluation in one place and fails loudly when a recipe (or a user's copy) leaves
+out a call, instead of silently repeating the first epoch's data order or never checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import check_ok, import_recipe, read_jsonl, run_in_process
+
+MLP = ["--hidden", "32"]
+
+
+def test_an_eval_every_steps_evaluation_that_ends_an_epoch_is_the_epochs_own(tmp_path, env, mnist_like, monkeypatch):
+    """9 optimizer steps per epoch, --eval-every-steps 3: evaluations at steps 3, 6, 9 of each epoch, the one
+    at step 9 also the epoch's (not a second evaluation of the same weights), and the final one."""
+    recipe = import_recipe("fashion_mnist_mlp")
+    calls, real = [], recipe.evaluate
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(recipe, "evaluate", counted)
+    run = tmp_path / "run"
+    proc = check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32,
+                                                         *MLP, "--eval-every-steps", 3, "--output-dir", run], env))
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r]
+    assert steps == [3, 6, 9, 12, 15, 18] and len(calls) == 6 + 1  # + the final evaluation (test split)
+    assert [l.split(":")[0] for l in proc.stdout.splitlines() if l.startswith("eval at step")] == \
+        ["eval at step 3", "eval at step 6", "eval at step 12", "eval at step 15"]
+    assert all("| eval loss" in l for l in proc.stdout.splitlines() if l.startswith("epoch "))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (("for epoch in run.epochs():", "for epoch in range(cfg.epochs):"), "outside `for epoch in run.epochs():`"),
+    (("        run.end_epoch()\n", "\n"), "did not call run.end_epoch()"),
+    (("                run.end_step()  #", "                pass  #"), "did not call run.end_step()"),
+])
+def test_a_loop_that_leaves_out_a_call_fails_loudly(tmp_path, env, mnist_like, edit, needle):
+    from common.tools.copy_recipe import copy_recipe
+
+    copy = copy_recipe("fashion_mnist_mlp", tmp_path / "mine.py")
+    text = copy.read_text()
+    assert text.count(edit[0]) == 1
+    copy.write_text(text.replace(*edit))
+    proc = run_in_process(copy, ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
+                                 "--output-dir", tmp_path / "run"], env)
+    assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
