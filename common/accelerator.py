@@ -123,3 +123,22 @@ def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
         f"steps_per_epoch={steps_per_epoch}",
     ]
     return "startup: " + " ".join(parts) + (f" NOTE: {note}" if note else "")
+
+
+def on_main(accelerator, fn):
+    """Run ``fn`` on the main process; its result, or its RecipeError, reaches every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    result, error = None, None
+    if accelerator.is_main_process:
+        try:
+            result = fn()
+        except RecipeError as err:
+            error = err
+    if accelerator.num_processes > 1:
+        box = [result, None if error is None else str(error)]
+        broadcast_object_list(box, from_process=0)
+        result, error = box[0], error or (RecipeError(box[1]) if box[1] is not None else None)
+    if error is not None:
+        raise error
+    return result

@@ -266,6 +266,16 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[
 
 # --- model files (best/, final/) -----------------------------------------------------------------
 
+def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> dict:
+    """What model.json says: the recipe that built the model (predict and export rebuild it from there), its
+    input, classes and normalisation, and the run's config."""
+    import dataclasses
+
+    return {"recipe": recipe, "recipe_file": recipe_file, "model": type(model).__name__,
+            "input_shape": list(data.shape), "class_names": data.class_names, "mean": transform.mean,
+            "std": transform.std, "config": dataclasses.asdict(cfg)}
+
+
 def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     """model.safetensors + model.json (what predict/export/--eval-only need to rebuild the model). Main
     process only; written to a temp folder and swapped in, so a crash leaves the previous copy intact."""

@@ -182,3 +182,17 @@ def make_loader(split: ImageSplit, batch_size: int, train: bool, device=None, pi
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train,
                                        collate_fn=keep_batch, num_workers=0, pin_memory=pin and device is None,
                                        generator=torch.Generator().manual_seed(0))
+
+
+def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False, alternating_flip: bool = False):
+    """A recipe's DataLoader over a decoded split (None for none): the global --batch-size split over processes
+    and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator
+    with --data-on-device. ``alternating_flip``: airbench's flip, seeded by --seed (``TensorImages``)."""
+    from common.accelerator import per_process_batch
+
+    if split is None:
+        return None
+    n = accelerator.num_processes
+    batch = per_process_batch(cfg, n) if train else max(1, cfg.eval_batch_size // n)
+    return make_loader(split, batch, train, device=accelerator.device if cfg.data_on_device else None,
+                       pin=accelerator.device.type == "cuda", flip_seed=cfg.seed if alternating_flip else None)

@@ -137,3 +137,25 @@ class LossScaleWatch:
                 "--max-grad-norm, or train in bf16 (accelerate_configs/multi_gpu_bf16.yaml), then rerun with "
                 "--resume-from latest.")
         return not skipped
+
+
+def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
+    """The global gradient norm when the recipe does not clip (measured at log steps only), on the device."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if accelerator.scaler is not None:  # fp16: the norm of the unscaled gradients
+        return accelerator.clip_grad_norm_(params, math.inf)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+
+
+def nonfinite_advice(run_dir, step: int, epoch: int) -> str:
+    """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
+    from common.checkpoint import complete_checkpoints, read_state
+
+    usable = [p for p in complete_checkpoints(run_dir) if read_state(p)["global_step"] < step - 1]
+    where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
+             f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
+             if usable else "No checkpoint predates the update that led here: start a new run with a lower --lr "
+             "(or --max-grad-norm).")
+    return (f"the training loss became non-finite at optimizer step {step} (epoch {epoch + 1}) on at least one "
+            f"process; that update was skipped on every process, every process stopped and nothing was written "
+            f"after it. {where} If the loss is non-finite from the first step, check the data.")

@@ -11,6 +11,24 @@ from common.errors import RecipeError
 from common.schedule import lr_multiplier
 
 
+def start_state(run) -> dict:
+    """Where training starts: the newest readable checkpoint's position (``run.resume_path``), or a fresh
+    start's. Restores a best/ or final/ a crash left mid-swap, and writes config.json (a resume continued in
+    a new folder gets one too)."""
+    from common.config import save_config
+
+    if run.accelerator.is_main_process:
+        ckpt.restore_interrupted_swaps(run.run_dir)
+    state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
+    if run.resume_path is not None:
+        state = resume_newest_readable(run)
+    elif run.cfg.resume_from == "latest":
+        run.say(f"nothing to resume in {run.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
+    if run.accelerator.is_main_process and (run.resume_path is None or not (run.run_dir / "config.json").exists()):
+        save_config(run.cfg, run.run_dir / "config.json")
+    return state
+
+
 def resume_newest_readable(run) -> dict:
     """--resume-from latest falls back past a checkpoint that was marked complete but cannot be read (a power
     loss while it was written), and says so; the damaged folder is renamed damaged-step-N and kept."""

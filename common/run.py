@@ -46,7 +46,6 @@ What each call promises:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import math
@@ -59,13 +58,13 @@ import torch
 
 from common import checkpoint as ckpt
 from common import rundir
-from common.accelerator import make_accelerator, per_process_batch, startup_line
+from common.accelerator import make_accelerator, on_main, startup_line
 from common.augment import batch_generator
 from common import evalonly, resume, summary
-from common.config import sanitize_for_hparams, save_config
-from common.data import data_fingerprint, load_image_data, make_loader
+from common.config import sanitize_for_hparams
+from common.data import data_fingerprint, load_image_data, split_loader
 from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError, report
-from common.guard import LossScaleWatch, StepGuard
+from common.guard import LossScaleWatch, StepGuard, nonfinite_advice, unclipped_grad_norm
 from common.profiler import StepProfiler
 from common.stopping import StopFlag
 from common.tracking import MetricsLog, Progress, Throughput
@@ -96,7 +95,7 @@ class TrainingRun:
             if self.cfg.eval_only:
                 self.eval_note = evalonly.adopt_run_config(self.cfg, self.say)
             else:
-                self._claim_run_dir()
+                rundir.claim(self)
             train(self.cfg, self)
         except (RecipeError, Preempted) as caught:
             err = caught
@@ -116,18 +115,14 @@ class TrainingRun:
         # A stop while reading the data (before the start) is recorded too, so a requeue script sees this start's
         # "preempted" rather than an earlier start's summary.
         if err is not None and (self.started or (isinstance(err, Preempted) and self.run_dir is not None)):
-            self._write_summary({} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+            summary.write(self, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
         if self.stop is not None:
             self.stop.close()
         if self.profiler is not None:
             self.profiler.close()
         if self.log is not None and err is not None:
             self.log.close()
-        if self.lock is not None:
-            self.lock.release()
-            if not self.started and self.made_dir and rundir.is_empty(self.run_dir):
-                (self.run_dir / rundir.LOCK_FILE).unlink(missing_ok=True)  # nothing was written: leave no trace
-                self.run_dir.rmdir()
+        rundir.release(self)  # the lock; a folder this start made and left empty goes too
 
     def say(self, text: str) -> None:
         """Print on the main process, through the progress bar when one is shown."""
@@ -137,39 +132,7 @@ class TrainingRun:
             print(text, flush=True)
 
     def _on_main(self, fn):
-        """Run ``fn`` on the main process; its result, or its RecipeError, reaches every rank."""
-        from accelerate.utils import broadcast_object_list
-
-        result, error = None, None
-        if self.accelerator.is_main_process:
-            try:
-                result = fn()
-            except RecipeError as err:
-                error = err
-        if self.accelerator.num_processes > 1:
-            box = [result, None if error is None else str(error)]
-            broadcast_object_list(box, from_process=0)
-            result, error = box[0], error or (RecipeError(box[1]) if box[1] is not None else None)
-        if error is not None:
-            raise error
-        return result
-
-    def _claim_run_dir(self) -> None:
-        def claim():
-            run_dir, resume, made = rundir.resolve(self.cfg, self.recipe)
-            if resume is not None:  # a refused resume leaves the run directory as it was, its lock file included
-                ckpt.adopt_resume_settings(resume, copy.copy(self.cfg))
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.lock = rundir.RunDirLock(run_dir)
-            return run_dir, resume, made, self.lock.token
-
-        self.run_dir, self.resume_path, self.made_dir, token = self._on_main(claim)
-        self.accelerator.project_configuration.set_directories(str(self.run_dir))
-        self.accelerator.project_configuration.logging_dir = str(self.run_dir)
-        rundir.check_shared(self.accelerator, self.run_dir, token)
-        if self.resume_path is not None:  # before any data is read: the split depends on these settings
-            for note in ckpt.adopt_resume_settings(self.resume_path, self.cfg):
-                self.say(f"NOTE: {note}")
+        return on_main(self.accelerator, fn)
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -182,16 +145,9 @@ class TrainingRun:
         return data
 
     def loader(self, split, train: bool = False, alternating_flip: bool = False):
-        """A DataLoader over a decoded split: the global --batch-size split over processes and
-        accumulation steps for training, --eval-batch-size split over processes for evaluation.
-        ``alternating_flip``: airbench's flip, seeded by --seed (``common.data.TensorImages``)."""
-        if split is None:
-            return None
-        n = self.accelerator.num_processes
-        batch = per_process_batch(self.cfg, n) if train else max(1, self.cfg.eval_batch_size // n)
-        device = self.accelerator.device if self.cfg.data_on_device else None
-        return make_loader(split, batch, train, device=device, pin=self.accelerator.device.type == "cuda",
-                           flip_seed=self.cfg.seed if alternating_flip else None)
+        """A DataLoader over a decoded split (``common.data.split_loader``): the global --batch-size split over
+        processes and accumulation steps for training, --eval-batch-size over processes for evaluation."""
+        return split_loader(self.cfg, self.accelerator, split, train, alternating_flip)
 
     # --- resume or fresh start -------------------------------------------------------------------
 
@@ -202,23 +158,9 @@ class TrainingRun:
         self.steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
         self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
         unwrapped = acc.unwrap_model(model)
-        self.card = {"recipe": self.recipe, "recipe_file": self.recipe_file,
-                     "model": type(unwrapped).__name__, "input_shape": list(data.shape),
-                     "class_names": data.class_names, "mean": transform.mean, "std": transform.std,
-                     "config": dataclasses.asdict(cfg)}
-        if acc.is_main_process:
-            ckpt.restore_interrupted_swaps(self.run_dir)
-        state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
+        self.card = ckpt.model_card(self.recipe, self.recipe_file, unwrapped, data, transform, cfg)
         self.data_fingerprint = data_fingerprint(data)
-        if self.resume_path is not None:
-            state = resume.resume_newest_readable(self)
-            if acc.is_main_process and not (self.run_dir / "config.json").exists():  # continued in a new folder
-                save_config(cfg, self.run_dir / "config.json")
-        else:
-            if cfg.resume_from == "latest":
-                self.say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
-            if acc.is_main_process:
-                save_config(cfg, self.run_dir / "config.json")
+        state = resume.start_state(self)  # the newest readable checkpoint's, or a fresh start's
         self.started = True
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
         self.best, self.skipped_before = state["best"], state["skipped_steps"]
@@ -241,7 +183,7 @@ class TrainingRun:
         self.train_start = time.time()
         # "running" first: a start killed outright (OOM killer, node loss) leaves this start's "running", never
         # an earlier start's "preempted" that a requeue script would act on
-        self._write_summary({})
+        summary.write(self, {})
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -309,39 +251,22 @@ class TrainingRun:
         steps only (two passes over the gradients saved at every other step)."""
         step = self.global_step + 1
         if grad_norm is None and (step % self.cfg.log_every == 0 or step >= self.total_steps):
-            grad_norm = self._grad_norm()
+            grad_norm = unclipped_grad_norm(self.accelerator, self.model)
         if grad_norm is not None:
             self.meter.add_grad_norm(grad_norm)
         self._act_on(self.guard.check(bool(self.stop), step))
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
 
-    def _grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.accelerator.scaler is not None:  # fp16: the norm of the unscaled gradients
-            return self.accelerator.clip_grad_norm_(params, math.inf)
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
-
     def _act_on(self, flags) -> None:
         if flags is None:
             return
         if flags.nonfinite and self.accelerator.mixed_precision != "fp16":
-            raise NonFiniteLoss(self._nonfinite_advice(flags.step))
+            raise NonFiniteLoss(nonfinite_advice(self.run_dir, flags.step, self.epoch))
         self.stopping = self.stopping or flags.stop
 
     def _settle(self) -> None:
         """Read this step's flags now (a sync): before anything is logged, evaluated or written."""
         self._act_on(self.guard.collect())
-
-    def _nonfinite_advice(self, step: int) -> str:
-        """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
-        usable = [p for p in ckpt.complete_checkpoints(self.run_dir) if ckpt.read_state(p)["global_step"] < step - 1]
-        where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
-                 f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
-                 if usable else "No checkpoint predates the update that led here: start a new run with a lower --lr "
-                 "(or --max-grad-norm).")
-        return (f"the training loss became non-finite at optimizer step {step} (epoch {self.epoch + 1}) on at "
-                f"least one process; that update was skipped on every process, every process stopped and nothing "
-                f"was written after it. {where} If the loss is non-finite from the first step, check the data.")
 
     def step_was_taken(self) -> bool:
         """False when fp16 loss scaling skipped this optimizer step (overflow): then the schedule and a
@@ -479,25 +404,7 @@ class TrainingRun:
         self.log.hparams(sanitize_for_hparams(dataclasses.asdict(cfg)),
                          {k: v for k, v in final.items() if not k.endswith("/count")})
         self.log.close()
-        acc_value = final.get(f"{split}/accuracy")
-        missed = bool(cfg.target_accuracy) and (acc_value is None or acc_value < cfg.target_accuracy)
-        self.status = "target_missed" if missed else "completed"
-        self.exit_code = EXIT_TARGET_MISSED if missed else EXIT_OK
-        if acc.is_main_process:
-            from common.plots import save_curves_png, save_image_png
-
-            save_curves_png(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
-            if confusion is not None:  # the image TensorBoard got: the final split's, titled with the step
-                save_image_png(confusion, self.run_dir / "confusion_matrix.png")
-        self.say(summary.table(self, final, self._write_summary({"final": final})))
-        if missed:
-            self.say(f"TARGET MISSED: final {split} accuracy {acc_value if acc_value is None else f'{acc_value:.4f}'} "
-                     f"is below --target-accuracy {cfg.target_accuracy:.4f}.")
-        elif cfg.target_accuracy:
-            self.say(f"target reached: final {split} accuracy {acc_value:.4f} >= {cfg.target_accuracy:.4f}")
-
-    def _write_summary(self, extra: dict) -> dict:
-        return summary.write(self, extra)
+        summary.finish(self, split, final, confusion)  # status, exit code, PNGs, summary.json, the table
 
     # --- --eval-only (common.evalonly) -------------------------------------------------------------
 

@@ -172,3 +172,39 @@ def check_shared(accelerator, run_dir: Path, token: str | None) -> None:
             f"process(es) (e.g. on {socket.gethostname() if not seen else 'another node'}) cannot see the files the "
             "main process writes there. Checkpoints are written by one process and read by all, so a multi-node "
             "run needs --output-dir on a filesystem every node mounts (NFS, Lustre, ...).")
+
+
+def claim(run) -> None:
+    """The main process resolves ``run``'s directory, checks a resume's settings (a refused resume changes
+    nothing there, its lock file included) and takes the lock; every rank then learns the directory, checks
+    that it sees the same folder, and takes the checkpoint's settings that decide what the run means."""
+    import copy
+
+    from common.checkpoint import adopt_resume_settings
+
+    def on_main():
+        run_dir, resume, made = resolve(run.cfg, run.recipe)
+        if resume is not None:
+            adopt_resume_settings(resume, copy.copy(run.cfg))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        run.lock = RunDirLock(run_dir)
+        return run_dir, resume, made, run.lock.token
+
+    run.run_dir, run.resume_path, run.made_dir, token = run._on_main(on_main)
+    run.accelerator.project_configuration.set_directories(str(run.run_dir))
+    run.accelerator.project_configuration.logging_dir = str(run.run_dir)
+    check_shared(run.accelerator, run.run_dir, token)
+    if run.resume_path is not None:  # before any data is read: the split depends on these settings
+        for note in adopt_resume_settings(run.resume_path, run.cfg):
+            run.say(f"NOTE: {note}")
+
+
+def release(run) -> None:
+    """Release ``run``'s lock; a run directory this start created and wrote nothing into is removed (an error
+    before training leaves no trace)."""
+    if run.lock is None:
+        return
+    run.lock.release()
+    if not run.started and run.made_dir and is_empty(run.run_dir):
+        (run.run_dir / LOCK_FILE).unlink(missing_ok=True)
+        run.run_dir.rmdir()

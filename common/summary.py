@@ -43,3 +43,27 @@ def table(run, final: dict, summary: dict) -> str:
              ("precision", acc.mixed_precision), ("run dir", str(run.run_dir))]
     width = max(len(k) for k, _ in rows)
     return "summary:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def finish(run, split: str, final: dict, confusion) -> None:
+    """The end of a run that trained to its end: the --target-accuracy check decides the status and exit code;
+    curves.png and confusion_matrix.png (the image TensorBoard got, titled with the step), summary.json and the
+    printed table."""
+    from common.errors import EXIT_OK, EXIT_TARGET_MISSED
+
+    cfg = run.cfg
+    value = final.get(f"{split}/accuracy")
+    missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
+    run.status, run.exit_code = ("target_missed", EXIT_TARGET_MISSED) if missed else ("completed", EXIT_OK)
+    if run.accelerator.is_main_process:
+        from common.plots import save_curves_png, save_image_png
+
+        save_curves_png(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
+        if confusion is not None:
+            save_image_png(confusion, run.run_dir / "confusion_matrix.png")
+    run.say(table(run, final, write(run, {"final": final})))
+    if missed:
+        run.say(f"TARGET MISSED: final {split} accuracy {value if value is None else f'{value:.4f}'} "
+                f"is below --target-accuracy {cfg.target_accuracy:.4f}.")
+    elif cfg.target_accuracy:
+        run.say(f"target reached: final {split} accuracy {value:.4f} >= {cfg.target_accuracy:.4f}")
