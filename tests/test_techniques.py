@@ -332,3 +332,60 @@ def test_resuming_a_received_checkpoint_runs_none_of_its_pickles(tmp_path, env, 
     proc = run_in_process("cifar_cnn", args, env)
     assert proc.returncode == 2 and not marker.exists()
     assert "Traceback" not in proc.stderr and str(rng) in proc.stderr, proc.stderr[-2000:]
+
+
+def fp16_on_this_cpu(monkeypatch, overflow_at):
+    """The recipes' Accelerator with fp16 loss scaling on the CPU (Accelerate offers fp16 on accelerators only):
+    torch's CPU GradScaler as its scaler, and the gradients of the optimizer steps in ``overflow_at`` made
+    infinite after the loss (what an fp16 overflow is: a finite loss whose scaled gradients overflow)."""
+    import common.run
+    from accelerate.state import AcceleratorState
+
+    real_make, calls = common.run.make_accelerator, [0]
+
+    def make(cfg):
+        accelerator, note = real_make(cfg)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        AcceleratorState()._mixed_precision = "fp16"
+        real_backward = accelerator.backward
+
+        def backward(loss, **kwargs):
+            calls[0] += 1
+            return real_backward(loss * math.inf if calls[0] in overflow_at else loss, **kwargs)
+
+        accelerator.backward = backward
+        return accelerator, note
+
+    monkeypatch.setattr(common.run, "make_accelerator", make)
+
+
+def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_where_they_were(
+        tmp_path, env, cifar_like, monkeypatch):
+    """cifar_cnn (Lookahead on) with fp16 loss scaling, overflows at optimizer steps 3 and 4: both steps are
+    skipped (the weights, the LR schedule and the weight average stay where they were), counted in
+    summary.json, and training goes on; 25 overflows in a row stop the run with its own message."""
+    from common.checkpoint import find_latest
+
+    fp16_on_this_cpu(monkeypatch, overflow_at={3, 4})
+    run = tmp_path / "run"
+    args = ["--dataset", cifar_like, "--widths", "8,16,16", "--tta", 0, "--epochs", 1, "--batch-size", 32,
+            "--log-every", 1, "--lookahead-every", 1, "--output-dir", run]
+    check_ok(run_in_process("cifar_cnn", args, env))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["precision"] == "fp16" and summary["skipped_steps"] == 2 and summary["status"] == "completed"
+    steps = summary["global_step"]
+    lrs = [r["train/lr"] for r in read_jsonl(run / "metrics.jsonl") if "train/lr" in r]
+    position = [0, 1, 2, 2, 2, *range(3, steps - 2)]  # the schedule does not move at the skipped steps 3 and 4
+    expected = [1.5 * lr_multiplier(p, steps, int(round(0.23 * steps)), "linear", 0.2, 0.07) for p in position]
+    assert lrs == pytest.approx(expected)
+    latest = find_latest(run)
+    assert int(load_file(str(latest / "lookahead.safetensors"))["steps"][0]) == steps - 2  # nor an average
+    optimizer_state = torch.load(latest / "optimizer.bin", weights_only=True)["state"]
+    assert {int(s["momentum_buffer"].ne(0).any()) for s in optimizer_state.values()} == {1}
+    scaler = torch.load(latest / "scaler.pt", weights_only=True)
+    assert scaler["scale"] == 2.0 ** 10  # halved at each skipped step
+
+    fp16_on_this_cpu(monkeypatch, overflow_at=set(range(3, 1000)))
+    proc = run_in_process("cifar_cnn", [*args[:-1], tmp_path / "diverged", "--epochs", 5], env)
+    assert proc.returncode != 0 and "skipped the last 25 optimizer steps in a row" in proc.stderr, proc.stderr
+    assert json.loads((tmp_path / "diverged" / "summary.json").read_text())["status"] == "nonfinite_loss"
