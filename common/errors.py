@@ -34,6 +34,14 @@ class DataError(RecipeError):
     """Unusable data."""
 
 
+class StorageError(RecipeError):
+    """The run directory's filesystem refused a write (full, over quota, read-only): not the user's input, not a
+    bug; the last complete checkpoint is intact."""
+
+    exit_code = 1
+    status = "storage_error"
+
+
 class NonFiniteLoss(RecipeError):
     exit_code = EXIT_NONFINITE
     status = "nonfinite_loss"

@@ -104,9 +104,13 @@ class TrainingRun:
                 self.say(str(caught))
             else:
                 report(caught)
-        except BaseException as caught:  # a bug or an interrupt: recorded, then raised with its traceback
-            err, self.status = caught, "crashed"
-            raise
+        except BaseException as caught:
+            storage = rundir.storage_error(caught, self.run_dir)  # a full or read-only disk: one paragraph
+            if storage is None:  # a bug or an interrupt: recorded, then raised with its traceback
+                err, self.status = caught, "crashed"
+                raise
+            err, self.status, self.exit_code = storage, storage.status, storage.exit_code
+            report(storage)
         finally:
             self._close(err)
         return self.exit_code
@@ -115,13 +119,19 @@ class TrainingRun:
         # A stop while reading the data (before the start) is recorded too, so a requeue script sees this start's
         # "preempted" rather than an earlier start's summary.
         if err is not None and (self.started or (isinstance(err, Preempted) and self.run_dir is not None)):
-            summary.write(self, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+            try:
+                summary.write(self, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+            except OSError:  # a full disk: summary.json keeps its last whole version ("running")
+                pass
         if self.stop is not None:
             self.stop.close()
         if self.profiler is not None:
             self.profiler.close()
         if self.log is not None and err is not None:
-            self.log.close()
+            try:
+                self.log.close()
+            except OSError:
+                pass
         rundir.release(self)  # the lock; a folder this start made and left empty goes too
 
     def say(self, text: str) -> None:

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from common.checkpoint import find_latest, is_complete
-from common.errors import RecipeError
+from common.errors import RecipeError, StorageError
 
 RUN_MARKERS = ("config.json", "checkpoints", "metrics.jsonl", "summary.json")
 LOCK_FILE = ".lock"
@@ -186,7 +186,11 @@ def claim(run) -> None:
         run_dir, resume, made = resolve(run.cfg, run.recipe)
         if resume is not None:
             adopt_resume_settings(resume, copy.copy(run.cfg))
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RecipeError(f"Cannot create the run directory {run_dir} ({err.strerror or err}): its filesystem is "
+                              "read-only, full or not this user's. Pass --output-dir a folder this user can write.") from None
         run.lock = RunDirLock(run_dir)
         return run_dir, resume, made, run.lock.token
 
@@ -208,3 +212,33 @@ def release(run) -> None:
     if not run.started and run.made_dir and is_empty(run.run_dir):
         (run.run_dir / LOCK_FILE).unlink(missing_ok=True)
         run.run_dir.rmdir()
+
+
+def storage_error(err: BaseException, run_dir) -> StorageError | None:
+    """``err`` as a StorageError when the run directory's filesystem is what failed: full (under 16 MiB free),
+    read-only, or an OSError that says so (ENOSPC, EDQUOT, EROFS). The libraries that write checkpoints
+    (torch.save, safetensors) lose the errno, so the filesystem itself is asked. None for anything else."""
+    import errno
+
+    if run_dir is None or not isinstance(err, Exception):
+        return None
+    try:
+        fs = os.statvfs(run_dir)
+        full, read_only = fs.f_bavail * fs.f_frsize < 16 * 2**20, bool(fs.f_flag & os.ST_RDONLY)
+    except OSError:
+        full = read_only = False
+    said = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+    if not (full or read_only or said):
+        return None
+    from common.checkpoint import find_latest
+
+    latest = find_latest(run_dir)
+    what = "is read-only" if read_only or getattr(err, "errno", None) == errno.EROFS else "is full"
+    return StorageError(
+        f"The filesystem of the run directory {run_dir} {what}: a write failed ({type(err).__name__}: "
+        f"{str(err).strip().splitlines()[-1] if str(err).strip() else err!r}). "
+        + (f"The last complete checkpoint, {latest}, is intact (an interrupted write is never loaded). Free some "
+           f"space (or make it writable), then rerun the same command with --output-dir {run_dir} --resume-from "
+           "latest to continue." if latest is not None else
+           "No checkpoint was complete yet. Free some space (or make it writable), or pass --output-dir a folder on "
+           "another filesystem, then start the run again."))

@@ -1,0 +1,75 @@
+"""A run directory on a filesystem that is read-only or fills up during training: one paragraph naming the
+problem, what is intact and the command that continues, never a traceback; summary.json says storage_error;
+after space is freed the same command resumes. Real filesystems: tmpfs mounts (root only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from contextlib import contextmanager
+
+import pytest
+
+from conftest import check_ok, run_in_process
+
+MLP = ["--hidden", "32"]
+
+
+@contextmanager
+def tmpfs(path, size: str, read_only: bool = False):
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_read_only_output_dir_is_one_paragraph(tmp_path, env, mnist_like):
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+        proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, *MLP, "--output-dir", ro / "run"], env)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert "Cannot create the run directory" in proc.stderr and "Read-only file system" in proc.stderr
+
+
+def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resumes(tmp_path, env, mnist_like,
+                                                                                    monkeypatch):
+    import common.checkpoint as ckpt
+    import common.run
+
+    real_save, filler = ckpt.save_checkpoint, None
+
+    def save_then_fill(*args, **kwargs):  # after the first complete checkpoint, the disk fills up
+        nonlocal filler
+        path = real_save(*args, **kwargs)
+        if filler is None:
+            filler = path.parents[2] / "filler"
+            with open(filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 2**16)
+                        f.flush()
+                except OSError:
+                    pass
+        return path
+
+    with tmpfs(tmp_path / "disk", "20m") as disk:
+        run = disk / "run"
+        args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 3,
+                "--output-dir", run, "--resume-from", "latest"]
+        monkeypatch.setattr(common.run.ckpt, "save_checkpoint", save_then_fill)
+        proc = run_in_process("fashion_mnist_mlp", args, env)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert f"The filesystem of the run directory {run} is full" in paragraph
+        assert "step-00000003, is intact" in paragraph and "--resume-from latest" in paragraph
+        assert json.loads((run / "summary.json").read_text())["status"] in ("storage_error", "running")
+        monkeypatch.setattr(common.run.ckpt, "save_checkpoint", real_save)
+        os.remove(filler)  # space freed: the same command continues from step 3
+        again = check_ok(run_in_process("fashion_mnist_mlp", args, env))
+        assert "resumed from" in again.stdout and "step 3" in again.stdout
+        assert json.loads((run / "summary.json").read_text())["status"] == "completed"
