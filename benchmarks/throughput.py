@@ -54,13 +54,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import json
 import math
 import os
 import shlex
-import shutil
 import socket
 import statistics
 import subprocess
@@ -77,6 +75,7 @@ if str(REPO) not in sys.path:
 import torch
 import torch.nn.functional as F
 
+from common.launching import import_recipe, launch_command, read_run, recipe_env
 from common.machine import free_port, load_average, machine_info, versions
 
 NUM_CLASSES = 10
@@ -167,10 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_recipe(path: Path):
     """The recipe file as a module (recipes run nothing at import)."""
-    spec = importlib.util.spec_from_file_location(f"_bench_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the Config class is made
-    spec.loader.exec_module(module)
+    module = import_recipe(path, prefix="_bench_recipe")
     missing = [name for name in ("Config", "build_model", "build_optimizer", "main") if not hasattr(module, name)]
     if missing:
         bad_input(f"{path} has no {', '.join(missing)}: the benchmark builds its model and optimizer from the "
@@ -381,18 +377,10 @@ def run_recipe(args, ctx, name: str, nproc: int, threads: int, index: int) -> di
     run_dir = ctx["work"] / "runs" / f"{name}-{index}"
     own = ["--dataset", str(ctx["dataset"]), "--output-dir", str(run_dir), "--cache-dir", str(ctx["work"] / "cache"),
            "--max-steps", str(args.steps), "--log-every", str(args.log_every), "--epochs", "1"]
-    script = [str(args.recipe_path), *args.recipe_argv, *own]
-    if nproc == 1:
-        cmd = [sys.executable, *script]
-    else:
-        accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-        cmd = [accelerate, "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu_2proc.yaml"),
-               "--num_processes", str(nproc), "--mixed_precision", "no", "--main_process_port", str(free_port()),
-               "--num_cpu_threads_per_process", str(threads), *script]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), ACCELERATE_MIXED_PRECISION="no", PYTHONUNBUFFERED="1",
-               HF_HOME=str(ctx["work"] / "hf-home"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    if ctx["device"].type == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the recipe's Accelerator would take a visible GPU
+    cmd = launch_command(args.recipe_path, [*args.recipe_argv, *own], nproc=0 if nproc == 1 else nproc,
+                         config="cpu_2proc.yaml", threads=threads, extra_launch=["--num_processes", nproc])
+    # fp32 (no launcher precision on the CPU); the recipe's Accelerator would take a visible GPU on --device cpu
+    env = recipe_env(ctx["work"], threads=threads, cpu_only=ctx["device"].type == "cpu")
     log = ctx["work"] / "runs" / f"{name}-{index}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -403,10 +391,8 @@ def run_recipe(args, ctx, name: str, nproc: int, threads: int, index: int) -> di
         except subprocess.TimeoutExpired:
             code = "timeout"
     wall = time.perf_counter() - t0
-    metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
-    windows = [r for r in rows if "train/samples_per_sec" in r]
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    written = read_run(run_dir)
+    windows, summary = [r for r in written["rows"] if "train/samples_per_sec" in r], written["summary"]
     if code != 0 or len(windows) < 2:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         raise RuntimeError(f"exit {code}, {len(windows)} logged windows; command: {shlex.join(cmd)}\n{tail}")
@@ -844,4 +830,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from common.launching import stop_children_on_term
+
+    stop_children_on_term()  # a stopped benchmark leaves no recipe training
     sys.exit(main())

@@ -81,7 +81,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from common.machine import free_port, load_average, machine_info, versions  # noqa: E402
+from common.launching import launch_command, read_run  # noqa: E402
+from common.launching import recipe_env as shared_recipe_env  # noqa: E402
+from common.machine import load_average, machine_info, versions  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 RECIPES = ("fashion_mnist_mlp", "mnist_convnet", "cifar_cnn")
@@ -155,20 +157,6 @@ def crossing_report(points: list[dict], target: float) -> dict:
             "eval_s_included": sum(parts) if upto and None not in parts else None}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The rows of a JSON-lines file; a last line cut short (a killed writer) is ignored."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
-    rows = []
-    for n, line in enumerate(lines, 1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if n == len(lines):
-                break
-            raise
-    return rows
-
-
 def recipe_eval_points(rows: list[dict], train_start: float, compile_s: float = 0.0) -> list[dict]:
     """The eval rows of a recipe's metrics.jsonl as points: time_s = row "time" - train_start - compile_s
     (the row's time is taken when the evaluation's scalars were logged, after it ran), step, accuracy,
@@ -217,7 +205,7 @@ def estimate_eval_seconds(rows: list[dict], train_start: float) -> list[tuple[fl
 def read_recipe_run(run_dir: Path) -> dict:
     """What a finished recipe run wrote, checked: summary (status, timing), metrics rows, config."""
     run_dir = Path(run_dir)
-    summary_path, metrics_path = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise RuntimeError(f"the recipe run {run_dir} wrote no summary.json, so it did not finish.")
     summary = json.loads(summary_path.read_text())
@@ -228,9 +216,8 @@ def read_recipe_run(run_dir: Path) -> dict:
     if "train_start" not in timing:
         raise RuntimeError(f"{summary_path} has no timing.train_start (the unix time just before the first "
                            "training step), which the time to target is measured from.")
-    rows = read_jsonl(metrics_path) if metrics_path.is_file() else []
-    config_path = run_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    written = read_run(run_dir)
+    rows, config = written["rows"], written["config"]
     return {"summary": summary, "rows": rows, "config": config, "train_start": float(timing["train_start"]),
             "compile_s": float(timing.get("compile_s") or 0.0)}
 
@@ -544,26 +531,18 @@ def run_baseline(train, val, target: float, *, seed: int, max_epochs: int, eval_
 # --- the recipe side --------------------------------------------------------------------------------
 
 def recipe_command(args, seed: int, run_dir: Path) -> list[str]:
-    script = str(REPO / "recipes" / f"{args.recipe}.py")
     own = ["--dataset", args.dataset, "--output-dir", str(run_dir), "--seed", str(seed)]
     if args.eval_every_steps:  # only when asked: 0 is the recipes' epoch-end default anyway
         own += ["--eval-every-steps", str(args.eval_every_steps)]
-    config = args.accelerate_config or (str(REPO / "accelerate_configs" / "cpu_2proc.yaml") if args.nproc == 2
-                                        else None)
-    if config is None:
-        return [sys.executable, script, *own, *args.recipe_argv]
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-    return [accelerate, "launch", "--config_file", config, "--main_process_port", str(free_port()),
-            "--num_cpu_threads_per_process", str(args.threads // args.nproc), script, *own, *args.recipe_argv]
+    config = args.accelerate_config or ("cpu_2proc.yaml" if args.nproc == 2 else None)
+    return launch_command(args.recipe, [*own, *args.recipe_argv], nproc=args.nproc if config else 0, config=config,
+                          precision=None, threads=args.threads // args.nproc)  # the config's precision
 
 
 def recipe_env(args, cache_dir: Path) -> dict:
-    env = dict(os.environ)
-    env.update(ACCELERATE_RECIPES_CACHE=str(cache_dir), OMP_NUM_THREADS=str(args.threads // args.nproc),
-               PYTHONUNBUFFERED="1")
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the recipes' Accelerator takes a visible GPU otherwise
-    return env
+    """Threads per process, the benchmark's decoded cache; the recipe's Accelerator sees no GPU on --device cpu."""
+    return shared_recipe_env(threads=args.threads // args.nproc, cache_dir=cache_dir, cpu_only=args.device == "cpu",
+                             offline=False)
 
 
 def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path) -> dict:
@@ -798,4 +777,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from common.launching import stop_children_on_term
+
+    stop_children_on_term()  # a stopped benchmark leaves no recipe training
     sys.exit(main())

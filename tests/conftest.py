@@ -5,7 +5,6 @@ and process count, shared by the tests that only read it or compare against it."
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -20,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common import launching
+from common.launching import recipe_path  # noqa: F401  (the tests import it from here)
 from common.machine import free_port  # noqa: F401  (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,12 +77,7 @@ def write_image_folder(root: Path, n_per_class: int = 20, classes=("cat", "dog",
 
 def recipe_env(root: Path) -> dict:
     """Environment for recipe subprocesses: private caches under ``root``, no network, 1 thread per process."""
-    e = dict(os.environ)
-    e.update(ACCELERATE_RECIPES_CACHE=str(root / "decoded-cache"), HF_HOME=str(root / "hf-home"),
-             HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-             TOKENIZERS_PARALLELISM="false")
-    e.pop("ACCELERATE_MIXED_PRECISION", None)
-    return e
+    return launching.recipe_env(root, threads=1)
 
 
 @pytest.fixture
@@ -104,15 +100,9 @@ def foreground_signals():
 
 def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, timeout: int = 240,
            extra_launch=(), port: int | None = None) -> subprocess.CompletedProcess:
-    """`accelerate launch` a recipe with a shipped config on a free port (or ``port``); returns the
-    finished process."""
-    config = config or ("cpu.yaml" if nproc == 1 else "cpu_2proc.yaml")
-    cfg_path = config if os.path.isabs(config) else str(CONFIGS / config)
-    # fp32 whatever the CPU: the CPU configs ask for bf16, which a CPU with AMX would then use, and the
-    # golden losses and equivalence tolerances are fp32 figures.
-    precision = [] if "--mixed_precision" in extra_launch else ["--mixed_precision", "no"]
-    cmd = [ACCELERATE, "launch", "--config_file", cfg_path, "--main_process_port", str(port or free_port()),
-           *precision, *extra_launch, str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)]
+    """`accelerate launch` a recipe with a shipped config on a free port (or ``port``), fp32 whatever the CPU
+    (the golden losses and equivalence tolerances are fp32 figures); returns the finished process."""
+    cmd = launching.launch_command(recipe, args, nproc=nproc, config=config, port=port, extra_launch=extra_launch)
     return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
 
 
@@ -126,26 +116,12 @@ class InProcessResult:
     stderr: str
 
 
-_RECIPE_MODULES: dict[Path, object] = {}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
-
-
-def recipe_path(recipe) -> Path:
-    """A recipe name (recipes/<name>.py) or a path to a recipe file."""
-    path = Path(recipe)
-    return (path if path.suffix == ".py" else REPO / "recipes" / f"{recipe}.py").resolve()
 
 
 def import_recipe(recipe):
     """The recipe file imported as a module (once per file); recipes run nothing at import."""
-    path = recipe_path(recipe)
-    if path not in _RECIPE_MODULES:
-        spec = importlib.util.spec_from_file_location(f"_test_recipe_{len(_RECIPE_MODULES)}_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the Config class is made
-        spec.loader.exec_module(module)
-        _RECIPE_MODULES[path] = module
-    return _RECIPE_MODULES[path]
+    return launching.import_recipe(recipe, prefix="_test_recipe")
 
 
 def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
@@ -206,8 +182,7 @@ def check_ok(proc: subprocess.CompletedProcess):
     return proc
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+read_jsonl = launching.read_jsonl
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -46,7 +46,6 @@ def load_recipe(card: dict, recipe_file=None):
     ``recipe_file`` (--recipe, the user's explicit word) only the repository's own ``recipes/<name>.py`` is
     imported, where the name model.json gives is a bare recipe name. Anything else model.json points at is
     refused with the path and the flag that trusts it."""
-    import importlib.util
     import re
 
     recipes_dir = Path(__file__).resolve().parents[2] / "recipes"
@@ -62,11 +61,10 @@ def load_recipe(card: dict, recipe_file=None):
                           f"recipes in {recipes_dir}. Its model is defined in that file, and importing it runs it, so "
                           "it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
                           "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py.")
-    spec = importlib.util.spec_from_file_location(f"_recipe_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look the module up while the Config class is made
+    from common.launching import import_recipe
+
     try:
-        spec.loader.exec_module(module)  # recipes run nothing at import (their main is behind __name__)
+        module = import_recipe(path)  # recipes run nothing at import (their main is behind __name__)
     except Exception as err:
         raise RecipeError(f"Could not import the recipe {path}: {type(err).__name__}: {err}. Fix it, or pass "
                           "--recipe with the recipe file the run was trained with.") from None
