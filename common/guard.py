@@ -139,6 +139,35 @@ class LossScaleWatch:
         return not skipped
 
 
+class StepChecks:
+    """The run's side of the guard: the flags acted on when they arrive (a non-finite loss ends the run naming
+    the checkpoint to resume; a stop request is kept for the next step boundary), fp16 skips counted."""
+
+    def __init__(self, accelerator, optimizer, run_dir, skipped_before: int = 0):
+        self.guard, self.scale_watch = StepGuard(accelerator, optimizer), LossScaleWatch(accelerator.scaler)
+        self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
+        self.skipped_before, self.stopping = skipped_before, False
+
+    def check(self, stop_requested: bool, step: int, epoch: int) -> None:
+        """Before ``optimizer.step()``: the all-reduce, no sync; acts on the previous step's flags."""
+        self.act_on(self.guard.check(stop_requested, step), epoch)
+
+    def settle(self, epoch: int) -> None:
+        """Read this step's flags now (a sync): before anything is logged, evaluated or written."""
+        self.act_on(self.guard.collect(), epoch)
+
+    def act_on(self, flags: Flags | None, epoch: int) -> None:
+        if flags is None:
+            return
+        if flags.nonfinite and not self.fp16:  # with fp16 the loss scaler skips the step instead
+            raise NonFiniteLoss(nonfinite_advice(self.run_dir, flags.step, epoch))
+        self.stopping = self.stopping or flags.stop
+
+    @property
+    def skipped(self) -> int:
+        return self.skipped_before + self.scale_watch.skipped
+
+
 def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
     """The global gradient norm when the recipe does not clip (measured at log steps only), on the device."""
     params = [p for p in model.parameters() if p.grad is not None]

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from common import checkpoint as ckpt
+from common.accelerator import on_main
 from common.errors import RecipeError
 from common.schedule import lr_multiplier
 
@@ -44,7 +45,7 @@ def resume_newest_readable(run) -> dict:
                                      "checkpoint folder." if older else "No older complete checkpoint exists: start "
                                      "a new run with a new --output-dir.")) from None
             run.accelerator.wait_for_everyone()  # every rank has seen the damage before the folder moves
-            run._on_main(lambda: os.replace(damaged, damaged.with_name(f"damaged-{damaged.name}")))
+            on_main(run.accelerator, lambda: os.replace(damaged, damaged.with_name(f"damaged-{damaged.name}")))
             run.say(f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
                      f"damaged-{damaged.name} and the run resumes from the previous one, {older[-1]}.")
             run.resume_path = older[-1]
@@ -61,7 +62,7 @@ def resume_from(run, path: Path) -> dict:
     if state["config"].get("epochs", cfg.epochs) != cfg.epochs:
         notes.append(schedule_change_note(run, state))
     if cfg.resume_from != "latest":
-        moved = run._on_main(lambda: ckpt.supersede_newer(run.run_dir, state["global_step"]))
+        moved = on_main(run.accelerator, lambda: ckpt.supersede_newer(run.run_dir, state["global_step"]))
         if moved:
             notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
                          f"renamed ({', '.join(moved)}) and will not be resumed from.")

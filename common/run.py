@@ -53,21 +53,21 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common import checkpoint as ckpt
 from common import rundir
-from common.accelerator import make_accelerator, on_main, startup_line
+from common.accelerator import make_accelerator, startup_line
 from common.augment import batch_generator
 from common import evalonly, resume, summary
 from common.config import sanitize_for_hparams
 from common.data import data_fingerprint, load_image_data, split_loader
-from common.errors import EXIT_OK, EXIT_TARGET_MISSED, NonFiniteLoss, Preempted, RecipeError, report
-from common.guard import LossScaleWatch, StepGuard, nonfinite_advice, unclipped_grad_norm
+from common.errors import EXIT_OK, EXIT_TARGET_MISSED, Preempted, RecipeError, report
+from common.guard import StepChecks, unclipped_grad_norm
 from common.profiler import StepProfiler
 from common.stopping import StopFlag
 from common.tracking import MetricsLog, Progress, Throughput
+from common.validation import Validation
 
 
 class TrainingRun:
@@ -77,7 +77,7 @@ class TrainingRun:
         self.accelerator, self.stop = None, None
         self.run_dir, self.resume_path, self.lock, self.made_dir, self.started = None, None, None, False, False
         self.log, self.profiler, self.progress = None, None, None
-        self.epoch, self.global_step, self.best, self.skipped_before = 0, 0, None, 0
+        self.epoch, self.global_step, self.validation, self.checks = 0, 0, None, None
         self.t_start, self.train_start = time.time(), None
         # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
         self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
@@ -116,13 +116,8 @@ class TrainingRun:
         return self.exit_code
 
     def _close(self, err) -> None:
-        # A stop while reading the data (before the start) is recorded too, so a requeue script sees this start's
-        # "preempted" rather than an earlier start's summary.
-        if err is not None and (self.started or (isinstance(err, Preempted) and self.run_dir is not None)):
-            try:
-                summary.write(self, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
-            except OSError:  # a full disk: summary.json keeps its last whole version ("running")
-                pass
+        if err is not None:
+            summary.write_ending(self, err)
         if self.stop is not None:
             self.stop.close()
         if self.profiler is not None:
@@ -140,9 +135,6 @@ class TrainingRun:
             self.progress.say(text)
         elif self.accelerator is None or self.accelerator.is_main_process:
             print(text, flush=True)
-
-    def _on_main(self, fn):
-        return on_main(self.accelerator, fn)
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -173,7 +165,8 @@ class TrainingRun:
         state = resume.start_state(self)  # the newest readable checkpoint's, or a fresh start's
         self.started = True
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
-        self.best, self.skipped_before = state["best"], state["skipped_steps"]
+        self.validation = Validation(self, state["best"])
+        self.checks = StepChecks(acc, optimizer, self.run_dir, state["skipped_steps"])  # the guard (common.guard)
         self.saved_step = self.global_step if self.resume_path is not None else None
         self.done = self.global_step >= self.total_steps
         self.log = MetricsLog(acc, self.run_dir, self.global_step if self.resume_path is not None else None,
@@ -181,10 +174,7 @@ class TrainingRun:
         self.profiler = StepProfiler(acc, cfg.profile, self.run_dir)
         self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s)
         self.meter = Throughput(acc.device)
-        self.guard, self.scale_watch = StepGuard(acc, optimizer), LossScaleWatch(acc.scaler)
-        self.last_loss, self.last_speed, self.stopping, self.step_lr = None, None, False, None
-        self.epoch_eval, self.eval_now, self.checkpoint_after_eval = None, False, False
-        self.evaluated_step, self.epoch_open, self.in_epoch = None, False, False
+        self.step_lr, self.epoch_open, self.in_epoch = None, False, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
         self.say(f"run dir: {self.run_dir}  model: {self.card['model']} "
                  f"{sum(p.numel() for p in unwrapped.parameters()):,} params  data: {data.source} "
@@ -207,7 +197,7 @@ class TrainingRun:
             self.train_loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
             if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
                 self.train_loader.dataset.set_epoch(self.epoch)
-            self.epoch_t0, self.epoch_eval = time.time(), None
+            self.epoch_t0, self.validation.epoch_result = time.time(), None
             yield self.epoch
             if self.epoch_open:
                 raise RecipeError(f"The recipe's loop did not call run.end_epoch() at the end of epoch {started + 1}: "
@@ -250,43 +240,29 @@ class TrainingRun:
 
     def track_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-step's loss to this optimizer step's sums, on the device (no sync)."""
-        self.guard.track(loss)
+        self.checks.guard.track(loss)
 
     def guard_step(self, grad_norm=None) -> None:
-        """Before the optimizer step, once per optimizer step: one small all-reduce (``common.guard``),
-        no sync. A non-finite loss on any rank is masked out of this update on the device and stops every
-        rank at the next step (with fp16 the loss scaler skips the step instead); a stop request is
-        honoured at a step boundary every rank agrees on (``end_step``). ``grad_norm``: the norm
-        ``clip_grad_norm_`` returned when the recipe clips; without clipping the norm is measured at log
-        steps only (two passes over the gradients saved at every other step)."""
+        """Once per optimizer step, before it: one small all-reduce, no sync (``common.guard``). A non-finite loss
+        on any rank is masked out of this update and stops every rank at the next step; a stop request is honoured
+        at a step boundary every rank agrees on. ``grad_norm``: clip_grad_norm_'s result when the recipe clips;
+        otherwise the norm is measured at log steps only (two passes over the gradients)."""
         step = self.global_step + 1
         if grad_norm is None and (step % self.cfg.log_every == 0 or step >= self.total_steps):
             grad_norm = unclipped_grad_norm(self.accelerator, self.model)
         if grad_norm is not None:
             self.meter.add_grad_norm(grad_norm)
-        self._act_on(self.guard.check(bool(self.stop), step))
+        self.checks.check(bool(self.stop), step, self.epoch)
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
-
-    def _act_on(self, flags) -> None:
-        if flags is None:
-            return
-        if flags.nonfinite and self.accelerator.mixed_precision != "fp16":
-            raise NonFiniteLoss(nonfinite_advice(self.run_dir, flags.step, self.epoch))
-        self.stopping = self.stopping or flags.stop
-
-    def _settle(self) -> None:
-        """Read this step's flags now (a sync): before anything is logged, evaluated or written."""
-        self._act_on(self.guard.collect())
 
     def step_was_taken(self) -> bool:
         """False when fp16 loss scaling skipped this optimizer step (overflow): then the schedule and a
         weight average must not advance. Too many skips in a row stop the run (``common.guard``)."""
-        return self.scale_watch.step_taken()
+        return self.checks.scale_watch.step_taken()
 
     @property
     def skipped_steps(self) -> int:
-        watch = getattr(self, "scale_watch", None)  # absent when start() failed before creating it
-        return self.skipped_before + (watch.skipped if watch is not None else 0)
+        return self.checks.skipped if self.checks is not None else 0  # None until start()
 
     def end_step(self) -> None:
         """After each optimizer step: log, progress, checkpoint, stop (``eval_due`` says whether to evaluate)."""
@@ -296,34 +272,37 @@ class TrainingRun:
         self.done = self.global_step >= self.total_steps
         log_now = self.global_step % cfg.log_every == 0 or self.done
         checkpoint_now = bool(cfg.checkpoint_every and self.global_step % cfg.checkpoint_every == 0)
-        self.eval_now = bool(cfg.eval_every_steps and self.global_step % cfg.eval_every_steps == 0)
-        if log_now or checkpoint_now or self.eval_now or self.stopping:
-            self._settle()
+        mid_epoch = self.batch + 1 < len(self.train_loader)
+        # An evaluation due at this step goes first (record_eval then writes the checkpoint), so the checkpoint
+        # holds its result; at an epoch's last step end_epoch checkpoints after the epoch's evaluation.
+        eval_first = self.validation.at_step(self.global_step, checkpoint_now, mid_epoch)
+        if log_now or checkpoint_now or self.validation.now or self.checks.stopping:
+            self.checks.settle(self.epoch)
         if log_now:
             self._log_window()
-        if self.stopping:
-            path = self._checkpoint(batches_in_epoch=self.batch + 1)
+        if self.checks.stopping:
+            path = self.checkpoint(batches_in_epoch=self.batch + 1)
             raise Preempted(f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
                             f"{self.global_step}: checkpoint written to {path}. Rerun the same command with "
                             f"--output-dir {self.run_dir} --resume-from latest to continue.")
-        # An evaluation due at this step goes first (record_eval then writes the checkpoint), so the checkpoint
-        # holds its result; at an epoch's last step end_epoch checkpoints after the epoch's evaluation.
-        if checkpoint_now and self.batch + 1 < len(self.train_loader):
-            if self.eval_now:
-                self.checkpoint_after_eval = True
-            else:
-                self._checkpoint(batches_in_epoch=self.batch + 1)
+        if checkpoint_now and mid_epoch and not eval_first:
+            self.checkpoint(batches_in_epoch=self.batch + 1)
 
     def _log_window(self) -> None:
-        loss_sum, count = self.guard.read(self.guard.window)
+        loss_sum, count = self.checks.guard.read(self.checks.guard.window)
         if not count:
             return
         values = {"train/loss": loss_sum / count, "train/lr": self.step_lr, **self.meter.read_and_reset()}
-        self.last_loss, self.last_speed = values["train/loss"], values["train/samples_per_sec"]
         self.log.log(values, step=self.global_step)
-        self.progress.update(self.global_step, self.epoch, self.last_loss, self.last_speed)
+        self.progress.update(self.global_step, self.epoch, values["train/loss"], values["train/samples_per_sec"])
 
-    def _checkpoint(self, batches_in_epoch: int, epoch: int | None = None) -> Path:
+    @property
+    def best(self):
+        """The best --monitor value so far (kept in best/ and in every checkpoint)."""
+        return self.validation.best if self.validation is not None else None
+
+    def checkpoint(self, batches_in_epoch: int, epoch: int | None = None) -> Path:
+        """Write a crash-safe checkpoint of everything prepared and the run's position (``common.checkpoint``)."""
         state = {"epoch": self.epoch if epoch is None else epoch, "batches_in_epoch": batches_in_epoch,
                  "global_step": self.global_step, "best": self.best, "skipped_steps": self.skipped_steps,
                  "data_fingerprint": self.data_fingerprint,
@@ -335,83 +314,45 @@ class TrainingRun:
     # --- evaluation ------------------------------------------------------------------------------
 
     def eval_due(self) -> bool:
-        """The one place that decides whether to evaluate now. Inside the batch loop: at every --eval-every-steps
-        step. After it: at the end of every --eval-every epochs, the last epoch, and where --max-steps stops.
-        Never twice for the same weights (an --eval-every-steps step that ends an epoch is the epoch's)."""
-        if self.data.val is None or self.evaluated_step == self.global_step:
-            return False
-        if self.in_epoch:
-            return self.eval_now  # set by end_step; no sync
-        self._settle()
-        return (self.epoch + 1) % self.cfg.eval_every == 0 or self.epoch + 1 == self.cfg.epochs or self.done
+        """Whether to evaluate now, decided in one place (``common.validation``): inside the batch loop at every
+        --eval-every-steps step; after it at every --eval-every epochs, the last epoch and where --max-steps
+        stops. Never twice for the same weights."""
+        def epoch_end_due():
+            self.checks.settle(self.epoch)  # a sync, once per epoch
+            return (self.epoch + 1) % self.cfg.eval_every == 0 or self.epoch + 1 == self.cfg.epochs or self.done
+
+        return self.validation.due(self.in_epoch, epoch_end_due)
 
     def record_eval(self, metrics: dict, model) -> None:
         """Log a validation result (scalars, per-class accuracy, confusion matrix, misclassified images)
         and keep the model in best/ when --monitor improved."""
-        self._log_eval("eval", metrics, self.data.val)
-        self.evaluated_step = self.global_step
-        value = metrics[self.cfg.monitor.split("/", 1)[1]]
-        if self.best is None or (value > self.best if self.cfg.mode == "max" else value < self.best):
-            self.best = value
-            ckpt.save_model_dir(self.accelerator, model, self.run_dir / "best",
-                                {**self.card, "metrics": {self.cfg.monitor: value}, "epoch": self.epoch + 1,
-                                 "step": self.global_step})
-        if self.eval_now and self.batch + 1 < len(self.train_loader):  # mid-epoch: its own line, not the epoch's
-            self.say(f"eval at step {self.global_step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
-                     f"({metrics['count']} images)")
-        else:
-            self.epoch_eval = metrics
-        self.eval_now = False
-        if self.checkpoint_after_eval:  # --checkpoint-every fell on this step too: the checkpoint knows this result
-            self.checkpoint_after_eval = False
-            self._checkpoint(batches_in_epoch=self.batch + 1)
-
-    def _log_eval(self, split: str, metrics: dict, data_split, final: bool = False) -> np.ndarray | None:
-        """Scalars to metrics.jsonl and the trackers, images to TensorBoard; returns the confusion matrix image."""
-        per_class = {f"{split}/accuracy_class/{name}": acc
-                     for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
-        self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
-                     step=self.global_step, extra={f"{split}_time": round(time.time(), 3),
-                                                   f"{split}_seconds": round(metrics["seconds"], 3)})
-        return self.log.images(split, metrics, data_split, self.data.class_names, self.global_step, final)
+        self.validation.record(metrics, model)
 
     def end_epoch(self) -> None:
         """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
-        self._settle()
+        self.checks.settle(self.epoch)
         self.epoch_open = False
         finished = self.consumed == len(self.train_loader)
         line = f"epoch {self.epoch + 1}/{self.cfg.epochs}:"
-        loss_sum, count = self.guard.read(self.guard.epoch)
+        loss_sum, count = self.checks.guard.read(self.checks.guard.epoch)
         if count:
             line += f" train loss {loss_sum / count:.4f}"
-        if self.epoch_eval is not None:
-            m = self.epoch_eval
-            line += f" | eval loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)"
-        self.say(f"{line} | {time.time() - self.epoch_t0:.1f} s")
+        self.say(f"{line}{self.validation.epoch_line()} | {time.time() - self.epoch_t0:.1f} s")
         if finished:
             self.epoch += 1
         if self.saved_step != self.global_step:  # an epoch end right after a --checkpoint-every save: same state
-            self._checkpoint(batches_in_epoch=0 if finished else self.consumed)
+            self.checkpoint(batches_in_epoch=0 if finished else self.consumed)
 
     # --- the end ---------------------------------------------------------------------------------
 
     def finish(self, model, metrics: dict | None) -> None:
         """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
         curves.png and confusion_matrix.png, and the --target-accuracy check."""
-        cfg, acc = self.cfg, self.accelerator
         self.stop.interruptible(None)  # final/ and summary.json are written whole
-        self._settle()
+        self.checks.settle(self.epoch)
         self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too
-        split = "test" if self.data.test is not None else "val"
-        final, confusion = {}, None
-        if metrics is not None:
-            confusion = self._log_eval(split, metrics, self.data.test if split == "test" else self.data.val,
-                                       final=True)
-            final = {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"],
-                     f"{split}/count": metrics["count"]}
-        ckpt.save_model_dir(acc, model, self.run_dir / "final",
-                            {**self.card, "metrics": final, "epoch": self.epoch, "step": self.global_step})
-        self.log.hparams(sanitize_for_hparams(dataclasses.asdict(cfg)),
+        split, final, confusion = self.validation.final(model, metrics)  # logged, and final/ written
+        self.log.hparams(sanitize_for_hparams(dataclasses.asdict(self.cfg)),
                          {k: v for k, v in final.items() if not k.endswith("/count")})
         self.log.close()
         summary.finish(self, split, final, confusion)  # status, exit code, PNGs, summary.json, the table

@@ -20,6 +20,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from common.accelerator import on_main
 from common.checkpoint import find_latest, is_complete
 from common.errors import RecipeError, StorageError
 
@@ -182,7 +183,7 @@ def claim(run) -> None:
 
     from common.checkpoint import adopt_resume_settings
 
-    def on_main():
+    def claim_on_main():
         run_dir, resume, made = resolve(run.cfg, run.recipe)
         if resume is not None:
             adopt_resume_settings(resume, copy.copy(run.cfg))
@@ -194,7 +195,7 @@ def claim(run) -> None:
         run.lock = RunDirLock(run_dir)
         return run_dir, resume, made, run.lock.token
 
-    run.run_dir, run.resume_path, run.made_dir, token = run._on_main(on_main)
+    run.run_dir, run.resume_path, run.made_dir, token = on_main(run.accelerator, claim_on_main)
     run.accelerator.project_configuration.set_directories(str(run.run_dir))
     run.accelerator.project_configuration.logging_dir = str(run.run_dir)
     check_shared(run.accelerator, run.run_dir, token)

@@ -34,6 +34,18 @@ def write(run, extra: dict) -> dict:
     return summary
 
 
+def write_ending(run, err) -> None:
+    """summary.json for a start that ended in ``err`` after the start of training. A stop while reading the data
+    (before it) is recorded too, so a requeue script sees this start's "preempted", not an earlier start's status."""
+    from common.errors import Preempted
+
+    if run.started or (isinstance(err, Preempted) and run.run_dir is not None):
+        try:
+            write(run, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+        except OSError:  # a full disk: summary.json keeps its last whole version ("running")
+            pass
+
+
 def table(run, final: dict, summary: dict) -> str:
     acc = run.accelerator
     rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]

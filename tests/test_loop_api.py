@@ -46,3 +46,14 @@ def test_a_loop_that_leaves_out_a_call_fails_loudly(tmp_path, env, mnist_like, e
     proc = run_in_process(copy, ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
                                  "--output-dir", tmp_path / "run"], env)
     assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_without_validation_a_checkpoint_step_that_is_also_an_eval_step_still_checkpoints(tmp_path, env, mnist_like):
+    """--val-fraction 0 (nothing to validate on) with --eval-every-steps and --checkpoint-every on the same steps:
+    no evaluation is due, so the checkpoint is written at once instead of waiting for one that never comes."""
+    run = tmp_path / "run"
+    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP,
+                                                  "--val-fraction", 0, "--eval-every-steps", 3, "--checkpoint-every", 3,
+                                                  "--keep-checkpoints", 10, "--output-dir", run], env))
+    written = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert written[:2] == [3, 6], written
