@@ -1,6 +1,7 @@
-"""Running a recipe the way its users do, for the benchmarks and the tests: a recipe file imported as a module,
-its ``accelerate launch`` (or plain ``python``) command and a quiet, offline environment, and what a finished
-run wrote (``metrics.jsonl``, ``summary.json``, ``config.json``)."""
+"""Running a recipe the way its users do, for the benchmarks and the tests: a recipe file imported as a module and
+its Config as its own parser makes it, its ``accelerate launch`` (or plain ``python``) command and a quiet, offline
+environment, the run with its output kept in a log, and what a finished run wrote (``metrics.jsonl``,
+``summary.json``, ``config.json``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,6 +25,11 @@ def recipe_path(recipe) -> Path:
     return (path if path.suffix == ".py" else RECIPES_DIR / f"{recipe}.py").resolve()
 
 
+def shipped_recipes() -> list[str]:
+    """The names of the recipes in recipes/, for choices and messages."""
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.py"))
+
+
 def import_recipe(recipe, prefix: str = "_recipe"):
     """The recipe file as a module, imported once per file (recipes run nothing at import)."""
     path = recipe_path(recipe)
@@ -32,6 +40,14 @@ def import_recipe(recipe, prefix: str = "_recipe"):
         spec.loader.exec_module(module)
         _IMPORTED[path] = module
     return _IMPORTED[path]
+
+
+def recipe_config(recipe, argv=()):
+    """The recipe's Config as its own command line makes it from ``argv``: its defaults, then the flags. A bad
+    flag exits 2 with the recipe's one-paragraph message, as the recipe itself would."""
+    from common.config import parse_config
+
+    return parse_config(import_recipe(recipe).Config, [str(a) for a in argv])
 
 
 def launch_command(recipe, args=(), *, nproc: int = 1, config: str | None = None, port: int | None = None,
@@ -75,6 +91,22 @@ def recipe_env(root: Path | None = None, *, threads: int | None = 1, cache_dir: 
         env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("ACCELERATE_MIXED_PRECISION", None)
     return env
+
+
+def run_logged(cmd, env: dict, log: Path, timeout: float | None = None) -> tuple[int | str, float]:
+    """Run a recipe command from the repository root, its stdout and stderr into ``log`` (kept beside the run for
+    whoever reads the numbers later): its exit code, "timeout" when stopped after ``timeout`` seconds, and its
+    wall seconds."""
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    return code, time.perf_counter() - t0
 
 
 def read_jsonl(path: Path) -> list[dict]:
