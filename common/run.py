@@ -46,6 +46,7 @@ What each call promises:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -118,16 +119,16 @@ class TrainingRun:
     def _close(self, err) -> None:
         if err is not None:
             summary.write_ending(self, err)
-        if self.stop is not None:
-            self.stop.close()
-        if self.profiler is not None:
-            self.profiler.close()
+        for part in (self.stop, self.profiler):  # signal handlers and the launcher watch; a --profile trace
+            if part is not None:
+                part.close()
         if self.log is not None and err is not None:
-            try:
+            with contextlib.suppress(OSError):  # a full disk: the trackers' files stay as they were
                 self.log.close()
-            except OSError:
-                pass
         rundir.release(self)  # the lock; a folder this start made and left empty goes too
+        if self.accelerator is not None and err is None:  # every rank got here: all together (MetricsLog.close: why)
+            self.accelerator.wait_for_everyone()
+            self.accelerator.state.destroy_process_group()
 
     def say(self, text: str) -> None:
         """Print on the main process, through the progress bar when one is shown."""
@@ -176,13 +177,12 @@ class TrainingRun:
         self.meter = Throughput(acc.device)
         self.step_lr, self.epoch_open, self.in_epoch = None, False, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
-        self.say(f"run dir: {self.run_dir}  model: {self.card['model']} "
-                 f"{sum(p.numel() for p in unwrapped.parameters()):,} params  data: {data.source} "
-                 f"train={len(data.train)} val={len(data.val) if data.val else 0} "
-                 f"test={len(data.test) if data.test else 0}")
+        sizes = {"train": data.train, "val": data.val, "test": data.test}
+        params = sum(p.numel() for p in unwrapped.parameters())
+        self.say(f"run dir: {self.run_dir}  model: {self.card['model']} {params:,} params  data: {data.source} "
+                 + " ".join(f"{k}={len(v) if v else 0}" for k, v in sizes.items()))
         self.train_start = time.time()
-        # "running" first: a start killed outright (OOM killer, node loss) leaves this start's "running", never
-        # an earlier start's "preempted" that a requeue script would act on
+        # "running" first: a start killed outright (OOM, node loss) leaves its own status, not an earlier start's
         summary.write(self, {})
 
     # --- the loop --------------------------------------------------------------------------------

@@ -156,8 +156,13 @@ class MetricsLog:
             file_writer.add_summary(summary)
 
     def close(self) -> None:
+        """Finish the trackers (main process). Not accelerator.end_training(): it also destroys the process group,
+        on the main process only, and a worker still holding its own then aborts at exit ("terminate called without
+        an active exception": exit 1 through the launcher for a completed run). A run that ends well destroys it
+        on every rank at once, last (TrainingRun._close)."""
         if self.accelerator.is_main_process:
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 class Throughput:

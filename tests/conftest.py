@@ -179,6 +179,9 @@ def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
 
 def check_ok(proc: subprocess.CompletedProcess):
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    # a worker that exits holding its process group can abort at interpreter shutdown (gloo's threads), which the
+    # launcher turns into exit 1 for a completed run: every rank destroys it at the end
+    assert "terminate called" not in proc.stderr and "has NOT been destroyed" not in proc.stderr, proc.stderr[-6000:]
     return proc
 
 
