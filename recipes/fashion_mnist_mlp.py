@@ -1,14 +1,16 @@
 """FashionMNIST with an MLP (flatten, 784 -> 1024 -> 1024 -> 10, ReLU, dropout), on 1 to N devices.
 
-Target: 90.0% validation accuracy in 6 epochs (about a minute on 2 CPU cores); README has the accuracy and wall
-time measured per seed on the real Fashion-MNIST train set. Check it:
+Target: 90.0% validation accuracy in 12 epochs of batch 1024 (measured: 90.15-91.03%, mean 90.63% over seeds 1-5 on
+the real Fashion-MNIST train set, 29-30 s from launch to exit on 2 CPU cores with avx512_bf16, bf16; README has
+every seed and machine). Check it:
 
     accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.90   # exits 4 if missed
 
 The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisation), --label-smoothing
-0.1, --warmup-fraction 0.05 --schedule cosine (warm-up, then cosine decay to zero within the run), AdamW --lr 2e-3
---weight-decay 1e-4, --batch-size 256 (half as many 7.5 MB gradient all-reduces per epoch as 128). No
-augmentation, no weight average: the simplest recipe to start from.
+0.1, --warmup-fraction 0.05 --schedule cosine (warm-up, then cosine decay to zero within the run), AdamW --lr 4e-3
+--weight-decay 1e-4, --batch-size 1024 (a quarter of batch 256's steps, each with a 7.5 MB gradient all-reduce and
+an optimizer pass over 1.9M weights: 12 epochs take the time 6 of batch 256 took, for +0.5 points). No augmentation
+(a random flip cost 0.4 points at 6 epochs), no weight average: the simplest recipe to start from.
 
     # one process (CPU or one GPU)
     accelerate launch recipes/fashion_mnist_mlp.py
@@ -45,9 +47,9 @@ RECIPE = "fashion_mnist_mlp"
 @dataclass
 class Config(CommonConfig):
     dataset: str = knob("zalando-datasets/fashion_mnist", DATASET_HELP)
-    epochs: int = knob(6, "number of passes over the training split")
-    batch_size: int = knob(256, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
-    lr: float = knob(2e-3, "peak learning rate (AdamW)")
+    epochs: int = knob(12, "number of passes over the training split")
+    batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    lr: float = knob(4e-3, "peak learning rate (AdamW)")
     betas: str = knob("0.9,0.999", "AdamW betas, comma-separated", on_resume="apply")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")

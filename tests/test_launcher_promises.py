@@ -187,7 +187,7 @@ def test_resume_from_an_older_checkpoint_with_new_hyperparameters(tmp_path, env,
                                                   "--lr", "1e-5", "--betas", "0.8,0.99"], env))
     # every field marked on_resume="apply" (common.config.knob), the recipe's own --betas too
     assert ("applied from the command line over the checkpoint's values: betas 0.9,0.999 -> 0.8,0.99, "
-            "lr 0.002 -> 1e-05") in again.stdout
+            "lr 0.004 -> 1e-05") in again.stdout
     from common.checkpoint import complete_checkpoints, read_state
 
     latest = complete_checkpoints(run)
@@ -208,7 +208,7 @@ def test_nonfinite_advice_works_when_followed(tmp_path, env, mnist_like):
             "--checkpoint-every", 3, "--keep-checkpoints", 5, "--log-every", 1, "--output-dir", run]
     check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 3], env))
     bad = run_in_process("fashion_mnist_mlp", [*args, "--lr", "1e30", "--resume-from", "latest"], env)
-    assert "lr 0.002 -> 1e+30" in bad.stdout  # the resuming command's --lr applies (it used to be ignored)
+    assert "lr 0.004 -> 1e+30" in bad.stdout  # the resuming command's --lr applies (it used to be ignored)
     assert bad.returncode != 0 and "lower --lr" in bad.stderr and status(run) == "nonfinite_loss"
     named = bad.stderr.split("--resume-from ")[1].split(";")[0]
     assert named.endswith("step-00000003")

@@ -144,7 +144,7 @@ def test_cpu_config_that_starts_one_process_says_so(tmp_path, mnist_like):
     proc = subprocess.run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
                            "--mixed_precision", "no", "--dynamo_backend", "no",
                            str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
-                           "--max-steps", "1", "--output-dir", str(tmp_path / "run")],
+                           "--batch-size", "32", "--max-steps", "1", "--output-dir", str(tmp_path / "run")],
                           env=recipe_env(tmp_path), cwd=str(REPO), capture_output=True, text=True, timeout=180)
     check_ok(proc)
     startup = next(l for l in proc.stdout.splitlines() if l.startswith("startup:"))
