@@ -1,31 +1,24 @@
-#!/usr/bin/env python
-"""The data path of one recipe against the pipeline a first version typically has: how much faster than its own
-training the recipe's loader feeds batches, and how much faster than a per-sample PIL/torchvision DataLoader.
-On synthetic data of the recipe's shape; the shared timing and report are in harness.py.
-
-Rows (samples/s, 1 process at the benchmark's threads):
-  recipe         the recipe itself, end to end, as in throughput.py (what the loader has to keep up with)
-  raw_torch      the recipe's step in a plain PyTorch loop over tensor-indexed batches
-  loader         the recipe's data path alone: common.data.make_loader, the device copy, BatchTransform
-  seed_loader    a per-sample pipeline over the same images: PNG bytes -> PIL -> torchvision's versions of the
-                 recipe's augmentation -> ToTensor, Normalize, in a shuffling DataLoader (--seed-workers workers)
-  seed_training  raw_torch's step fed by seed_loader
-
-Ratios: loader / recipe training (>= 10), loader / per-sample loader (>= 20), raw step with tensor batches /
-the same step fed per sample (reported). Loader rows time --repeats epochs after a warm-up epoch.
+"""The data path of one recipe against the pipeline a first version typically has, on synthetic data of its
+shape. Rows (samples/s, 1 process): `recipe` and `raw_torch` as in throughput.py; `loader`, the recipe's data path
+alone (common.data.make_loader, the device copy, BatchTransform); `seed_loader`, the same PNGs per sample (PIL,
+torchvision's versions of the recipe's augmentation, a shuffling DataLoader with --seed-workers workers); and
+`seed_training`, raw_torch's step fed by seed_loader. The loader rows time --repeats epochs after a warm-up epoch.
+Ratios (targets in benchmarks/README.md): loader / recipe training, loader / per-sample loader, raw step with
+tensor batches / the same step fed per sample.
 
     python benchmarks/data_path.py --recipe mnist_convnet
     python benchmarks/data_path.py --recipe cifar_cnn --seed-workers 4
-    python benchmarks/data_path.py --recipe mnist_convnet --tiny         # smoke test
 """
-
-from __future__ import annotations
 
 import os
 import sys
 
 import harness
 import torch
+from torchvision import transforms as T
+
+from common.augment import batch_generator
+from common.data import ImageSplit, make_loader
 
 
 def add_args(p):
@@ -43,61 +36,46 @@ def epochs(loader):
         epoch += 1
 
 
-def time_loader(bench, loader, consume) -> dict:
-    """--repeats epochs of ``loader``, each batch handed to ``consume``, after one untimed epoch."""
-    stream, n = epochs(loader), len(loader)
-    seconds = harness.time_rounds({"": lambda: consume(*next(stream))}, n, bench.args.repeats, n, bench.device)[""]
-    return harness.summarize(harness.rate(seconds, n * bench.cfg.batch_size), source="timed in the benchmark",
-                             processes=1, threads=torch.get_num_threads(), batches_per_epoch=n)
+def time_loader(bench, loader, augment: bool) -> dict:
+    """--repeats epochs of ``loader`` after one untimed epoch: each batch copied to the device (with ``augment``,
+    through the recipe's BatchTransform too) and waited for."""
+    stream, n, device, pin = epochs(loader), len(loader), bench.device, bench.device.type == "cuda"
 
-
-def loader_row(bench) -> dict:
-    from common.augment import batch_generator
-    from common.data import ImageSplit, make_loader
-
-    cfg, device, pin = bench.cfg, bench.device, bench.device.type == "cuda"
-
-    def consume(epoch, i, images, labels):
-        x = bench.transform.train(images.to(device, non_blocking=pin), batch_generator(cfg.seed, epoch, i, 0))
+    def consume():
+        epoch, i, images, labels = next(stream)
+        x = images.to(device, non_blocking=pin)
+        if augment:
+            x = bench.transform.train(x, batch_generator(bench.cfg.seed, epoch, i, 0))
         labels.to(device, non_blocking=pin)
         x.sum().item()  # waits until the batch is really made (a device sync on a GPU)
 
-    return time_loader(bench, make_loader(ImageSplit(bench.images, bench.labels), cfg.batch_size, train=True,
-                                          pin=pin), consume)
-
-
-def per_sample_loader(bench):
-    """The same PNGs the recipe decoded, decoded per sample with PIL, torchvision's versions of the recipe's
-    augmentation, a shuffling DataLoader with --seed-workers workers."""
-    from torchvision import transforms as T
-
-    cfg, t, workers = bench.cfg, bench.transform, bench.args.seed_workers
-    augment = [T.RandomCrop(bench.shape[1:], padding=t.translate, padding_mode="reflect")] if t.translate else []
-    augment += [T.RandomHorizontalFlip()] if t.flip else []
-    tf = T.Compose([*augment, T.ToTensor(), T.Normalize(t.mean, t.std)])
-    return torch.utils.data.DataLoader(harness.PerSampleImages(bench.pngs, bench.labels.tolist(), tf),
-                                       batch_size=cfg.batch_size, shuffle=True, drop_last=True, num_workers=workers,
-                                       persistent_workers=workers > 0, pin_memory=bench.device.type == "cuda")
+    seconds = harness.time_rounds({"": consume}, n, bench.args.repeats, n, device)[""]
+    return harness.timed_row(seconds, n * bench.cfg.batch_size, batches_per_epoch=n)
 
 
 def seed_rows(bench) -> dict:
-    device, pin = bench.device, bench.device.type == "cuda"
-    loader, workers = per_sample_loader(bench), {"loader_workers": bench.args.seed_workers}
-
-    def consume(epoch, i, images, labels):
-        images.to(device, non_blocking=pin).sum().item()
-        labels.to(device, non_blocking=pin)
-
-    alone = time_loader(bench, loader, consume)
+    """The PNGs the recipe decoded, decoded per sample with PIL, torchvision's versions of the recipe's
+    augmentation, a shuffling DataLoader; alone and feeding raw_torch's step."""
+    t, workers = bench.transform, bench.args.seed_workers
+    augment = [T.RandomCrop(bench.shape[1:], padding=t.translate, padding_mode="reflect")] if t.translate else []
+    augment += [T.RandomHorizontalFlip()] if t.flip else []
+    tf = T.Compose([*augment, T.ToTensor(), T.Normalize(t.mean, t.std)])
+    loader = torch.utils.data.DataLoader(harness.PerSampleImages(bench.pngs, bench.labels.tolist(), tf),
+                                         batch_size=bench.cfg.batch_size, shuffle=True, drop_last=True,
+                                         num_workers=workers, persistent_workers=workers > 0,
+                                         pin_memory=bench.device.type == "cuda")
+    alone = {**time_loader(bench, loader, augment=False), "loader_workers": workers}
     training = bench.raw_row(torch.get_num_threads(), stream_of=lambda: epochs(loader), transform=False)
-    return {"seed_loader": {**alone, **workers}, "seed_training": {**training, **workers}}
+    return {"seed_loader": alone, "seed_training": {**training, "loader_workers": workers}}
 
 
 def measure(bench) -> dict:
     threads = torch.get_num_threads()
     bench.measure("recipe", lambda: bench.recipe_row("recipe", 1, threads))
     bench.measure("raw_torch", lambda: bench.raw_row(threads))
-    bench.measure("loader", lambda: loader_row(bench))
+    bench.measure("loader", lambda: time_loader(bench, make_loader(ImageSplit(bench.images, bench.labels),
+                                                                   bench.cfg.batch_size, train=True,
+                                                                   pin=bench.device.type == "cuda"), augment=True))
     bench.measure("seed rows", lambda: seed_rows(bench))
     return {
         "loader_vs_recipe": ("loader / recipe training", bench.ratio("loader", "recipe"), ">=", 10.0),

@@ -1,18 +1,9 @@
-"""What the benchmarks share. For the throughput studies (throughput.py, data_path.py, scaling.py): one recipe,
-imported from its file, with its Config from its own parser (defaults, then --recipe-args); a synthetic dataset of
-its image shape (smooth noise, 10 classes) written once in the Hub parquet layout, which the recipe runs read with
---dataset; the recipe run end to end and read back; its step in plain PyTorch; the timing; the report. For every
-benchmark: the per-sample PIL/torchvision dataset a first version has, the busy-machine warning, the JSON report.
-
-Timing: a recipe or plain-PyTorch run takes --steps steps and times a window every --log-every steps; the first
-window is warm-up and dropped, the median of the others is reported with its spread, (max - min) / median, and
---runs repeats the run and pools the windows. Rows that take turns in one process (time_rounds) take --warmup
-steps each, then --repeats rounds, so that machine drift hits them alike. Everything is fp32 unless a row says
-otherwise. A row that fails is reported with its reason; a ratio is printed against its target (PASS/MISS) and
-never fails the run. Exit 2 with one paragraph for bad input.
+"""What the benchmarks share. For the throughput studies (throughput.py, data_path.py, scaling.py): the recipe
+imported from its file with its Config from its own parser; synthetic data of its image shape written once as a Hub
+parquet dataset; the recipe run end to end and read back; its step in plain PyTorch; the timing; the ratios
+(PASS/MISS, never a failure); the report. For every benchmark: the per-sample PIL dataset a first version has, the
+busy-machine warning, the machine and versions of each report, bad input as one paragraph and exit 2.
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -35,7 +26,9 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
+from common.augment import BatchTransform, batch_generator, channel_stats  # noqa: E402
 from common.launching import (import_recipe, launch_command, read_run, recipe_config, recipe_env,  # noqa: E402
                               recipe_path, run_logged, shipped_recipes, stop_children_on_term)
 from common.machine import load_average, machine_info, versions  # noqa: E402
@@ -65,6 +58,28 @@ def warn_if_busy() -> list | None:
     return load
 
 
+def split_recipe_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        bad_input(f"--recipe-args {text!r} cannot be split like a shell line ({err}). Quote it as one string, e.g. "
+                  "--recipe-args \"--channels 3 --image-size 32\".")
+
+
+def provenance(study: str, argv, device, load_start) -> dict:
+    """The command, when, the machine (load average at the start and now, the end) and the library versions."""
+    return {"benchmark": study, "created": datetime.now().isoformat(timespec="seconds"),
+            "command": shlex.join([f"benchmarks/{study}.py", *(sys.argv[1:] if argv is None else argv)]),
+            "machine": {**machine_info(device), "load_average_start": load_start, "load_average_end": load_average()},
+            "versions": versions()}
+
+
+def machine_line(m: dict) -> str:
+    return (f"machine: {m['gpu'] or m['cpu']}, {m['cpus_usable']} CPUs, {m['torch_num_threads']} torch threads, flags "
+            f"{' '.join(m['cpu_flags']) or '-'}, native bf16: {m['cpu_bf16_support']}, load average "
+            f"{m['load_average_start']} -> {m['load_average_end']}")
+
+
 def save(report: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -73,8 +88,7 @@ def save(report: dict, path: Path) -> None:
 
 class PerSampleImages(torch.utils.data.Dataset):
     """What a first version typically does, as torchvision's datasets do: one PIL image and one transform per
-    sample, in Python. ``images``: PNG bytes, decoded per sample (an image folder), or a uint8 (N, C, H, W)
-    tensor (torchvision's MNIST and CIFAR10 hold theirs so)."""
+    sample, in Python, from PNG bytes (an image folder) or a uint8 (N, C, H, W) tensor (torchvision's MNIST)."""
 
     def __init__(self, images, labels, transform):
         self.images, self.labels, self.transform = images, labels, transform
@@ -102,10 +116,6 @@ def main(study: str, doc: str, argv, measure, add_args=lambda p: None) -> int:
     returns its ratios, {key: (label, value, op, target)}."""
     if argv is None:
         stop_children_on_term()  # a stopped benchmark leaves no recipe training
-    return Bench(study, parse_args(study, doc, argv, add_args)).run(measure, argv)
-
-
-def parse_args(study: str, doc: str, argv, add_args) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"{study}.py", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="a recipe name (recipes/<name>.py) or a recipe file")
@@ -127,10 +137,7 @@ def parse_args(study: str, doc: str, argv, add_args) -> argparse.Namespace:
     for key, value in PRESETS[args.tiny].items():
         if getattr(args, key, 0) is None:
             setattr(args, key, value)
-    try:
-        args.recipe_argv = shlex.split(args.recipe_args)
-    except ValueError as err:
-        bad_input(f"--recipe-args {args.recipe_args!r} is not a valid command line ({err}).")
+    args.recipe_argv = split_recipe_args(args.recipe_args)
     if args.tiny:  # the user's own flags come last and win
         args.recipe_argv = [*TINY_MODEL.get(args.recipe_path.stem, "").split(), "--batch-size", "32", *args.recipe_argv]
     counts = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()
@@ -144,10 +151,8 @@ def parse_args(study: str, doc: str, argv, add_args) -> argparse.Namespace:
                   f"--steps {max(2, math.ceil(args.steps / args.log_every)) * args.log_every}.")
     args.out_json = args.out_json or REPO / "benchmarks" / "results" / \
         f"{study}-{args.recipe_path.stem}-{socket.gethostname()}.json"
-    return args
+    return Bench(study, args).run(measure, argv)
 
-
-# --- synthetic data ---------------------------------------------------------------------------------------
 
 def synthetic_images(shape, n: int, seed: int = 0):
     """uint8 images, smooth (upsampled low-resolution noise) so their PNGs compress and decode like natural
@@ -182,13 +187,9 @@ def write_parquet(root: Path, images: torch.Tensor, labels: torch.Tensor) -> lis
 
 def batch_transform(cfg, images):
     """The recipe's on-device augmentation (common.augment.BatchTransform), from its config and these images."""
-    from common.augment import BatchTransform, channel_stats
-
     return BatchTransform(*channel_stats(images), translate=getattr(cfg, "translate", 0),
                           flip=getattr(cfg, "flip", False), channels_last=getattr(cfg, "channels_last", False))
 
-
-# --- timing -------------------------------------------------------------------------------------------------
 
 def time_rounds(runners: dict, warmup: int, repeats: int, steps: int, device) -> dict:
     """``warmup`` steps of each runner, then ``repeats`` rounds in which each runner takes ``steps`` steps in
@@ -221,11 +222,11 @@ def summarize(samples_per_s: list[float], **info) -> dict:
             "samples_per_s_each": [round(v, 3) for v in samples_per_s], **info}
 
 
-def rate(seconds: list[float], samples: int) -> list[float]:
-    return [samples / s for s in seconds]
+def timed_row(seconds: list[float], samples: int, processes: int = 1, threads: int | None = None, **info) -> dict:
+    """A row timed in this process (or its spawned ranks): ``samples`` samples in each of ``seconds``."""
+    return summarize([samples / s for s in seconds], source="timed in the benchmark", processes=processes,
+                     threads=threads or torch.get_num_threads(), **info)
 
-
-# --- the recipe's step in plain PyTorch ---------------------------------------------------------------------
 
 def new_model(module, cfg, shape, device, channels_last: bool | None = None):
     """build_model from the recipe, in the memory format the recipe uses (cfg.channels_last) unless told."""
@@ -253,13 +254,9 @@ def raw_step(module, cfg, shape, device, stream, transform, rank: int = 0, world
     cross-entropy with its label smoothing, the gradient norm and the 4-number all-reduce of the non-finite guard,
     both on every step and read at once. The recipe measures the norm at log steps only and reads the guard a step
     late, so this loop pays a little more than the recipe does: overheads against it lean in the recipe's favour."""
-    from common.augment import batch_generator
-
     model = new_model(module, cfg, shape, device)
     optimizer = module.build_optimizer(cfg, model, device)
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     zero = torch.zeros((), device=device)
 
@@ -281,8 +278,6 @@ def raw_step(module, cfg, shape, device, stream, transform, rank: int = 0, world
     return step
 
 
-# --- one study of one recipe ----------------------------------------------------------------------------------
-
 class Bench:
     """The recipe (module, config, image shape), its synthetic data and transform, and what was measured."""
 
@@ -291,15 +286,13 @@ class Bench:
         if args.device == "cpu":  # before CUDA starts: the recipe's Accelerator then picks the CPU too
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if args.device == "cuda" and not torch.cuda.is_available():
-            bad_input("--device cuda but no CUDA GPU is visible (torch.cuda.is_available() is False). Use --device "
-                      "cpu.")
+            bad_input("--device cuda, but torch sees no CUDA GPU. Use --device cpu.")
         self.device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
         self.module = import_recipe(args.recipe_path, prefix="_bench_recipe")
         missing = [n for n in ("Config", "build_model", "build_optimizer", "main") if not hasattr(self.module, n)]
         if missing:
-            bad_input(f"{args.recipe_path} has no {', '.join(missing)}: the benchmark builds its model and optimizer "
-                      "from the recipe's Config, build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, "
-                      "model, device), as every shipped recipe defines them.")
+            bad_input(f"{args.recipe_path} has no {', '.join(missing)}: the benchmark uses the recipe's Config, "
+                      "build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, model, device).")
         try:
             self.cfg = cfg = recipe_config(args.recipe_path, args.recipe_argv)
         except SystemExit:
@@ -367,12 +360,10 @@ class Bench:
                 stream = stream_of() if stream_of else tensor_batches(self.images, self.labels, cfg.batch_size,
                                                                       cfg.seed + k)
                 step = raw_step(self.module, cfg, self.shape, self.device, stream, transform and self.transform)
-                windows += rate(time_windows(step, args.steps, args.log_every, self.device),
-                                args.log_every * cfg.batch_size)
+                windows += time_windows(step, args.steps, args.log_every, self.device)
         finally:
             torch.set_num_threads(before)
-        return summarize(windows, source="timed in the benchmark", processes=1, threads=threads,
-                         global_batch=cfg.batch_size)
+        return timed_row(windows, args.log_every * cfg.batch_size, threads=threads, global_batch=cfg.batch_size)
 
     def ratio(self, a: str, b: str, scale: float = 1.0):
         rows = self.rows
@@ -398,25 +389,21 @@ class Bench:
             params = sum(p.numel() for p in model.parameters())
             print(f"{self.study}: {args.recipe_path.stem}, {type(model).__name__} {params:,} params, {self.num_images} "
                   f"synthetic images {self.shape}, global batch {cfg.batch_size}, {args.steps} steps in windows of "
-                  f"{args.log_every} (first dropped), device {self.device}, {torch.get_num_threads()} threads",
-                  flush=True)
+                  f"{args.log_every} (first dropped), device {self.device}, {torch.get_num_threads()} threads")
             ratios = judge(measure(self))
             keep = ("steps", "log_every", "runs", "repeats", "warmup", "tiny", "seed_workers", "compile_backend",
                     "skip")
             report = {
-                "benchmark": self.study, "recipe": args.recipe_path.stem, "recipe_file": str(args.recipe_path),
-                "created": datetime.now().isoformat(timespec="seconds"),
-                "command": shlex.join([f"benchmarks/{self.study}.py", *(sys.argv[1:] if argv is None else argv)]),
-                "settings": {"recipe_args": args.recipe_argv, "config": {k: v for k, v in vars(cfg).items()
-                                                                         if k != "explicit"},
+                **provenance(self.study, argv, self.device, load_start), "recipe": args.recipe_path.stem,
+                "recipe_file": str(args.recipe_path),
+                "settings": {"recipe_args": args.recipe_argv,
+                             "config": {k: v for k, v in vars(cfg).items() if k != "explicit"},
                              "model": type(model).__name__, "params": params, "input_shape": list(self.shape),
                              "num_images": self.num_images, "global_batch": cfg.batch_size,
                              "precision": "fp32 (levers: as named)", "dataset_write_s": round(write_s, 1),
                              "work_dir": str(self.work) if args.work_dir else None,
                              **{k: v for k, v in vars(args).items() if k in keep}},
-                "machine": {**machine_info(self.device), "load_average_start": load_start,
-                            "load_average_end": load_average()},
-                "versions": versions(), "rows": self.rows, **self.extra, "ratios": ratios, "skipped": self.skipped,
+                "rows": self.rows, **self.extra, "ratios": ratios, "skipped": self.skipped,
                 "wall_s": round(time.perf_counter() - t_start, 1),
             }
         print(f"\n{format_table(report)}\n")
@@ -435,10 +422,7 @@ def judge(table: dict) -> dict:
 
 
 def format_table(report: dict) -> str:
-    m = report["machine"]
-    lines = [f"machine: {m['gpu'] or m['cpu']}, {m['cpus_usable']} CPUs, {m['torch_num_threads']} torch threads, "
-             f"flags {' '.join(m['cpu_flags']) or '-'}, native bf16: {m['cpu_bf16_support']}, load average "
-             f"{m['load_average_start']} -> {m['load_average_end']}", "",
+    lines = [machine_line(report["machine"]), "",
              f"{'row':<26}{'samples/s':>12}{'spread':>8}{'n':>4}{'procs':>6}{'thr':>5}  source"]
     lines += [f"{key:<26}{v['samples_per_s']:>12,.1f}{v['spread']:>8.1%}{v['n']:>4}{v['processes']:>6}{v['threads']:>5}"
               f"  {v['source']}" for key, v in report["rows"].items()]

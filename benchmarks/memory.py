@@ -1,29 +1,16 @@
-#!/usr/bin/env python
 """Resident memory per process of the decoded dataset: a memory-mapped cache shared by a node's processes
-(``load_image_data``'s default) against one in-memory copy per process (the behaviour before it).
+(``load_image_data``'s default, mode `mmap`; the held-out split is an index) against one in-memory copy per
+process (mode `copy`, the behaviour before it: load_image_data(mmap=False), both splits materialised, so every
+process holds its own copy, and briefly two). The cache is decoded once, unmeasured; each case then starts N
+fresh processes (spawn) that at the same moment call ``load_image_data`` on it, hold out 10% of train, read every
+batch of both splits once (an epoch), and measure while all N are alive. Columns, in MiB, each also as `+data`
+(minus its value after imports, before loading): `rss` (VmRSS: shared pages counted in full in every process),
+`pss` (Pss from /proc/self/smaps_rollup: shared pages divided among the processes that map them, so its sum is
+what the node really spends), `peak` (VmHWM: the largest RSS the process reached).
 
     python benchmarks/memory.py                                  # ../shared/data/mnist, 1 and 2 processes
     python benchmarks/memory.py --dataset /path/to/cifar10 --procs 1 2 4
-
-The cache is decoded once before anything is measured. Each case then starts N fresh processes (spawn), which
-at the same moment call ``load_image_data`` on that warm cache, hold out 10% of train for validation, gather
-every training and validation batch once (what an epoch reads), and wait until all N are done, so that each
-reads its memory while its peers are alive:
-
-  rss    VmRSS: pages this process maps, shared ones counted in full in every process
-  pss    Pss from /proc/self/smaps_rollup: shared pages divided among the processes that map them
-         (the column whose sum is what the node really spends)
-  peak   VmHWM: the largest RSS the process reached
-  +data  the same minus its value after imports (interpreter, torch, datasets), before loading
-
-  mmap   the images memory-mapped from the cache; the held-out split is an index (no copy)
-  copy   load_image_data(mmap=False), then both splits materialised as the hold-out used to do: every
-         process holds its own copy, and briefly two
-
-Prints only what it measures, and the machine it ran on. Bad input: one paragraph, exit 2.
 """
-
-from __future__ import annotations
 
 import argparse
 import os
@@ -31,9 +18,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
+import torch.multiprocessing as mp
+from harness import REPO, bad_input  # first: puts the repository on sys.path
+
+from common.config import CommonConfig
+from common.data import ImageSplit, load_image_data, make_loader
+from common.machine import machine_info
 
 
 def memory_kib() -> dict:
@@ -45,12 +36,8 @@ def memory_kib() -> dict:
 
 
 def worker(rank: int, mode: str, dataset: str, cache_dir: str, start, done, results):
-    import torch
-
     torch.set_num_threads(1)
     import datasets  # noqa: F401  (imported here so that the baseline holds the libraries, not just the data)
-    from common.config import CommonConfig
-    from common.data import ImageSplit, load_image_data, make_loader
 
     start.wait()  # every peer has imported: the libraries' shared pages are split as they will be later
     base = memory_kib()
@@ -67,8 +54,6 @@ def worker(rank: int, mode: str, dataset: str, cache_dir: str, start, done, resu
 
 
 def run_case(mode: str, procs: int, dataset: str, cache_dir: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     start, done, results = ctx.Barrier(procs), ctx.Barrier(procs), ctx.Queue()
     ps = [ctx.Process(target=worker, args=(r, mode, dataset, cache_dir, start, done, results)) for r in range(procs)]
@@ -89,14 +74,9 @@ def main(argv=None):
     parser.add_argument("--procs", type=int, nargs="+", default=[1, 2], help="process counts to measure")
     args = parser.parse_args(argv)
     if not Path(args.dataset).expanduser().is_dir() or min(args.procs) < 1:
-        sys.stderr.write(f"error: --dataset {args.dataset} --procs {' '.join(map(str, args.procs))}: the dataset must "
-                         "be a local folder (parquet or images) and every process count at least 1.\n")
-        return 2
+        bad_input(f"--dataset {args.dataset} --procs {' '.join(map(str, args.procs))}: the dataset must be a local "
+                  "folder (parquet or images) and every process count at least 1.")
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    from common.config import CommonConfig
-    from common.data import load_image_data
-    from common.machine import machine_info
-
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as cache_dir:
         data = load_image_data(CommonConfig(dataset=args.dataset, cache_dir=cache_dir, val_fraction=0.1), "",
                                True, lambda *_: None)  # decode once, unmeasured

@@ -1,25 +1,14 @@
-#!/usr/bin/env python
-"""Scaling of one recipe from 1 process to 2, through Accelerate and through raw DistributedDataParallel: what a
-second process buys at the same global batch, and what Accelerate costs over DDP. Synthetic data of the recipe's
-shape; timing and report as harness.py describes. 1 thread per process on a CPU; 1 GPU each with --device cuda.
-
-Rows (samples/s, global over processes):
-  recipe_1proc     the recipe itself, end to end, in 1 process (`python recipes/<r>.py`), as in throughput.py
-  raw_torch_1proc  the recipe's step in a plain PyTorch loop (harness.raw_step), in this process
-  recipe_2proc     `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml --num_processes 2`, fp32
-  raw_ddp_2proc    the plain loop in 2 spawned processes under DDP (gloo on a CPU, nccl on GPUs); a window lasts
-                   as long as its slowest rank
-
-Ratios: 2-process scaling efficiency = samples/s(2 procs) / (2 x samples/s(1 proc)), recipe (>= 0.85 CNNs,
->= 0.75 MLP) and raw DDP (reported); recipe overhead vs raw DDP at 2 processes (<= 3 %), vs the plain loop at 1
-(reported). The 2-process rows need an even global batch (and 2 GPUs with --device cuda).
+"""Scaling of one recipe from 1 process to 2 at the same global batch, through Accelerate and through raw
+DistributedDataParallel, on synthetic data of its shape; 1 thread per process on a CPU, 1 GPU each with --device
+cuda. Rows (samples/s over all processes): `recipe_1proc` and `raw_torch_1proc` as in throughput.py;
+`recipe_2proc`, `accelerate launch` with accelerate_configs/cpu_2proc.yaml, fp32; `raw_ddp_2proc`, the plain loop
+in 2 spawned processes under DDP (gloo on a CPU, nccl on GPUs), a window lasting as long as its slowest rank.
+Ratios (targets in benchmarks/README.md): 2-process scaling efficiency = samples/s(2 procs) / (2 x samples/s(1
+proc)) of each, and the recipe's overhead over the plain loop at 2 processes and at 1.
 
     python benchmarks/scaling.py --recipe mnist_convnet
     python benchmarks/scaling.py --recipe cifar_cnn --device cuda      # 2 GPUs
-    python benchmarks/scaling.py --recipe mnist_convnet --tiny         # smoke test
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -29,6 +18,7 @@ from pathlib import Path
 
 import harness
 import torch
+import torch.multiprocessing as mp
 
 from common.launching import import_recipe, recipe_config
 from common.machine import free_port
@@ -58,8 +48,6 @@ def _ddp_worker(rank: int, world: int, port: int, job: dict, out_dir: str):
 
 
 def raw_ddp_row(bench, world: int, threads: int) -> dict:
-    import torch.multiprocessing as mp
-
     args = bench.args
     job = {"device": bench.device.type, "threads": threads, "recipe": str(args.recipe_path),
            "recipe_argv": args.recipe_argv, "shape": list(bench.shape), "num_images": bench.num_images,
@@ -69,8 +57,7 @@ def raw_ddp_row(bench, world: int, threads: int) -> dict:
                            start_method="spawn")
         ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
     seconds = [max(ts) for ts in zip(*(r["seconds"] for r in ranks))]  # a window lasts as long as its slowest rank
-    return harness.summarize(harness.rate(seconds, args.log_every * bench.cfg.batch_size),
-                             source="timed in the benchmark", processes=world, threads=threads,
+    return harness.timed_row(seconds, args.log_every * bench.cfg.batch_size, world, threads,
                              global_batch=bench.cfg.batch_size, backend=ranks[0]["backend"])
 
 

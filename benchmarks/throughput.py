@@ -1,32 +1,16 @@
-#!/usr/bin/env python
-"""Training throughput of one recipe against what its model could do: the recipe's own samples/s, the same
-step in a plain PyTorch loop, the compute bound, and what each lever (bf16, memory format, torch.compile) buys.
-All on the recipe's own code (its Config, build_model, build_optimizer) and synthetic data of its shape; the
-shared timing and report are in harness.py.
-
-Rows (samples/s, 1 process at the benchmark's threads):
-  recipe              `python recipes/<r>.py --max-steps N --log-every K` in a subprocess: loader, on-device
-                      augmentation, forward/backward, the guard, optimizer, scheduler, logging; from its metrics.jsonl
-  raw_torch           the same model and optimizer in a plain PyTorch loop: tensor-indexed batches of the same
-                      images, the same BatchTransform, gradient norm, the guard's 4-number sync; no Accelerate
-  pure_compute        the model and optimizer over ONE pre-built batch: forward, cross-entropy, backward, step
-  pure_bf16           pure_compute with the forward under bf16 autocast
-  pure_channels_last  pure_compute in the memory format the recipe does not use (models with convolutions)
-   / pure_contiguous
-  pure_compiled       pure_compute with torch.compile(model) (--compile-backend); the first step's compile
-                      (cold: inductor's disk cache is a fresh one in the work dir) is reported apart
-
-Ratios: recipe / pure compute (>= 0.90), recipe overhead vs raw PyTorch (<= 3 %), bf16 / fp32 (>= 1.3 CNNs,
->= 1.0 MLP where bf16 is native; no target where emulated), channels_last / contiguous and compiled / eager
-(reported). The pure rows take turns (--warmup steps each, then --repeats rounds of --log-every steps).
+"""Training throughput of one recipe against what its model could do, on the recipe's own code (its Config,
+build_model, build_optimizer) and synthetic data of its shape. Rows (samples/s, 1 process): `recipe` (the recipe
+itself, read back from its metrics.jsonl), `raw_torch` (its step in a plain PyTorch loop), `pure_compute` (its
+model and optimizer over ONE pre-built batch: the compute bound), and the levers on that bound: `pure_bf16` (bf16
+autocast), `pure_channels_last` or `pure_contiguous` (the memory format the recipe does not use), `pure_compiled`
+(torch.compile, --compile-backend; the cold compile timed apart). The recipe and raw rows time windows of
+--log-every steps, the first dropped; the pure rows take turns, --repeats rounds after --warmup steps each.
+Ratios (targets in benchmarks/README.md): recipe / pure compute, recipe overhead vs raw PyTorch, bf16 / fp32,
+channels_last / contiguous, compiled / eager.
 
     python benchmarks/throughput.py --recipe mnist_convnet              # any recipes/*.py, or a recipe file
-    python benchmarks/throughput.py --recipe cifar_cnn --device cuda
-    python benchmarks/throughput.py --recipe mnist_convnet --tiny       # smoke test, small model and few steps
     python benchmarks/throughput.py --recipe mnist_convnet --recipe-args "--width 32" --skip compile
 """
-
-from __future__ import annotations
 
 import contextlib
 import math
@@ -113,8 +97,7 @@ def pure_rows(bench) -> dict:
                 bench.skipped[lever["row"]] = f"failed: {lever['reason']}"
 
     seconds = harness.time_rounds(runners, args.warmup, args.repeats, args.log_every, device)
-    out = {name: harness.summarize(harness.rate(s, args.log_every * batch), source="timed in the benchmark",
-                                   processes=1, threads=torch.get_num_threads(), global_batch=batch,
+    out = {name: harness.timed_row(s, args.log_every * batch, global_batch=batch,
                                    ms_per_step=1000 * statistics.median(s) / args.log_every)
            for name, s in seconds.items()}
     for name, lever in levers.items():

@@ -2,8 +2,9 @@
 ReLU, then a 256-unit hidden layer), on 1 to N devices: about 10 MFLOP per training image, so the default run
 takes about a minute on 2 CPU cores.
 
-Target: 99.3% validation accuracy in 3 epochs; README has the accuracy and wall time measured per seed on the
-real MNIST train set, beside the pytorch/examples script. Check it:
+Target: 99.3% validation accuracy in 3 epochs (measured: 99.35-99.53%, mean 99.43% over seeds 1-5 on the real
+MNIST train set, 25 s from launch to exit on 2 CPU cores with avx512_bf16, bf16; README has every seed and machine,
+beside the pytorch/examples script). Check it:
 
     accelerate launch recipes/mnist_convnet.py --target-accuracy 0.993   # exits 4 with a clear line if missed
 

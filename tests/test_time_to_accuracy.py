@@ -30,7 +30,9 @@ def points(*accs):
     ((float("nan"), None, 0.91), 0.9, 2),     # missing and NaN accuracies never count
 ])
 def test_first_crossing(accs, target, expected):
-    assert tta.first_crossing(points(*accs), target) == expected
+    rep = tta.crossing_report(points(*accs), target)
+    assert rep["reached"] == (expected is not None)
+    assert rep["step"] == (None if expected is None else 10 * (expected + 1))
 
 
 def test_crossing_report_never_reached_keeps_best():
@@ -232,3 +234,43 @@ def test_target_baseline_needs_the_baseline():
     assert exit_.value.code == 2
     args = tta.parse_args(["--recipe", "cifar_cnn", "--dataset", "x", "--target", "baseline"])
     assert args.target_from_baseline and args.max_baseline_epochs == 3 and args.baseline_kind == "cifar_notebook"
+
+
+def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accuracy(cifar_like, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """--baseline-kind airbench94: the record's method (benchmarks/airbench94.py) trains on the split the recipe
+    trains on and is evaluated once, at its end; the recipe is timed to the accuracy it reached. A small network
+    and batch stand in for the paper's (the same code path)."""
+    import airbench94
+
+    for key, value in (("batch_size", 32), ("widths", (8, 16, 16)), ("epochs", 2)):
+        monkeypatch.setitem(airbench94.HYP, key, value)
+    out = tmp_path / "tta.json"
+    argv = ["--recipe", "cifar_cnn", "--dataset", str(cifar_like), "--target", "baseline", "--baseline-kind",
+            "airbench94", "--seeds", "1", "--threads", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out),
+            "--recipe-args", "--epochs 2 --batch-size 32 --widths 8,16,16 --log-every 1", "--eval-every-steps", "2"]
+    run_main(argv, tmp_path, monkeypatch, capsys)
+    (seed,) = json.loads(out.read_text())["seeds"]
+    (point,) = seed["baseline"]["curve"]  # one evaluation, at the end, as the paper times it
+    assert seed["baseline"]["reached"] and seed["baseline"]["target"] == point["accuracy"] == seed["recipe"]["target"]
+    train, _ = airbench94.load(str(cifar_like), 1, 0.1)  # the recipe's split
+    assert point["step"] == 2 * (len(train) // 32) and 0 <= point["accuracy_without_tta"] <= 1
+    assert point["time_s"] >= point["eval_s"] > 0
+
+
+def test_airbench_baseline_cli(cifar_like, tmp_path, monkeypatch, capsys):
+    import airbench94
+
+    for key, value in recipe_env(tmp_path).items():  # a private decoded cache
+        monkeypatch.setenv(key, value)
+    monkeypatch.setitem(airbench94.HYP, "widths", (8, 16, 16))
+    train, _ = airbench94.load(str(cifar_like), 1, 0.1)
+    with pytest.raises(SystemExit) as exit_:  # a few hundred training images make no batch of the paper's 1024
+        airbench94.main(["--dataset", str(cifar_like), "--device", "cpu", "--out", str(tmp_path / "a.json")])
+    assert exit_.value.code == 2 and "no batch of 1024" in capsys.readouterr().err
+    monkeypatch.setitem(airbench94.HYP, "batch_size", 64)
+    assert airbench94.main(["--dataset", str(cifar_like), "--device", "cpu", "--epochs", "1", "--seeds", "1,2",
+                            "--out", str(tmp_path / "a.json")]) == 0
+    report = json.loads((tmp_path / "a.json").read_text())
+    assert [r["seed"] for r in report["rows"]] == [1, 2] and all(r["steps"] == len(train) // 64 for r in report["rows"])
+    assert "mean" in capsys.readouterr().out and report["machine"]["cpu_count"] >= 1
