@@ -1,7 +1,7 @@
 """CIFAR-10 with airbench94's method (arXiv 2404.00498), as an Accelerate script, on 1 to N devices.
 
 Measured (README): 90.65% validation on CIFAR-10 (JPEG copy) after 10 epochs (mean of seeds 1-3, 640-650 s on 2 CPU
-cores with avx512_bf16), short of a 92% goal; the paper's method as a plain-PyTorch baseline reaches 90.4% there.
+cores with avx512_bf16), short of a 92% goal; the paper's own method, run as a baseline, reaches 90.49% there.
 Each part of the method is a flag: the airbench network (common.models), BatchNorm biases at --bias-lr-scale 64x
 the LR (common.optim), Lookahead (common.averaging), --flip (alternating), --translate 2, --tta 2 (6 views).
 
