@@ -186,9 +186,11 @@ def write_parquet(root: Path, images: torch.Tensor, labels: torch.Tensor) -> lis
 
 
 def batch_transform(cfg, images):
-    """The recipe's on-device augmentation (common.augment.BatchTransform), from its config and these images."""
+    """The recipe's on-device augmentation (common.augment.BatchTransform), from its config and these images
+    (cifar_cnn's alternating flip, made in its loader, is timed here as a random flip on the device)."""
     return BatchTransform(*channel_stats(images), translate=getattr(cfg, "translate", 0),
-                          flip=getattr(cfg, "flip", False), channels_last=getattr(cfg, "channels_last", False))
+                          flip=getattr(cfg, "flip", "none") not in (False, "none"),
+                          channels_last=getattr(cfg, "channels_last", False))
 
 
 def time_rounds(runners: dict, warmup: int, repeats: int, steps: int, device) -> dict:

@@ -91,19 +91,20 @@ class DiracConv(nn.Conv2d):
     block starts close to passing its input through: fewer epochs to the same accuracy (airbench's
     ablation: about -15% time)."""
 
-    def __init__(self, c_in: int, c_out: int):
+    def __init__(self, c_in: int, c_out: int, dirac: bool = True):
         super().__init__(c_in, c_out, 3, padding=1, bias=False)
-        with torch.no_grad():
-            nn.init.dirac_(self.weight[: min(c_in, c_out)])
+        if dirac:  # else torch's default (Kaiming uniform) init
+            with torch.no_grad():
+                nn.init.dirac_(self.weight[: min(c_in, c_out)])
 
 
 class ConvGroup(nn.Module):
     """conv -> 2x2 maxpool -> BN -> GELU -> conv -> BN -> GELU (BN and GELU after the pool: 4x less work)."""
 
-    def __init__(self, c_in: int, c_out: int, bn_momentum: float):
+    def __init__(self, c_in: int, c_out: int, bn_momentum: float, dirac: bool = True):
         super().__init__()
-        self.conv1, self.pool = DiracConv(c_in, c_out), nn.MaxPool2d(2)
-        self.norm1, self.conv2 = FrozenScaleBatchNorm(c_out, bn_momentum), DiracConv(c_out, c_out)
+        self.conv1, self.pool = DiracConv(c_in, c_out, dirac), nn.MaxPool2d(2)
+        self.norm1, self.conv2 = FrozenScaleBatchNorm(c_out, bn_momentum), DiracConv(c_out, c_out, dirac)
         self.norm2, self.act = FrozenScaleBatchNorm(c_out, bn_momentum), nn.GELU()
 
     def forward(self, x):
@@ -118,7 +119,7 @@ class CifarCNN(nn.Module):
     image (forward + backward)."""
 
     def __init__(self, in_shape, num_classes: int, widths=(64, 256, 256), bn_momentum: float = 0.4,
-                 head_scale: float = 1 / 9):
+                 head_scale: float = 1 / 9, dirac: bool = True):
         super().__init__()
         c, h, w = in_shape
         if h < 16 or w < 16:
@@ -128,7 +129,7 @@ class CifarCNN(nn.Module):
         self.act = nn.GELU()
         groups, c_in = [], self.whiten.out_channels
         for width in widths:
-            groups.append(ConvGroup(c_in, width, bn_momentum))
+            groups.append(ConvGroup(c_in, width, bn_momentum, dirac))
             c_in = width
         self.groups = nn.Sequential(*groups)
         self.head = nn.Linear(c_in, num_classes, bias=False)

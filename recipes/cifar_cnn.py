@@ -2,8 +2,8 @@
 
 Measured (README): 90.65% validation on CIFAR-10 (JPEG copy) after 10 epochs (mean of seeds 1-3, 640-650 s on 2 CPU
 cores with avx512_bf16), short of a 92% goal; the paper's own method, run as a baseline, reaches 90.49% there.
-Each part of the method is a flag: the airbench network (common.models), BatchNorm biases at --bias-lr-scale 64x
-the LR (common.optim), Lookahead (common.averaging), --flip (alternating), --translate 2, --tta 2 (6 views).
+Each part of the method is a flag: the airbench network (common.models) with --whiten-init and --dirac-init, BatchNorm
+biases at --bias-lr-scale 64x (common.optim), Lookahead (common.averaging), --flip alternating, --translate, --tta 2.
 
     accelerate launch recipes/cifar_cnn.py          # one process (CPU or one GPU)
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py   # 2 CPU processes
@@ -52,10 +52,12 @@ class Config(CommonConfig):
     label_smoothing: float = knob(0.2, "label smoothing for the cross-entropy loss")
     widths: str = knob("64,256,256", "channels of the three conv groups, comma-separated")
     whiten_init: bool = knob(True, "set the stem conv to whiten 2x2 patches of the training images, and freeze it")
+    dirac_init: bool = knob(True, "3x3 convs start as the identity on their first channels (dirac init)")
     whiten_bias_epochs: int = knob(3, "train the whitening conv's bias for this many epochs, then hold it still")
     lookahead_every: int = knob(5, "Lookahead weight averaging every N optimizer steps (0 = off)")
     translate: int = knob(2, "random translation of each training image by up to N pixels (reflection padding)")
-    flip: bool = knob(True, "alternating horizontal flip: each image flipped in every other epoch")
+    flip: str = knob("alternating", "mirror each image every other epoch, or at random, or never",
+                     choices=["alternating", "random", "none"])
     tta: int = knob(2, "test-time augmentation: 0 none, 1 mirror, 2 mirror and 1-pixel shifts", choices=[0, 1, 2])
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
@@ -66,7 +68,7 @@ class Config(CommonConfig):
 
 def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     """The model this recipe trains; predict, export and --eval-only rebuild it from here."""
-    return CifarCNN(in_shape, num_classes, widths=parse_ints(cfg.widths, "--widths"))
+    return CifarCNN(in_shape, num_classes, widths=parse_ints(cfg.widths, "--widths"), dirac=cfg.dirac_init)
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -76,20 +78,18 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -
 
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
-    # Sets up the Accelerator and the run directory, calls train(cfg, run), and turns how it ended into an
-    # exit code, a one-paragraph error and summary.json's status.
+    # Accelerator and run directory, then train(cfg, run); how it ended -> exit code, error paragraph, summary.json
     return TrainingRun(cfg, RECIPE).execute(train)
 
 
 def train(cfg: Config, run: TrainingRun) -> None:
     accelerator = run.accelerator
-
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
     mean, std = channel_stats(data.train)
-    transform = BatchTransform(mean, std, translate=cfg.translate, channels_last=cfg.channels_last)
-    train_loader, val_loader = run.loader(data.train, train=True, alternating_flip=cfg.flip), run.loader(data.val)
-    final_loader = run.loader(data.test) or run.loader(data.val)
+    transform = BatchTransform(mean, std, cfg.translate, cfg.flip == "random", channels_last=cfg.channels_last)
+    train_loader = run.loader(data.train, train=True, alternating_flip=cfg.flip == "alternating")
+    val_loader, final_loader = run.loader(data.val), run.loader(data.test) or run.loader(data.val)
 
     # --- model ---
     set_seed(cfg.seed)

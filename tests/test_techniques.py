@@ -18,7 +18,7 @@ from common.metrics import evaluate, tta_logits
 from common.models import CifarCNN, init_whitening
 from common.optim import sgd_with_bias_groups
 from common.schedule import build_scheduler, lr_multiplier
-from conftest import check_ok, launch, read_jsonl, run_in_process, stopped_at
+from conftest import check_ok, import_recipe, launch, read_jsonl, run_in_process, stopped_at
 
 
 class _Acc:
@@ -246,6 +246,25 @@ def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
     assert torch.equal(again.__getitems__([5, 7])[0], TensorImages(split, 3).__getitems__([5, 7])[0].flip(3))
 
 
+def test_each_part_of_the_method_can_be_switched_off_for_an_ablation():
+    """--dirac-init false gives torch's own conv init; --flip takes alternating, random or none (a bool from
+    an older config file is refused by name, not read as a flip mode)."""
+    from common.launching import recipe_config
+
+    recipe = import_recipe("cifar_cnn")
+    for dirac in (True, False):
+        cfg = recipe_config("cifar_cnn", ["--dirac-init", str(dirac).lower()])
+        torch.manual_seed(0)
+        conv = recipe.build_model(cfg, (3, 32, 32), 10).groups[0].conv2.weight
+        identity = torch.zeros_like(conv)
+        nn.init.dirac_(identity)
+        assert torch.equal(conv, identity) is dirac
+    assert {recipe_config("cifar_cnn", ["--flip", f]).flip for f in ("random", "none")} == {"random", "none"}
+    assert recipe_config("cifar_cnn", []).flip == "alternating"
+    with pytest.raises(SystemExit):
+        recipe_config("cifar_cnn", ["--flip", "true"])
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_cifar_resume_with_lookahead_and_whitening_is_exact(nproc, tmp_path, env, reference_run):
     """Stopped after 3 optimizer steps and resumed: the final weights (the Lookahead average) and the
@@ -292,7 +311,7 @@ def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
     differ only by where a bright block sits, which a global-max-pool model sees only through the image
     border, so the bar is well above chance rather than near 100%.)"""
     run = tmp_path / "run"
-    check_ok(run_in_process("cifar_cnn", ["--dataset", mnist_like, "--channels", 3, "--image-size", 32, "--no-flip",
+    check_ok(run_in_process("cifar_cnn", ["--dataset", mnist_like, "--channels", 3, "--image-size", 32, "--flip", "none",
                                   "--tta", 0, "--widths", "8,16,16", "--epochs", 6, "--batch-size", 32, "--lr", 0.05,
                                   "--output-dir", run], env))
     card = json.loads((run / "final" / "model.json").read_text())
