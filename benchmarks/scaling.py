@@ -44,6 +44,7 @@ def _ddp_worker(rank: int, world: int, port: int, job: dict, out_dir: str):
         windows += harness.time_windows(step, job["steps"], job["log_every"], device)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"seconds": windows,
                                                              "backend": torch.distributed.get_backend()}))
+    torch.distributed.barrier()  # both ranks done before either tears gloo down (else the other can abort)
     torch.distributed.destroy_process_group()
 
 
