@@ -264,7 +264,9 @@ def _from_file(cls, path: str) -> dict:
             raise ConfigError(f"--config {path}: {key} = {value!r} is not a {typ.__name__}.") from None
         choices = fields[name].metadata.get("choices")
         if choices is not None and value not in choices:
-            raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}.")
+            raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it "
+                              "to one of them in the file (a setting that changed type since the file was written, "
+                              "such as cifar_cnn's --flip: true/false then, now alternating/none).")
         values[name] = value
     return values
 
