@@ -189,7 +189,7 @@ def batch_transform(cfg, images):
     """The recipe's on-device augmentation (common.augment.BatchTransform), from its config and these images
     (cifar_cnn's alternating flip, made in its loader, is timed here as a random flip on the device)."""
     return BatchTransform(*channel_stats(images), translate=getattr(cfg, "translate", 0),
-                          flip=getattr(cfg, "flip", "none") not in (False, "none"),
+                          flip=getattr(cfg, "flip", "none") != "none",
                           channels_last=getattr(cfg, "channels_last", False))
 
 

@@ -265,8 +265,8 @@ def _from_file(cls, path: str) -> dict:
         choices = fields[name].metadata.get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it "
-                              "to one of them in the file (a setting that changed type since the file was written, "
-                              "such as cifar_cnn's --flip: true/false then, now alternating/none).")
+                              "to one of them in the file (one written by an older version may hold a value this "
+                              "setting no longer takes).")
         values[name] = value
     return values
 

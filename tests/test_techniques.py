@@ -246,9 +246,9 @@ def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
     assert torch.equal(again.__getitems__([5, 7])[0], TensorImages(split, 3).__getitems__([5, 7])[0].flip(3))
 
 
-def test_each_part_of_the_method_can_be_switched_off_for_an_ablation():
-    """--dirac-init false gives torch's own conv init; --flip takes alternating, random or none (a bool from
-    an older config file is refused by name, not read as a flip mode)."""
+def test_each_part_of_the_method_can_be_switched_off_for_an_ablation(tmp_path, capsys):
+    """--dirac-init false gives torch's own conv init; --flip takes alternating, random or none (a bool, as an
+    older run's config.json holds, is refused by name, not read as a flip mode)."""
     from common.launching import recipe_config
 
     recipe = import_recipe("cifar_cnn")
@@ -263,6 +263,12 @@ def test_each_part_of_the_method_can_be_switched_off_for_an_ablation():
     assert recipe_config("cifar_cnn", []).flip == "alternating"
     with pytest.raises(SystemExit):
         recipe_config("cifar_cnn", ["--flip", "true"])
+    old = tmp_path / "config.json"
+    old.write_text(json.dumps({"flip": True, "seed": 1}))
+    with pytest.raises(SystemExit):
+        recipe_config("cifar_cnn", ["--config", old])
+    err = capsys.readouterr().err
+    assert "flip = 'True' is not one of alternating, random, none" in err and "Set it to one of them" in err
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
