@@ -9,6 +9,7 @@ every non-zero worker exit reaches the shell as 1, so a run also records how it 
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 EXIT_OK = 0
@@ -47,11 +48,25 @@ class NonFiniteLoss(RecipeError):
     status = "nonfinite_loss"
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1: what a terminal acts on instead of showing
+
+
+def printable(text) -> str:
+    """``text`` (any object, as ``str()`` gives it) with every control character written as ``\\xNN``:
+    how a command prints a string it read from a file it was given (class names and settings in model.json
+    or config.json, file names in a received folder), so that an escape sequence in it shows as text
+    instead of retitling, clearing or rewriting the user's terminal. Other characters ('café', '猫') are
+    kept."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
 def report(err: RecipeError) -> int:
     """Print ``err`` as one paragraph on stderr (prefixed with the rank in a multi-process job) and return
-    its exit code. Every command of this repository ends a user error this way."""
+    its exit code. Every command of this repository ends a user error this way. Messages often quote what a
+    file held, so control characters are escaped (a line break an embedded message carries is kept)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {err}\n")
+    message = "\n".join(printable(line) for line in str(err).split("\n"))
+    sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {message}\n")
     sys.stderr.flush()
     return err.exit_code
 

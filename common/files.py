@@ -1,6 +1,7 @@
 """Writing files so that a crash never leaves half of one: temporary names, exclusive creation that never
-follows a symlink, fsync of files and folders, and atomic replacement. Shared by the decoded-image cache,
-checkpoints, summary.json, config.json and the model folders."""
+follows a symlink, fsync of files and folders, atomic replacement, and moving a folder aside without
+replacing an earlier one. Shared by the decoded-image cache, checkpoints, summary.json, config.json and the
+model folders."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ def fsync_dir(directory: Path) -> None:
 def temp_name(path: Path) -> Path:
     """A temporary name beside ``path``, unique per host and process."""
     return path.with_name(f"{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
+
+
+def move_aside(path: Path, name: str) -> Path:
+    """Rename ``path`` to ``name`` in its folder, or to ``name.2``, ``name.3``, ... when an earlier copy holds
+    that name (the same checkpoint damaged twice): the earlier copy is kept. ``os.replace`` onto it would fail
+    on a folder with files ("Directory not empty") and silently replace an empty one. One writer per run
+    directory (common.rundir), so nothing takes the name between the check and the rename. Returns the new path."""
+    target, n = path.with_name(name), 1
+    while os.path.lexists(target):
+        n += 1
+        target = path.with_name(f"{name}.{n}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
 
 
 def create_exclusive(tmp: Path) -> int:

@@ -3,12 +3,12 @@ would change what the run means, and the notes on what a resume changed (hyperpa
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from common import checkpoint as ckpt
 from common.accelerator import on_main
 from common.errors import RecipeError
+from common.files import move_aside
 from common.schedule import lr_multiplier
 
 
@@ -32,7 +32,8 @@ def start_state(run) -> dict:
 
 def resume_newest_readable(run) -> dict:
     """--resume-from latest falls back past a checkpoint that was marked complete but cannot be read (a power
-    loss while it was written), and says so; the damaged folder is renamed damaged-step-N and kept."""
+    loss while it was written), and says so; the damaged folder is renamed damaged-step-N (damaged-step-N.2, ...
+    when that step was damaged before) and kept."""
     while True:
         try:
             return resume_from(run, run.resume_path)
@@ -45,9 +46,10 @@ def resume_newest_readable(run) -> dict:
                                      "checkpoint folder." if older else "No older complete checkpoint exists: start "
                                      "a new run with a new --output-dir.")) from None
             run.accelerator.wait_for_everyone()  # every rank has seen the damage before the folder moves
-            on_main(run.accelerator, lambda: os.replace(damaged, damaged.with_name(f"damaged-{damaged.name}")))
+            # a copy damaged before (the fallback re-wrote this step) keeps its name: this one gets damaged-step-N.2
+            kept = on_main(run.accelerator, lambda: move_aside(damaged, f"damaged-{damaged.name}").name)
             run.say(f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
-                     f"damaged-{damaged.name} and the run resumes from the previous one, {older[-1]}.")
+                     f"{kept} and the run resumes from the previous one, {older[-1]}.")
             run.resume_path = older[-1]
 
 def resume_from(run, path: Path) -> dict:

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common.errors import EXIT_CHECK_FAILED, RecipeError, run_command
+from common.errors import EXIT_CHECK_FAILED, RecipeError, printable, run_command
 from common.tools.predict import load_predictor
 
 
@@ -220,9 +220,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         out.unlink(missing_ok=True)
     out = final
-    print(f"wrote {out} from {predictor.model_dir} ({card.get('model')}, "
+    print(f"wrote {out} from {printable(predictor.model_dir)} ({printable(card.get('model'))}, "
           f"{'dynamo' if dynamo else 'TorchScript'} exporter, torch {torch.__version__})")
-    print(f"input: {description}")
+    print(f"input: {printable(description)}")  # it quotes model.json's mean and std
     import onnxruntime
 
     print(f"onnxruntime check passed: max abs logit difference to torch {diff:.3g} < {args.atol:g} "
