@@ -25,7 +25,7 @@ from common.files import temp_name as _temp_name
 from common.files import write_atomic
 from common.splits import ImageSplit
 
-CACHE_VERSION = "2"  # 2: images memory-mapped from a checked safetensors layout (labels first)
+CACHE_VERSION = "3"  # 3: 16-bit scaled, transparency flattened, EXIF applied, channels over the split
 CACHE_FORMAT = "accelerate-recipes-decoded/2"
 TAIL_BYTES = 1 << 16
 LOCK_WAIT_S = 4 * 3600  # how long a process waits for a peer to decode a split before it gives up
@@ -36,7 +36,7 @@ class _Damaged(Exception):
     """The cache file exists but cannot be trusted; the message says why."""
 
 
-def _cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
+def cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
     key = hashlib.sha256(json.dumps([CACHE_VERSION, fingerprint, settings], sort_keys=True).encode()).hexdigest()
     return cache_dir / f"{key[:32]}.safetensors"
 
@@ -84,7 +84,7 @@ def _read_cache(path: Path, mmap: bool = True) -> ImageSplit:
             f.seek(start + 8 * n)
             images = np.fromfile(f, dtype=np.uint8, count=n_img).reshape(shape)
     labels = torch.from_numpy(np.frombuffer(labels, dtype="<i8").astype(np.int64))
-    return ImageSplit(torch.from_numpy(images), labels)
+    return ImageSplit(torch.from_numpy(images), labels, note=meta.get("note", ""))
 
 
 def _write_cache(path: Path, split: ImageSplit, class_names):
@@ -95,7 +95,7 @@ def _write_cache(path: Path, split: ImageSplit, class_names):
     labels = split.labels.numpy().astype("<i8").tobytes()
     n, n_img = images.shape[0], images.size
     header = {
-        "__metadata__": {"format": CACHE_FORMAT, "class_names": json.dumps(class_names),
+        "__metadata__": {"format": CACHE_FORMAT, "class_names": json.dumps(class_names), "note": split.note,
                          "labels_crc32": f"{zlib.crc32(labels):08x}",
                          "tail_crc32": f"{zlib.crc32(images.reshape(-1)[-TAIL_BYTES:]):08x}"},
         "labels": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
@@ -182,7 +182,7 @@ def _identity(path: Path):
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log, mmap: bool) -> ImageSplit:
+def cached_split(path: Path, decode, what: str, class_names, is_main: bool, log, mmap: bool) -> ImageSplit:
     """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
     say = log if is_main else (lambda *_: None)
     damage = None
@@ -241,10 +241,10 @@ def _cached_split(path: Path, decode, what: str, class_names, is_main: bool, log
                             "Check the disk behind --cache-dir, or pass another --cache-dir.") from None
 
 
-def _source_index_path(cache_dir: Path, name: str, settings: dict) -> Path | None:
-    """For a local dataset folder: a cache entry keyed by every file's path, size and modification time and
-    by the decoding settings, naming the decoded split files. None for a Hub id (only ``datasets`` can tell
-    whether its copy changed)."""
+def source_state(name: str) -> str | None:
+    """For a local dataset folder: a hash of every file's path, size, modification and change times (a file
+    replaced with its old mtime kept, by ``cp -p`` or ``rsync``, still has a new ctime). None for a Hub id (only
+    ``datasets`` can tell whether its copy changed) or a file that vanishes during the walk."""
     path = Path(name).expanduser()
     if not path.is_dir():
         return None
@@ -256,12 +256,20 @@ def _source_index_path(cache_dir: Path, name: str, settings: dict) -> Path | Non
                 st = os.stat(os.path.join(dirpath, f))
             except OSError:
                 return None
-            stats.append((os.path.relpath(os.path.join(dirpath, f), path), st.st_size, st.st_mtime_ns))
-    key = json.dumps([CACHE_VERSION, str(path.resolve()), stats, settings], sort_keys=True)
+            stats.append((os.path.relpath(os.path.join(dirpath, f), path), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    key = json.dumps([CACHE_VERSION, str(path.resolve()), stats], sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def source_index_path(cache_dir: Path, state: str | None, settings: dict) -> Path | None:
+    """The cache entry naming the decoded split files of a local folder in ``state`` with these decoding settings."""
+    if state is None:
+        return None
+    key = json.dumps([state, settings], sort_keys=True)
     return cache_dir / f"source-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def _read_source_index(index: Path, mmap: bool):
+def read_source_index(index: Path, mmap: bool):
     """(splits, class names) when the index and every split file it names are intact, else None: the caller
     then takes the full path, which re-decodes what is missing or damaged."""
     try:
@@ -271,7 +279,7 @@ def _read_source_index(index: Path, mmap: bool):
         return None
 
 
-def _write_source_index(index: Path, files: dict, class_names) -> None:
+def write_source_index(index: Path, files: dict, class_names) -> None:
     with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next run the full path
         write_atomic(index, json.dumps({"splits": files, "class_names": list(class_names)}))
 

@@ -29,6 +29,7 @@ from common.config import fields_with
 from common.errors import RecipeError
 from common.files import fsync_dir as _fsync_dir
 from common.files import fsync_file as _fsync_file
+from common.files import move_aside
 from common.files import write_atomic  # noqa: F401 - summary.json and config.json use it too
 from common.files import write_fsynced as _fsync_write
 
@@ -128,9 +129,8 @@ def supersede_newer(run_dir: Path, step: int) -> list[str]:
     moved = []
     for path in complete_checkpoints(run_dir):
         if read_state(path)["global_step"] > step:
-            target = path.with_name(f"superseded-{stamp}-{path.name}")
-            os.replace(path, target)
-            moved.append(target.name)
+            # never over an earlier superseded copy of this step (two such resumes within one second)
+            moved.append(move_aside(path, f"superseded-{stamp}-{path.name}").name)
     return moved
 
 
@@ -268,12 +268,15 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[
 
 def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> dict:
     """What model.json says: the recipe that built the model (predict and export rebuild it from there), its
-    input, classes and normalisation, and the run's config."""
+    input, classes and normalisation, the run's config, and what it trained and validated on (``--eval-only``
+    refuses data that changed since)."""
     import dataclasses
+
+    from common.splits import data_record
 
     return {"recipe": recipe, "recipe_file": recipe_file, "model": type(model).__name__,
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": transform.mean,
-            "std": transform.std, "config": dataclasses.asdict(cfg)}
+            "std": transform.std, "config": dataclasses.asdict(cfg), "data": data_record(data)}
 
 
 def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import EXIT_BAD_INPUT, ConfigError
+from common.errors import EXIT_BAD_INPUT, ConfigError, printable
 
 
 def knob(default, help: str, choices=None, *, on_resume: str = "note", why: str = "", eval_only: str = "run",
@@ -77,8 +77,11 @@ def recipe_flags() -> dict[str, list[str]]:
     return {flag: names for flag, names in found.items() if flag not in shared}
 
 
-DATASET_HELP = ("Hub dataset id, or a local directory datasets.load_dataset reads (a clone of the Hub repo "
-                "with parquet files, or an image folder with one sub-folder per class)")
+DATASET_HELP = ("Hub dataset id, a local clone of a Hub repo (parquet files), or an image folder read by "
+                "torchvision's ImageFolder rules: the class is the first folder under the split root and every "
+                "image below it belongs to it (any depth, any folder name); train/, val/|valid/|validation/ and "
+                "test/ are splits only at the top level beside train/, else the whole folder is train; hidden "
+                "files and non-images are skipped and counted")
 
 
 @dataclass
@@ -92,7 +95,8 @@ class CommonConfig:
     val_fraction: float = knob(0.1, "fraction of train held out for validation when the dataset has no validation split",
                                 on_resume="keep", why="it chose the images held out for validation", decides_split=True)
     image_size: int = knob(0, "resize images to this square size (0 = keep; all images must then share one size)")
-    channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = keep the data's)")
+    channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = RGB if any image is in "
+                            "colour, else grayscale)")
     cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)",
                            on_resume="free", eval_only="own")
     data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory",
@@ -230,6 +234,9 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
     return parser
 
 
+TYPE_WORDS = {int: "a whole number", float: "a number", str: "a text value", bool: "true or false"}
+
+
 def _from_file(cls, path: str) -> dict:
     """--config FILE: its fields converted to their types; unknown keys or wrong types are a ConfigError."""
     import yaml
@@ -253,15 +260,23 @@ def _from_file(cls, path: str) -> dict:
     values = {}
     for key, value in loaded.items():
         name, typ = names[key], hints[names[key]]
+        # what the command line would turn into this type turns into it here too; anything else is refused
+        wanted = TYPE_WORDS.get(typ, f"a {getattr(typ, '__name__', typ)}")
+        fix = (f"Give it {wanted} (e.g. `{key}: {json.dumps(fields[name].default)}`, the recipe's default) "
+               "or delete the line to keep the default.")
+        if value is None:  # `lr:` with nothing after it, or `lr: null`
+            raise ConfigError(f"--config {path}: {key} has no value (`{key}:` with nothing after it, or null). {fix}")
         try:
+            if isinstance(value, (list, dict)) or (isinstance(value, bool) and typ in (int, float)):
+                raise TypeError(value)
             if typ is bool:
                 value = value if isinstance(value, bool) else _parse_bool(str(value))
-            elif value is not None and not isinstance(value, typ):
+            elif not isinstance(value, typ):
                 if typ is int and isinstance(value, float) and not value.is_integer():
                     raise ValueError(value)
                 value = typ(value)
         except (ValueError, TypeError, argparse.ArgumentTypeError):
-            raise ConfigError(f"--config {path}: {key} = {value!r} is not a {typ.__name__}.") from None
+            raise ConfigError(f"--config {path}: {key} = {value!r} is not {wanted}. {fix}") from None
         choices = fields[name].metadata.get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it "
@@ -289,7 +304,7 @@ def parse_config(cls, argv=None, description: str = ""):
         cfg = cls(**values)
         validate(cfg)
     except ConfigError as err:
-        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.write(f"error: {printable(err)}\n")  # it may quote a key of the --config file
         raise SystemExit(EXIT_BAD_INPUT)
     cfg.explicit = given  # not a dataclass field: not saved, not logged
     return cfg

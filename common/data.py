@@ -8,7 +8,8 @@ Accepted sources (``--dataset``):
 - a Hub id such as ``ylecun/mnist`` (needs network the first time, then the Hub cache serves it);
 - a local clone of a Hub dataset repo (parquet files per split; the files themselves, so clone with
   git-lfs installed);
-- an image folder: ``<dir>/<class>/*.png`` (optionally under ``train/``, ``validation/``, ``test/``).
+- an image folder: ``<dir>/<class>/.../*.png`` (optionally under ``train/``, ``validation/``, ``test/``), read
+  by torchvision's ImageFolder rules (``common.folders``).
 
 Contract of ``load_image_data(cfg, default_dataset, is_main, log)``:
 - Call it on EVERY process at the same time; it needs no collective and no main-first ordering.
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from common import cache, sources
+from common import cache, folders, sources
 from common.cache import default_cache_dir  # noqa: F401 - part of this module's interface
 from common.errors import DataError  # noqa: F401 - raised by everything here
 from common.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
@@ -49,25 +50,50 @@ from common.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # n
 VALIDATION_SPLITS = ("validation", "valid", "val")
 
 
-def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bool, index: Path | None):
-    """Each split of the source, read through ``datasets`` and decoded into (or read from) the cache."""
-    ds = sources.load_source(name)
-    train = ds["train"]
-    img_col, lab_col = sources._pick_columns(train, cfg, name)
-    class_names, str_map = sources._class_names(train, lab_col)
+def _label_map(what: str, class_names, str_map):
+    """A split's label -> class index, refusing what the training classes do not hold."""
     num_classes = len(class_names)
 
-    def label_map_for(what):
-        def label_map(value, src):
-            idx = str_map.get(value) if str_map is not None else value
-            if idx is None or not isinstance(idx, int) or not 0 <= idx < num_classes:
-                raise DataError(f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
-                                f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
-                                "Make every split use the training classes, or fix the label column.")
-            return idx
-        return label_map
+    def label_map(value, src):
+        if value is None:
+            raise DataError(f"{what} has an image with no label ({src}). Fill in its label, or remove the row, and run "
+                            "again.")
+        idx = str_map.get(value) if str_map is not None else value
+        if idx is None or not isinstance(idx, int) or not 0 <= idx < num_classes:
+            raise DataError(f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
+                            f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
+                            "Make every split use the training classes, or fix the label column.")
+        return idx
+    return label_map
 
-    settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size}
+
+def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, log, mmap: bool):
+    """An image folder read by ``common.folders`` (torchvision's ImageFolder rules), each split decoded into (or
+    read from) the cache under a key made of every file's path, class, size and times."""
+    scan = folders.scan(path, name)
+    settings = {"channels": cfg.channels, "size": cfg.image_size}
+    splits = {}
+    for split_name, split in scan.splits.items():
+        def decode(split=split, split_name=split_name):
+            return sources.decode_split(split, None, None, cfg.channels, cfg.image_size, lambda label, src: label,
+                                        f"the {split_name} split of {name}", progress=is_main and sys.stderr.isatty())
+
+        splits[split_name] = cache.cached_split(cache.cache_path(cache_dir, split.fingerprint, settings), decode,
+                                                 f"the {split_name} split of {name} ({len(split)} images)",
+                                                 scan.class_names, is_main, log, mmap)
+    return splits, scan.class_names, scan.skipped_line()
+
+
+def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bool, state: str | None,
+                   index: Path | None):
+    """Each split of a table dataset (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``
+    and decoded into (or read from) the cache. A local folder's splits are keyed by its files' identity too."""
+    ds = sources.load_source(name, cache_dir / "datasets" / state if state else None)
+    train = ds["train"]
+    img_col, lab_col = sources.pick_columns(train, cfg, name)
+    class_names, str_map = sources.class_names_of(train, lab_col)
+
+    settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": state}
     splits, files = {}, {}
     for split_name in ds:
         if split_name != "train" and split_name != "test" and split_name not in VALIDATION_SPLITS:
@@ -80,17 +106,33 @@ def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bo
 
         def decode(split=split, split_name=split_name):
             return sources.decode_split(split, img_col, lab_col, cfg.channels, cfg.image_size,
-                                 label_map_for(f"The {split_name} split"), f"the {split_name} split of {name!r}",
-                                 progress=is_main and sys.stderr.isatty())
+                                        _label_map(f"The {split_name} split", class_names, str_map),
+                                        f"the {split_name} split of {name!r}", progress=is_main and sys.stderr.isatty())
 
-        files[split_name] = cache._cache_path(cache_dir, split._fingerprint, settings)
-        splits[split_name] = cache._cached_split(files[split_name], decode,
-                                           f"the {split_name} split of {name} ({len(split)} images)", class_names,
-                                           is_main, log, mmap)
+        files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
+        splits[split_name] = cache.cached_split(files[split_name], decode,
+                                                 f"the {split_name} split of {name} ({len(split)} images)",
+                                                 class_names, is_main, log, mmap)
 
     if index is not None and is_main:
-        cache._write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
+        cache.write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
     return splits, class_names
+
+
+def _same_channels(splits: dict, cfg, log, is_main: bool) -> dict:
+    """Without --channels, a grey split beside colour ones is read as RGB too (one note says so)."""
+    counts = {k: v.image_shape[0] for k, v in splits.items()}
+    if cfg.channels or len(set(counts.values())) < 2 or set(counts.values()) != {1, 3}:
+        return splits
+    grey = [k for k, c in counts.items() if c == 1]
+    if is_main:
+        log(f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
+            "(pass --channels 1 to train on grey).")
+    out = dict(splits)
+    for k in grey:
+        s = splits[k]
+        out[k] = ImageSplit(s.source_images.expand(-1, 3, -1, -1).contiguous(), s.source_labels, s.index, s.note)
+    return out
 
 
 def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, *, mmap: bool = True) -> ImageData:
@@ -101,13 +143,19 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
     behaviour before memory-mapping; kept for measuring it)."""
     name = cfg.dataset or default_dataset
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    index = cache._source_index_path(cache_dir, name, {"img": cfg.image_column, "lab": cfg.label_column,
-                                                 "channels": cfg.channels, "size": cfg.image_size})
-    known = cache._read_source_index(index, mmap) if index else None
-    if known is not None:  # a local folder decoded before and unchanged since: no `datasets` import, no scan
-        splits, class_names = known
+    path, skipped = sources.local_folder(name), ""
+    if path is not None and folders.is_image_folder(path):
+        splits, class_names, skipped = _decode_folder(cfg, path, name, cache_dir, is_main, log, mmap)
     else:
-        splits, class_names = _decode_source(cfg, name, cache_dir, is_main, log, mmap, index)
+        state = cache.source_state(name)  # a local folder's files, hashed; None for a Hub id
+        index = cache.source_index_path(cache_dir, state, {"img": cfg.image_column, "lab": cfg.label_column,
+                                                           "channels": cfg.channels, "size": cfg.image_size})
+        known = cache.read_source_index(index, mmap) if index else None
+        if known is not None:  # a local folder decoded before and unchanged since: no `datasets` import, no scan
+            splits, class_names = known
+        else:
+            splits, class_names = _decode_source(cfg, name, cache_dir, is_main, log, mmap, state, index)
+    splits = _same_channels(splits, cfg, log, is_main)
     shapes = {k: v.image_shape for k, v in splits.items()}
     if len(set(shapes.values())) > 1:
         raise DataError(f"The splits of {name!r} have different image shapes {shapes}. Pass --image-size N "
@@ -116,7 +164,8 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
     train_split, val_split = splits["train"], splits.get(val_name) if val_name else None
     if val_split is None and cfg.val_fraction > 0:
         train_split, val_split = hold_out(train_split, cfg.val_fraction, cfg.seed)
-    return ImageData(train_split, val_split, splits.get("test"), class_names, name)
+    notes = [n for n in [skipped] + [s.note for s in splits.values()] if n]
+    return ImageData(train_split, val_split, splits.get("test"), class_names, name, "; ".join(notes))
 
 
 # --- batching ------------------------------------------------------------------------------------

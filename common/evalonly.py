@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common import checkpoint as ckpt
 from common.config import fields_with
-from common.errors import RecipeError
+from common.errors import RecipeError, printable
 
 
 
@@ -61,6 +61,38 @@ def load_weights(cfg, accelerator, model) -> Path:
     return found
 
 
+def check_data(weights: Path, data, say, other_data: bool) -> None:
+    """Refuse to score weights on data that changed since their run: a folder that gained, lost or moved an
+    image redraws the held-out split, which would then hold images the model trained on. The record is the
+    model card's (best/, final/) or the checkpoint's. Skipped, with a note, when --dataset names other data
+    than the run's (``other_data``: the command line's explicit word) or the weights carry no record."""
+    from common.splits import data_record
+
+    card, state = weights.parent / ckpt.MODEL_CARD, weights.parent / ckpt.STATE_FILE
+    try:
+        if card.is_file():
+            recorded = json.loads(card.read_text()).get("data") or {}
+        else:
+            recorded = {"fingerprint": json.loads(state.read_text()).get("data_fingerprint")} if state.is_file() else {}
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
+    if not recorded.get("fingerprint"):
+        say(f"NOTE: {weights.parent} records no fingerprint of its run's data (an older run): the images held out "
+            "now are assumed to be the run's own.")
+        return
+    now = data_record(data)
+    if now["fingerprint"] == recorded["fingerprint"] or other_data:  # other data is noted by adopt_run_config
+        return
+    sizes = ", ".join(f"{k} {recorded[k]} -> {now[k]}" for k in ("train", "val") if k in recorded
+                      and recorded[k] != now[k])
+    raise RecipeError(
+        f"The data differs from what the weights in {weights.parent} were trained and validated on"
+        f"{f' ({sizes} images)' if sizes else ''}: the training images' labels or the images held out for "
+        f"validation are not the same (the dataset folder gained, lost or renamed images since). Scoring now "
+        "would count images the model trained on as held out. Evaluate on the folder as the run saw it, or on other "
+        "data named by --dataset with a path of its own (e.g. a copy holding a test/ split).")
+
+
 def report(cfg, accelerator, say, weights: Path, note: str, data, metrics: dict | None) -> bool:
     """Print and write eval-<split>.json beside the weights (a new file if one exists). True when
     --target-accuracy was missed."""
@@ -78,7 +110,8 @@ def report(cfg, accelerator, say, weights: Path, note: str, data, metrics: dict 
     if out.exists():  # earlier results are kept: a new file per evaluation
         out = out.with_name(f"eval-{split}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     say(f"eval-only: {split} accuracy {metrics['accuracy']:.4f} loss {metrics['loss']:.4f} "
-        f"({metrics['count']} images) weights {weights}" + (f"; NOTE: {note}" if note else "") + f"; wrote {out}")
+        f"({metrics['count']} images) weights {printable(weights)}" + (f"; NOTE: {printable(note)}" if note else "")
+        + f"; wrote {printable(out)}")
     if accelerator.is_main_process:
         out.write_text(json.dumps(result, indent=2) + "\n")
     missed = bool(cfg.target_accuracy and metrics["accuracy"] < cfg.target_accuracy)

@@ -145,6 +145,9 @@ class TrainingRun:
         self.stop.interruptible("reading the data")
         data = load_image_data(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
         self.stop.interruptible(None)
+        if data.note:
+            self.say(f"data {data.source}: {data.note}")
+        self.data = data
         return data
 
     def loader(self, split, train: bool = False, alternating_flip: bool = False):
@@ -363,6 +366,7 @@ class TrainingRun:
         """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder)."""
         self.stop.interruptible("evaluating (--eval-only)")  # nothing to save: a stop request ends it at once
         self.weights = evalonly.load_weights(self.cfg, self.accelerator, model)
+        evalonly.check_data(self.weights, self.data, self.say, other_data=bool(self.eval_note))
 
     def report_eval_only(self, data, metrics: dict | None) -> None:
         """Print and write eval-<split>.json beside the weights (a new file if one exists); target check."""

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import torch
 
 from common.errors import DataError
+from common.folders import FolderSplit, image_endings
 from common.splits import ImageSplit
 
 IMAGE_COLUMNS = ("image", "img")
@@ -42,16 +43,6 @@ def _go_offline():
 
     datasets.config.HF_HUB_OFFLINE = True
     huggingface_hub.constants.HF_HUB_OFFLINE = True
-
-
-def _image_extensions() -> set[str]:
-    """The file endings datasets' image-folder loader reads (Pillow's formats)."""
-    try:
-        from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
-
-        return {e.lower() for e in ImageFolder.EXTENSIONS}
-    except Exception:  # an older or newer datasets layout: the common ones
-        return {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
 TABLE_ENDINGS = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
@@ -99,8 +90,9 @@ def _no_images_error(name: str, endings: Counter) -> DataError:
         "--dataset a directory with the dataset's parquet files.")
 
 
-def load_source(name: str):
-    """Return a ``datasets.DatasetDict`` for a local directory or a Hub id, or raise DataError."""
+def local_folder(name: str) -> Path | None:
+    """The checked local directory ``name`` names, or None for a Hub id; DataError for a path that is missing,
+    a file or unreadable."""
     looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1] \
         or Path(name).expanduser().exists()
     path = Path(name).expanduser()
@@ -109,14 +101,23 @@ def load_source(name: str):
             f"The dataset path {name!r} does not exist. Pass --dataset a directory that holds the dataset "
             "(a clone of the Hub repo with its parquet files, or an image folder with one sub-folder per "
             "class), or a Hub id such as ylecun/mnist on a machine with network access.")
-    if path.exists():
-        if not path.is_dir():
-            raise DataError(f"The dataset path {name!r} is a file, not a directory. Pass --dataset the folder "
-                            "that holds the parquet files or the class sub-folders.")
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise DataError(f"The dataset directory {name!r} is not readable by this user. Fix its permissions "
-                            "(e.g. chmod -R u+rX) or copy it somewhere readable.")
-    elif not _hub_reachable():
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        raise DataError(f"The dataset path {name!r} is a file, not a directory. Pass --dataset the folder "
+                        "that holds the parquet files or the class sub-folders.")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise DataError(f"The dataset directory {name!r} is not readable by this user. Fix its permissions "
+                        "(e.g. chmod -R u+rX) or copy it somewhere readable.")
+    return path
+
+
+def load_source(name: str, hf_cache: Path | None = None):
+    """Return a ``datasets.DatasetDict`` for a local directory of tables (parquet, arrow, ...) or a Hub id, or
+    raise DataError. ``hf_cache``: where ``datasets`` keeps its arrow copy of a local folder; keyed by the
+    files' identity by the caller, since ``datasets`` itself keys it by modification time alone."""
+    path = local_folder(name) or Path(name)
+    if not path.exists() and not _hub_reachable():
         _go_offline()
 
     import datasets
@@ -124,7 +125,8 @@ def load_source(name: str):
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(str(path) if path.exists() else name)
+        ds = datasets.load_dataset(str(path) if path.exists() else name,
+                                   cache_dir=str(hf_cache) if hf_cache and path.exists() else None)
     except Exception as err:  # datasets raises many types; all mean "could not load"
         if "corresponds to no data" in str(err):  # datasets' wording for a split with no rows
             split = str(err).split('"')[1] if '"' in str(err) else "a"
@@ -134,7 +136,7 @@ def load_source(name: str):
             endings, pointers = _survey(path)
             if pointers:
                 raise _lfs_error(name, pointers) from None
-            if not any(e in TABLE_ENDINGS | _image_extensions() for e in endings):
+            if not any(e in TABLE_ENDINGS | image_endings() for e in endings):
                 raise _no_images_error(name, endings) from None
             raise DataError(
                 f"datasets could not read {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
@@ -149,7 +151,7 @@ def load_source(name: str):
         ds = datasets.DatasetDict({"train": ds})
     if "train" not in ds:
         raise DataError(f"The dataset {name!r} has no 'train' split (found: {', '.join(ds) or 'none'}). "
-                        "Name the training files train-*.parquet or put the class folders under train/.")
+                        "Name the training files train-*.parquet (e.g. data/train-00000-of-00001.parquet).")
     return ds
 
 
@@ -166,90 +168,126 @@ def _pick_column(features, wanted: str, candidates, kind: str, name: str) -> str
                     f"{', '.join(features)}. Pass --{kind}-column <name> to say which column holds the {kind}s.")
 
 
-def _pick_columns(train, cfg, name: str) -> tuple[str, str]:
-    """The image and label columns, with messages that name the layout fix for image folders."""
+def pick_columns(train, cfg, name: str) -> tuple[str, str]:
+    """The image and label columns of a table dataset, or a message naming the fix."""
     path = Path(name).expanduser()
-    builder = getattr(train.info, "builder_name", None)
     if not cfg.image_column and not any(c in train.features for c in IMAGE_COLUMNS) and path.is_dir():
         endings, pointers = _survey(path)
         if pointers:
             raise _lfs_error(name, pointers)
-        if not any(e in _image_extensions() | TABLE_ENDINGS for e in endings):  # a table says "no column" below
+        if not any(e in image_endings() | TABLE_ENDINGS for e in endings):  # a table says "no column" below
             raise _no_images_error(name, endings)
     img_col = _pick_column(train.features, cfg.image_column, IMAGE_COLUMNS, "image", name)
-    if builder == "imagefolder" and not cfg.label_column and not any(c in train.features for c in LABEL_COLUMNS):
-        # datasets' image folder labels images by their parent folder, and only when there are >= 2 of them
-        raise DataError(
-            f"The images in {name!r} are not sorted into class folders, so they have no labels. Put the images "
-            f"of each class in a sub-folder named after the class ({name}/<class>/<image>, at least two classes; "
-            "optionally under train/, validation/ and test/), then run again.")
     lab_col = _pick_column(train.features, cfg.label_column, LABEL_COLUMNS, "label", name)
     return img_col, lab_col
 
 
 # --- decoding ------------------------------------------------------------------------------------
 
-def decode_split(split, img_col: str, lab_col: str, channels: int, image_size: int, label_map, what: str,
-                  progress: bool = False):
-    import numpy as np
-    from tqdm.auto import tqdm
+def _items(split, img_col: str | None, lab_col: str | None):
+    """(where, how to open, label) for every image of a split: a ``FolderSplit`` or a ``datasets`` split."""
+    if isinstance(split, FolderSplit):
+        for rel, label in zip(split.files, split.labels):
+            path = str(split.base / rel)
+            yield path, path, label
+        return
     from datasets import Image as ImageFeature
+
+    split = split.cast_column(img_col, ImageFeature(decode=False)).select_columns([img_col, lab_col])
+    for batch in split.iter(batch_size=2048):
+        for item, label in zip(batch[img_col], batch[lab_col]):
+            item = item or {}
+            src = item.get("path") or "<embedded image>"
+            yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path"), label
+
+
+def _bad_file_reason(err: Exception) -> str:
     from PIL import Image, UnidentifiedImageError
 
-    if not isinstance(split.features[img_col], ImageFeature):
-        raise DataError(f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
-                        "Pass --image-column with the column of images.")
-    split = split.cast_column(img_col, ImageFeature(decode=False)).select_columns([img_col, lab_col])
+    if isinstance(err, Image.DecompressionBombError):
+        return (f"{err}; shrink it below {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, e.g. "
+                "`mogrify -resize 4096x4096\\> FILE`, or remove it")
+    if isinstance(err, UnidentifiedImageError):
+        return "not an image file Pillow can read"
+    return f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else str(err)
+
+
+def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str,
+                 progress: bool = False):
+    """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
+
+    Pixels are read by ``common.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
+    The channel count is decided over the whole split: ``channels`` (1 or 3) when given, else RGB when any
+    image is in colour (the grey ones are repeated to three channels, and the split's ``note`` says how many),
+    else grey. Every file that can't be read is listed in one error, not only the first."""
+    import numpy as np
+    from tqdm.auto import tqdm
+    from PIL import Image
+
+    from common.pixels import natural
+
+    if not isinstance(split, FolderSplit):
+        from datasets import Image as ImageFeature
+
+        if not isinstance(split.features[img_col], ImageFeature):
+                raise DataError(f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
+                            "Pass --image-column with the column of images.")
     n = len(split)
     if n == 0:
         raise DataError(f"The {what} split is empty. Add images to it, or remove it so the recipe holds out "
                         "part of train instead.")
-    arrays, labels, bad = [], [], []
-    mode, size = None, None
+    forced = {1: "L", 3: "RGB"}.get(channels)
+    arrays, labels, bad, size = [], [], [], None
     bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
-    for batch in split.iter(batch_size=2048):
-        bar.update(len(batch[lab_col]))
-        for item, label in zip(batch[img_col], batch[lab_col]):
-            src = item.get("path") or "<embedded image>"
-            try:
-                img = Image.open(io.BytesIO(item["bytes"]) if item.get("bytes") else item["path"])
-                img.load()
-            except (UnidentifiedImageError, OSError, ValueError) as err:
-                bad.append((src, err))  # keep going: one run names every bad file of the split
-                continue
-            if mode is None:
-                gray = img.mode in ("1", "L", "LA", "I", "I;16", "F")
-                mode = {1: "L", 3: "RGB"}.get(channels) or ("L" if gray else "RGB")
-            if img.mode != mode:
-                img = img.convert(mode)
-            if image_size:
-                if img.size != (image_size, image_size):
-                    img = img.resize((image_size, image_size), Image.BILINEAR)
-            elif size is None:
-                size = img.size
-            elif img.size != size:
-                raise DataError(f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
-                                f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN.")
-            arrays.append(np.asarray(img, dtype=np.uint8))
-            labels.append(label_map(label, src))
+    for src, fp, label in _items(split, img_col, lab_col):
+        bar.update(1)
+        try:
+            with Image.open(fp) as opened:
+                opened.load()
+                img = natural(opened)
+        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
+            bad.append((src, _bad_file_reason(err)))  # keep going: one run names every bad file of the split
+            continue
+        if forced and img.mode != forced:
+            img = img.convert(forced)
+        if image_size:
+            if img.size != (image_size, image_size):
+                img = img.resize((image_size, image_size), Image.BILINEAR)
+        elif size is None:
+            size = img.size
+        elif img.size != size:
+            raise DataError(f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
+                            f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN.")
+        labels.append(label_map(label, src))
+        arrays.append(np.asarray(img, dtype=np.uint8))
     bar.close()
     if bad:
-        shown = "; ".join(f"{src} ({err})" for src, err in bad[:MAX_BAD_IMAGES_SHOWN])
+        shown = "; ".join(f"{src} ({reason})" for src, reason in bad[:MAX_BAD_IMAGES_SHOWN])
         more = f"; and {len(bad) - MAX_BAD_IMAGES_SHOWN} more" if len(bad) > MAX_BAD_IMAGES_SHOWN else ""
         raise DataError(f"{len(bad)} of the {n} images in {what} could not be decoded: {shown}{more}. Remove or "
                         "replace those files and run again.")
+    grey = sum(a.ndim == 2 for a in arrays)
+    note = ""
+    if 0 < grey < len(arrays):  # colour and grey mixed, no --channels: the grey ones get three equal channels
+        arrays = [np.repeat(a[:, :, None], 3, axis=2) if a.ndim == 2 else a for a in arrays]
+        note = f"{grey} grey image(s) of {what} read as RGB"
     images = torch.from_numpy(np.stack(arrays))
     images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
-    return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64))
+    return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64), note=note)
 
 
-def _class_names(train, lab_col: str):
+def class_names_of(train, lab_col: str):
     from datasets import ClassLabel
 
     feat = train.features[lab_col]
     if isinstance(feat, ClassLabel):
         return list(feat.names), None
-    values = sorted(set(train[lab_col]))
+    column = train[lab_col]
+    if None in set(column):
+        row = list(column).index(None)
+        raise DataError(f"Row {row} of the train split has no label (column {lab_col!r} is empty there). Fill in its "
+                        "label, or remove the row, and run again.")
+    values = sorted(set(column))
     if all(isinstance(v, int) for v in values):
         if values[0] < 0:
             raise DataError(f"Label column {lab_col!r} holds negative labels ({values[0]}). Labels must be "

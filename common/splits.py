@@ -26,9 +26,10 @@ class ImageSplit:
     which gather per batch.
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None = None):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, index: torch.Tensor | None = None, note: str = ""):
         self.source_images, self.source_labels = images, labels
         self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
+        self.note = note  # what decoding changed about the files (grey images read as RGB), for the startup line
 
     def __len__(self):
         return (self.source_labels if self.index is None else self.index).numel()
@@ -54,7 +55,7 @@ class ImageSplit:
         """The rows at ``positions`` of this split, as a split sharing the same source tensors (no copy)."""
         positions = torch.as_tensor(positions, dtype=torch.int64)
         return ImageSplit(self.source_images, self.source_labels,
-                          positions if self.index is None else self.index[positions])
+                          positions if self.index is None else self.index[positions], self.note)
 
     def __repr__(self):
         rows = "indexed" if self.index is not None else "all rows"
@@ -68,6 +69,7 @@ class ImageData:
     test: ImageSplit | None
     class_names: list[str]
     source: str
+    note: str = ""  # files skipped and conversions made while reading the data, for the startup line
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -89,6 +91,13 @@ def data_fingerprint(data: "ImageData") -> str:
             if split.index is not None:
                 h.update(split.index.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def data_record(data: "ImageData") -> dict:
+    """What a model card records of the data: the fingerprint and each split's size."""
+    sizes = {k: len(v) if v is not None else 0 for k, v in (("train", data.train), ("val", data.val),
+                                                            ("test", data.test))}
+    return {"fingerprint": data_fingerprint(data), **sizes}
 
 
 def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit, ImageSplit]:

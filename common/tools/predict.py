@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from common.errors import RecipeError, run_command
+from common.errors import RecipeError, printable, run_command
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -190,14 +190,14 @@ def collect_images(inputs) -> list[Path]:
 
 def preprocess_image(img, input_shape) -> tuple[torch.Tensor, bool]:
     """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized).
-    Mode and resizing follow ``common.data`` decoding: 'L' or 'RGB', bilinear resize."""
+    Pixels, mode and resizing follow ``common.data`` decoding (``common.pixels``): 'L' or 'RGB', bilinear resize."""
     import numpy as np
     from PIL import Image
 
+    from common.pixels import as_mode
+
     c, h, w = input_shape
-    mode = "L" if c == 1 else "RGB"
-    if img.mode != mode:
-        img = img.convert(mode)
+    img = as_mode(img, "L" if c == 1 else "RGB")  # EXIF, 16-bit and transparency read as in training
     resized = img.size != (w, h)
     if resized:
         img = img.resize((w, h), Image.BILINEAR)
@@ -243,6 +243,9 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
 
 
 # --- output --------------------------------------------------------------------------------------
+# Class names come from model.json and file names from the folders given: both are printed through
+# printable(), so an escape sequence in a received run folder shows as text instead of acting on the
+# terminal. JSON escapes control characters itself.
 
 def format_table(results: list[dict]) -> str:
     if not results:
@@ -250,7 +253,8 @@ def format_table(results: list[dict]) -> str:
     k = len(results[0]["predictions"])
     rows = [["file"] + [f"top-{i + 1}" for i in range(k)]]
     for r in results:
-        rows.append([r["file"]] + [f"{p['label']} {p['probability']:.1%}" for p in r["predictions"]])
+        rows.append([printable(r["file"])] + [f"{printable(p['label'])} {p['probability']:.1%}"
+                                              for p in r["predictions"]])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows) + "\n"
 
@@ -261,7 +265,8 @@ def format_csv(results: list[dict]) -> str:
     k = len(results[0]["predictions"]) if results else 0
     writer.writerow(["file"] + [f"top{i + 1}_{c}" for i in range(k) for c in ("label", "probability")])
     for r in results:
-        writer.writerow([r["file"]] + [v for p in r["predictions"] for v in (p["label"], f"{p['probability']:.6f}")])
+        writer.writerow([printable(r["file"])] + [v for p in r["predictions"]
+                                                  for v in (printable(p["label"]), f"{p['probability']:.6f}")])
     return buf.getvalue()
 
 
@@ -306,11 +311,14 @@ def run(args: argparse.Namespace) -> int:
     resized = []
     results = predict_files(predictor, files, args.top_k, args.batch_size, on_resize=resized.append)
     c, h, w = predictor.input_shape
-    print(f"model: {predictor.model_dir} ({predictor.card.get('model')}, recipe {predictor.card.get('recipe')}, "
-          f"input {c}x{h}x{w}, tta level {predictor.tta}); {len(results)} image(s)", file=sys.stderr)
+    card = predictor.card
+    print(f"model: {printable(predictor.model_dir)} ({printable(card.get('model'))}, recipe "
+          f"{printable(card.get('recipe'))}, input {c}x{h}x{w}, tta level {predictor.tta}); {len(results)} image(s)",
+          file=sys.stderr)
     if resized:
-        print(f"note: {len(resized)} image(s) were not {w}x{h} and were resized bilinearly (e.g. {resized[0]}); "
-              "accuracy may differ from the run's if it trained on another size.", file=sys.stderr)
+        print(f"note: {len(resized)} image(s) were not {w}x{h} and were resized bilinearly (e.g. "
+              f"{printable(resized[0])}); accuracy may differ from the run's if it trained on another size.",
+              file=sys.stderr)
     text = {"table": format_table, "csv": format_csv}.get(args.format, lambda r: format_json(r, predictor))(results)
     if args.output:
         try:

@@ -1,0 +1,266 @@
+"""A folder of the user's own images, read by one rule: torchvision's ``ImageFolder``, the layout users know.
+
+    my_images/                      my_images/
+      cat/ 001.jpg ...                train/ cat/ ... dog/ ...
+      dog/ 2023/ a.png 2024/ b.png    val/   cat/ ... dog/ ...     (or validation/ or valid/)
+                                      test/  cat/ ... dog/ ...
+
+- Splits are folders at the top level only, and only beside a ``train/`` folder: ``train/``, one of
+  ``validation/``, ``valid/``, ``val/``, and ``test/`` (any letter case). Without ``train/`` the whole folder
+  is the training split, so ``valid/`` and ``invalid/`` side by side are two classes.
+- The class of an image is the first folder under its split's root; every image below that folder, at any
+  depth, belongs to it (``cat/2023/a.png`` is a cat). Any folder name is a class name: split words, names
+  starting with ``__``, spaces, unicode (compared in Unicode NFC form).
+- Hidden files and folders (``.name``) and files that are not images are skipped and counted.
+- A class found in validation or test but not in train is refused with its name; so are images lying
+  outside any class folder, and a class folder in train with no image.
+
+The folder is walked here, sorted, on every process, so every rank sees the same files in the same order,
+and no library's file patterns decide what a folder means. Each split's ``fingerprint`` covers every file's
+path, class, size and modification and change times in nanoseconds (what git's index compares), so a file
+replaced in place, even with its old modification time kept (``cp -p``, ``rsync``, ``touch -r``), changes
+it and is decoded afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.errors import DataError
+
+SPLIT_FOLDERS = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
+                 "test": "test"}
+TABLE_ENDINGS = {".parquet", ".arrow"}  # a folder holding these is a dataset repository, read by `datasets`
+METADATA_FILES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
+SHOWN = 5
+
+
+# Pillow registers these formats but opens them only with a plug-in or program of its own (ghostscript for EPS)
+NOT_DECODED = {"BUFR", "GRIB", "HDF5", "MPEG", "WMF", "EPS"}
+
+
+def image_endings() -> set[str]:
+    """The file endings read as images: those of the formats Pillow decodes by itself."""
+    from PIL import Image
+
+    Image.init()
+    return {ext.lower() for ext, fmt in Image.registered_extensions().items()
+            if fmt in Image.OPEN and fmt not in NOT_DECODED}
+
+
+def _listing(names) -> str:
+    names = list(names)
+    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+@dataclass
+class FolderSplit:
+    """The image files of one split: paths relative to the dataset folder ``base``, their class indices and
+    (size, mtime_ns, ctime_ns)."""
+
+    name: str
+    base: Path
+    files: list[str]
+    labels: list[int]
+    stats: list[tuple[int, int, int]]
+
+    def __len__(self):
+        return len(self.files)
+
+    @property
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(json.dumps([str(self.base.resolve()), self.name]).encode())
+        for item in zip(self.files, self.labels, self.stats):
+            h.update(json.dumps(item).encode())
+        return h.hexdigest()[:32]
+
+
+@dataclass
+class FolderScan:
+    root: Path
+    class_names: list[str]
+    splits: dict[str, FolderSplit]
+    skipped: Counter = field(default_factory=Counter)
+
+    def skipped_line(self) -> str:
+        """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""
+        hidden = self.skipped.get("hidden", 0)
+        other = [(k, n) for k, n in self.skipped.most_common() if k != "hidden"]
+        parts = [f"{hidden} hidden"] if hidden else []
+        if other:
+            parts.append(f"{sum(n for _, n in other)} not images ({', '.join(f'{k} {n}' for k, n in other[:SHOWN])}"
+                         f"{', ...' if len(other) > SHOWN else ''})")
+        return f"skipped {', '.join(parts)}" if parts else ""
+
+
+def is_image_folder(root: Path) -> bool:
+    """True when ``root`` holds images and no parquet/arrow files (a dataset repository, read by ``datasets``)."""
+    endings = image_endings()
+    found = False
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for f in filenames:
+            ext = os.path.splitext(f)[1].lower()
+            if ext in TABLE_ENDINGS:
+                return False
+            found = found or (ext in endings and not f.startswith("."))
+    return found
+
+
+def _walk_error(err: OSError):
+    raise DataError(f"Could not read the folder {err.filename} ({err.strerror}): its images would be left out "
+                    "without a word. Fix its permissions (e.g. chmod -R u+rX) or move it out of the dataset.")
+
+
+def _images_below(top: Path, endings: set[str], skipped: Counter) -> list[str]:
+    """Every image file at any depth below ``top``, sorted; hidden entries and other files counted."""
+    found, visited = [], set()
+    for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in visited:  # a symbolic link back up the tree: walk it once
+            dirnames[:] = []
+            continue
+        visited.add((st.st_dev, st.st_ino))
+        skipped["hidden"] += sum(d.startswith(".") for d in dirnames)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for f in filenames:
+            ext = os.path.splitext(f)[1].lower()
+            if f.startswith("."):
+                skipped["hidden"] += 1
+            elif ext in endings:
+                found.append(os.path.join(dirpath, f))
+            else:
+                skipped[ext or "(no ending)"] += 1
+    return sorted(found)
+
+
+def _entries(folder: Path, endings: set[str], skipped: Counter):
+    """(sub-folders, loose images) directly in ``folder``; hidden entries and other files counted."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as err:
+        _walk_error(err)
+    dirs, images = [], []
+    for e in entries:
+        if e.name.startswith("."):
+            skipped["hidden"] += 1
+        elif e.is_dir():
+            dirs.append(e.name)
+        elif os.path.splitext(e.name)[1].lower() in endings:
+            images.append(e.name)
+        else:
+            skipped[os.path.splitext(e.name)[1].lower() or "(no ending)"] += 1
+    return dirs, images
+
+
+def _stat(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:  # a dangling link: the decode names it among the unreadable files
+        return (-1, -1, -1)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> dict[str, Path]:
+    """Which folders are splits (module docstring), with the errors for layouts that cannot be read one way."""
+    as_split = {d: SPLIT_FOLDERS[d.lower()] for d in dirs if d.lower() in SPLIT_FOLDERS}
+    if "train" not in as_split.values():
+        if dirs and len(as_split) == len(dirs):
+            raise DataError(
+                f"{name} holds {', '.join(d + '/' for d in dirs)} and no train/ folder. If these are splits, add "
+                "train/ with one sub-folder per class beside them; if they are class names, put them under "
+                f"train/ ({name}/train/{dirs[0]}/...): splits are read only beside a train/ folder.")
+        for d in as_split:  # `test/cat/`, `test/dog/` beside `cat/`, `dog/`: a split that is not read as one
+            inner = {s.name for s in (root / d).iterdir() if s.is_dir() and not s.name.startswith(".")}
+            shared = sorted(inner & (set(dirs) - {d}))
+            if shared:
+                raise DataError(
+                    f"{name}/{d}/ holds folders named like the classes beside it ({_listing(shared)}), so it looks "
+                    f"like a {as_split[d]} split; but without a train/ folder it would be read as one more class "
+                    f"named {d!r}. Move the training classes into {name}/train/ (train/<class>/...), or rename "
+                    f"{d}/ if it really is a class.")
+        return {"train": root}
+    others = [d for d in dirs if d not in as_split]
+    if others or loose:
+        what = _listing([f"{d}/" for d in others] + loose)
+        raise DataError(
+            f"{name} has a train/ folder, so its top-level folders are read as splits (train/, validation/ or "
+            f"valid/ or val/, test/), but it also holds {what}, which belongs to no split. Move it into the "
+            "split it belongs to (train/<class>/...), or out of the dataset folder.")
+    roots: dict[str, Path] = {}
+    for d, split in as_split.items():
+        if split in roots:
+            clash = [x for x, s in as_split.items() if s == split]
+            raise DataError(f"{name} holds {' and '.join(c + '/' for c in clash)}, both read as the {split} split. "
+                            "Merge them into one folder or remove one.")
+        roots[split] = root / d
+    return roots
+
+
+def scan(root: Path, name: str) -> FolderScan:
+    """Walk an image folder (module docstring); DataError with its fix for every layout that can't be read."""
+    root = Path(root)
+    endings, skipped = image_endings(), Counter()
+    top_dirs, top_loose = _entries(root, endings, skipped)
+    if not top_dirs and top_loose:
+        meta = [m for m in METADATA_FILES if (root / m).is_file()]
+        raise DataError(
+            f"The {len(top_loose)} images in {name} are not sorted into class folders, so they have no labels. Put "
+            f"the images of each class in a sub-folder named after the class ({name}/<class>/<image>, at least "
+            "two classes; optionally under train/, validation/ and test/), then run again."
+            + (f" ({meta[0]} is not read: labels come from folder names only. To keep its labels, sort the "
+               "images into folders by its label column.)" if meta else ""))
+    roots = _split_roots(root, top_dirs, top_loose, name)
+    found: dict[str, dict[str, list[str]]] = {}
+    for split, split_root in roots.items():
+        if split_root != root:
+            class_dirs, loose = _entries(split_root, endings, skipped)
+        else:
+            class_dirs, loose = top_dirs, top_loose
+        if loose:
+            raise DataError(
+                f"{len(loose)} images lie directly in {split_root}, outside any class folder ({_listing(loose)}): "
+                f"they have no class. Move them into {split_root}/<class>/, or out of the dataset folder.")
+        classes: dict[str, list[str]] = {}
+        for d in class_dirs:
+            classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
+                _images_below(split_root / d, endings, skipped))
+        found[split] = classes
+    train = found["train"]
+    empty = [c for c, files in train.items() if not files]
+    if not any(train.values()):
+        raise DataError(
+            f"No images were found in {name} (the files there end in "
+            f"{_listing(k for k in skipped if k != 'hidden') or 'nothing'}). The image folder reads files Pillow "
+            f"opens (.png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, ...), one sub-folder per class "
+            f"({name}/<class>/<image>).")
+    if empty:
+        raise DataError(f"The training class folder(s) {_listing(sorted(empty))} of {name} hold no images: the model "
+                        "would have an output for a class it never sees. Add images to them or remove them.")
+    class_names = sorted(train)
+    if len(class_names) < 2:
+        raise DataError(f"{name} has a single class folder ({class_names[0]}/) in train: a classifier needs at "
+                        "least two. Add a sub-folder for each other class.")
+    index = {c: i for i, c in enumerate(class_names)}
+    splits = {}
+    for split, classes in found.items():
+        unknown = sorted(c for c, files in classes.items() if files and c not in index)
+        if unknown:
+            raise DataError(
+                f"The {split} split of {name} has the class folder(s) {_listing(unknown)}, which train does not "
+                f"have (train's classes: {_listing(class_names)}): the model would be scored on a class it never "
+                "saw. Add those classes to train, or remove them from the split (check the folder names' spelling "
+                "and letter case).")
+        files = [(path, index[c]) for c in sorted(classes) for path in classes[c]]
+        if not files:
+            raise DataError(f"The {split} split of {name} ({roots[split]}) is empty. Add images to it, or remove the "
+                            "folder so the recipe holds out part of train instead.")
+        splits[split] = FolderSplit(split, root, [os.path.relpath(p, root) for p, _ in files],
+                                    [k for _, k in files], [_stat(p) for p, _ in files])
+    return FolderScan(root, class_names, splits, skipped)

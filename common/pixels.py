@@ -1,0 +1,49 @@
+"""One image file's pixels as the file holds them, in 8 bits: the reading that training, evaluation and
+``predict`` share, so a model sees the same pixels from a file wherever it meets it.
+
+- EXIF orientation is applied (a phone photo stored sideways is seen upright, as every viewer shows it).
+- 16-bit images (microscopy, medical, depth: Pillow's ``I;16`` and ``I`` modes) are scaled from 0-65535
+  to 0-255. Pillow's own ``convert("L")`` clips them instead, which turns nearly every pixel white.
+- Transparency (RGBA, LA, a palette with a transparent colour) is flattened over black, so what a transparent
+  pixel hides never reaches the model; palette images become RGB.
+- The result is ``L`` (grey) or ``RGB``: a grey file stays grey, so the caller can decide the channel count
+  over a whole split instead of letting the first image decide it (``common.sources.decode_split``).
+"""
+
+from __future__ import annotations
+
+GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16L", "I;16B", "I;16N", "F")
+SIXTEEN_BIT_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")
+
+
+def natural(img):
+    """``img`` (a loaded PIL image) as 'L' or 'RGB', its pixels read as described in the module docstring."""
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    if img.getexif().get(0x0112, 1) != 1:  # Orientation: only then is a copy worth making
+        img = ImageOps.exif_transpose(img)
+    mode = img.mode
+    if mode in SIXTEEN_BIT_MODES:
+        wide = np.asarray(img).astype(np.int64).clip(0, 65535)
+        return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
+    if mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    elif mode == "L" and "transparency" in img.info:
+        img = img.convert("LA")
+    elif mode in ("RGB",) and "transparency" in img.info:
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "RGBa", "LA", "La", "PA"):
+        colour = img.convert("RGBA")
+        flat = Image.new("RGBA", colour.size, (0, 0, 0, 255))
+        flat.alpha_composite(colour)
+        return flat.convert("L" if img.mode in ("LA", "La") else "RGB")
+    if img.mode in GREY_MODES:
+        return img if img.mode == "L" else img.convert("L")
+    return img if img.mode == "RGB" else img.convert("RGB")  # CMYK, YCbCr, LAB, HSV, ...
+
+
+def as_mode(img, mode: str):
+    """``img`` read by ``natural`` and then given ``mode`` ('L' or 'RGB')."""
+    img = natural(img)
+    return img if img.mode == mode else img.convert(mode)
