@@ -121,6 +121,9 @@ def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
         f"per_process_batch={per_process_batch(cfg, accelerator.num_processes)}",
         f"grad_accum={cfg.grad_accum}",
         f"steps_per_epoch={steps_per_epoch}",
+        # where the peak LR came from (common.config.follow_batch): a batch the LR was not tuned at is the
+        # first thing to suspect when a run diverges or crawls
+        f"lr={cfg.lr:g}" + (f" ({cfg.lr_note})" if getattr(cfg, "lr_note", "") else ""),
     ]
     return "startup: " + " ".join(parts) + (f" NOTE: {note}" if note else "")
 

@@ -53,6 +53,57 @@ def fields_with(cfg, **rule) -> dict[str, dict]:
             if all(meta.get(k, RULE_DEFAULTS[k]) == v for k, v in rule.items())}
 
 
+@dataclass(frozen=True)
+class LRRule:
+    """How a recipe's default --lr follows --batch-size, declared once in its Config next to the lr knob
+    (a plain class attribute, not a field: not a flag, not saved), e.g. ``lr_rule = LRRule("linear", 1024)``.
+
+    ``batch``: the global batch the default --lr was tuned at. ``kind``: ``"linear"`` (lr x B/batch) for SGD
+    (Goyal et al. 2017, "k times the batch, k times the LR"); ``"sqrt"`` (lr x sqrt(B/batch)) for Adam-family
+    optimizers (Malladi et al. 2022, the square-root scaling rule). Either is a first guess for a batch the recipe
+    was not tuned at, not a tuned value (the linear rule is known to break down at very large batches); an --lr
+    the user gives (command line or --config file) is taken as given. ``build_parser``
+    appends the rule to the --lr help; ``parse_config`` applies it and records what it did in ``cfg.lr_note``."""
+
+    kind: str
+    batch: int
+
+    def __post_init__(self):
+        assert self.kind in ("linear", "sqrt") and self.batch >= 1, self
+
+    def factor(self, batch_size: int) -> float:
+        ratio = batch_size / self.batch
+        return ratio if self.kind == "linear" else ratio ** 0.5
+
+    def formula(self, lr: float, batch_size: int) -> str:
+        """e.g. '1.5 x 32/1024' or '0.01 x sqrt(32/256)'."""
+        ratio = f"{batch_size}/{self.batch}"
+        return f"{lr:g} x {ratio if self.kind == 'linear' else f'sqrt({ratio})'}"
+
+    def help(self) -> str:
+        """What the --lr help adds, after the recipe's own words."""
+        how = "linearly (lr x B/{0})" if self.kind == "linear" else "by its square root (lr x sqrt(B/{0}))"
+        return (f" at --batch-size {self.batch}; follows the batch {how.format(self.batch)} when --batch-size is "
+                "changed and --lr is not given")
+
+
+def follow_batch(cfg, lr_source: str = "") -> str:
+    """Set ``cfg.lr`` by the recipe's ``lr_rule`` when --batch-size differs from the batch the default --lr
+    was tuned at and --lr was not given; return what was done, for ``cfg.lr_note`` and the startup line.
+    ``lr_source``: where a given --lr came from ('' = not given). Idempotent: it scales the field's default,
+    never ``cfg.lr``, so a second call cannot scale twice."""
+    rule = getattr(cfg, "lr_rule", None)
+    if lr_source:
+        return lr_source
+    if rule is None:
+        return "the recipe's default"
+    if cfg.batch_size == rule.batch:
+        return f"the default, tuned at batch {rule.batch}"
+    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "lr")
+    cfg.lr = default * rule.factor(cfg.batch_size)
+    return f"{rule.formula(default, cfg.batch_size)}, {rule.kind} rule"
+
+
 MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation produces, and which way is better
 
 
@@ -106,6 +157,7 @@ class CommonConfig:
     batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps")
     eval_batch_size: int = knob(1000, "global batch size for evaluation", on_resume="free", eval_only="own")
     lr: float = knob(1e-3, "peak learning rate", on_resume="apply")
+    lr_rule = None  # how the default --lr follows --batch-size: a recipe's LRRule; None keeps it at every batch
     weight_decay: float = knob(0.0, "weight decay", on_resume="apply")
     warmup_fraction: float = knob(0.0, "fraction of optimizer steps spent warming the LR up linearly from 0")
     warmup_start: float = knob(0.0, "LR multiplier the warm-up starts from (it rises linearly to 1)")
@@ -212,6 +264,8 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
         typ = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
         kwargs = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
+        if f.name == "lr" and getattr(cls, "lr_rule", None):  # every recipe with a rule states it, in the same words
+            kwargs["help"] += cls.lr_rule.help()
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         # the snake_case spelling (--output_dir) that accelerate launch, torchrun and HfArgumentParser accept
@@ -296,17 +350,26 @@ def parse_config(cls, argv=None, description: str = ""):
         action.default = argparse.SUPPRESS
     given = set(vars(parser.parse_args(argv))) - {"config"}
     values = {k: v for k, v in vars(args).items() if k != "config"}
+    lr_source = "as given" if "lr" in given else ""
     try:
         if config_file:  # the file's settings, then the command line's on top
             from_file = _from_file(cls, config_file)
             values.update({k: v for k, v in from_file.items() if k not in given})
             given |= set(from_file)
+            # A run's config.json holds the lr it trained with, already scaled for its batch: taken as given,
+            # so repeating a run from it never scales twice.
+            if "lr" in from_file and not lr_source:
+                lr_source = f"as given in {config_file}"
         cfg = cls(**values)
-        validate(cfg)
+        validate(cfg)  # first: the rule needs a valid --batch-size
     except ConfigError as err:
         sys.stderr.write(f"error: {printable(err)}\n")  # it may quote a key of the --config file
         raise SystemExit(EXIT_BAD_INPUT)
     cfg.explicit = given  # not a dataclass field: not saved, not logged
+    # The same command gives the same lr, so --resume-from latest resumes with the lr the run started with.
+    # NOTE: a run started before recipes had a rule, at another batch and without --lr, resumes with the rule's
+    # lr (applied over the checkpoint's, and printed so); give its old --lr to keep it.
+    cfg.lr_note = follow_batch(cfg, lr_source)  # not a field either: the startup line shows it
     return cfg
 
 

@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
-from common.config import DATASET_HELP, CommonConfig, knob, parse_config
+from common.config import DATASET_HELP, CommonConfig, LRRule, knob, parse_config
 from common.averaging import Lookahead
 from common.metrics import evaluate
 from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
@@ -41,7 +41,8 @@ class Config(CommonConfig):
     dataset: str = knob("uoft-cs/cifar10", DATASET_HELP)
     epochs: int = knob(10, "number of passes over the training split")
     batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
-    lr: float = knob(1.5, "peak learning rate of the mean loss (SGD, Nesterov); scale it with --batch-size")
+    lr: float = knob(1.5, "peak learning rate of the mean loss (SGD, Nesterov)")
+    lr_rule = LRRule("linear", 1024)  # SGD on the mean loss: the LR follows the batch linearly
     momentum: float = knob(0.85, "SGD momentum (Nesterov)", on_resume="apply")
     weight_decay: float = knob(1.33e-3, "SGD weight decay (coupled to the LR, as torch's SGD does)")
     bias_lr_scale: float = knob(64.0, "BatchNorm biases learn this many times faster (their decay per step unchanged)")

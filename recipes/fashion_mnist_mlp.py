@@ -35,7 +35,7 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
-from common.config import DATASET_HELP, CommonConfig, knob, parse_config
+from common.config import DATASET_HELP, CommonConfig, LRRule, knob, parse_config
 from common.metrics import evaluate
 from common.models import MLP, parse_floats, parse_ints
 from common.run import TrainingRun
@@ -50,6 +50,7 @@ class Config(CommonConfig):
     epochs: int = knob(12, "number of passes over the training split")
     batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(4e-3, "peak learning rate (AdamW)")
+    lr_rule = LRRule("sqrt", 1024)  # AdamW: the LR follows the square root of the batch
     betas: str = knob("0.9,0.999", "AdamW betas, comma-separated", on_resume="apply")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")

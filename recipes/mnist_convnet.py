@@ -37,7 +37,7 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
-from common.config import DATASET_HELP, CommonConfig, knob, parse_config
+from common.config import DATASET_HELP, CommonConfig, LRRule, knob, parse_config
 from common.metrics import evaluate
 from common.models import ConvNet, LeanConvNet, convert_sync_batchnorm, parse_floats
 from common.run import TrainingRun
@@ -52,6 +52,7 @@ class Config(CommonConfig):
     epochs: int = knob(3, "number of passes over the training split")
     batch_size: int = knob(256, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(1e-2, "peak learning rate (AdamW)")
+    lr_rule = LRRule("sqrt", 256)  # AdamW: the LR follows the square root of the batch
     betas: str = knob("0.7,0.9", "AdamW betas, comma-separated (short memories suit a 3-epoch run)", on_resume="apply")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.2, "fraction of optimizer steps spent warming the LR up linearly from 0")

@@ -228,10 +228,10 @@ def awkward(tmp_path_factory):
 # nothing in the training math (checkpoint cadence, target check, profiling), so the same
 # run serves the end-to-end checks, the pinned losses and the uninterrupted side of the resume tests.
 
-SMALL = {
-    "fashion_mnist_mlp": ["--hidden", "32"],
-    "mnist_convnet": ["--width", "8"],
-    "cifar_cnn": ["--widths", "8,16,16"],
+SMALL = {  # each recipe's default --lr given: at --batch-size 32 the LR rule would scale it (golden losses)
+    "fashion_mnist_mlp": ["--hidden", "32", "--lr", "4e-3"],
+    "mnist_convnet": ["--width", "8", "--lr", "1e-2"],
+    "cifar_cnn": ["--widths", "8,16,16", "--lr", "1.5"],
 }
 TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-every", 1]
 REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resumes must repeat

@@ -64,7 +64,7 @@ def test_throughput_times_the_recipe_the_raw_loop_the_bound_and_the_levers(tmp_p
     # inductor's C++ compile takes minutes on 2 cores: the eager backend runs the same torch.compile plumbing
     report, stdout = run_tiny("throughput", tmp_path, "--compile-backend", "eager")
     cfg = report["settings"]["config"]  # the recipe's own Config: its defaults, --tiny's flags by its parser
-    assert cfg["width"] == 8 and cfg["batch_size"] == 32 and cfg["lr"] == 1e-2 and cfg["label_smoothing"] == 0.1
+    assert cfg["width"] == 8 and cfg["batch_size"] == 32 and cfg["lr"] == pytest.approx(1e-2 * (32 / 256) ** 0.5) and cfg["label_smoothing"] == 0.1
     assert report["settings"]["model"] == "LeanConvNet" and report["skipped"] == {}
     assert list(report["rows"]) == ["recipe", "raw_torch", "pure_compute", "pure_bf16", "pure_channels_last",
                                     "pure_compiled"]

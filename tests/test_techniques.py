@@ -394,7 +394,7 @@ def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_
     fp16_on_this_cpu(monkeypatch, overflow_at={3, 4})
     run = tmp_path / "run"
     args = ["--dataset", cifar_like, "--widths", "8,16,16", "--tta", 0, "--epochs", 1, "--batch-size", 32,
-            "--log-every", 1, "--lookahead-every", 1, "--output-dir", run]
+            "--lr", 1.5, "--log-every", 1, "--lookahead-every", 1, "--output-dir", run]
     check_ok(run_in_process("cifar_cnn", args, env))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["precision"] == "fp16" and summary["skipped_steps"] == 2 and summary["status"] == "completed"
