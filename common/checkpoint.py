@@ -276,7 +276,8 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
 
     return {"recipe": recipe, "recipe_file": recipe_file, "model": type(model).__name__,
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": transform.mean,
-            "std": transform.std, "config": dataclasses.asdict(cfg), "data": data_record(data)}
+            "std": transform.std, "config": dataclasses.asdict(cfg), "data": data_record(data),
+            **({"preprocess": data.train.preprocess} if hasattr(data.train, "preprocess") else {})}
 
 
 def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:

@@ -139,11 +139,12 @@ class TrainingRun:
 
     # --- data ------------------------------------------------------------------------------------
 
-    def load_data(self):
+    def load_data(self, reader=load_image_data):
         """Decode (once per node, cached) or read the cache; hold out validation from train if needed. A stop
-        request ends this phase at once (nothing to checkpoint yet)."""
+        request ends this phase at once (nothing to checkpoint yet). ``reader``: another way to read the data with
+        load_image_data's signature (``common.photos.load_photos``: file lists, decoded per batch)."""
         self.stop.interruptible("reading the data")
-        data = load_image_data(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
+        data = reader(self.cfg, self.cfg.dataset, self.accelerator.is_main_process, self.say)
         self.stop.interruptible(None)
         if data.note:
             self.say(f"data {data.source}: {data.note}")

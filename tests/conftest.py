@@ -217,6 +217,44 @@ def cifar_like(tmp_path_factory):
                                  shape=(3, 32, 32), image_col="img")
 
 
+def write_photo_folder(root: Path, n_per_class: int, classes=("ant", "bee", "wasp"), seed: int = 0) -> Path:
+    """<root>/<class>/<i>.<ext>: photos of mixed sizes (wide, tall, square), formats and modes (RGB JPEG with and
+    without an EXIF rotation, grey PNG, palette PNG with transparency, RGBA PNG), as a user's own folder holds."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    sizes = [(48, 36), (36, 48), (40, 40), (64, 44), (30, 50)]
+    for k, cls in enumerate(classes):
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i in range(n_per_class):
+            w, h = sizes[(i + k) % len(sizes)]
+            arr = rng.integers(0, 80, size=(h, w, 3), dtype=np.uint8)
+            arr[:, k * w // len(classes):(k + 1) * w // len(classes), k % 3] = 230  # a class-coloured stripe
+            img, kind = Image.fromarray(arr), i % 5
+            if kind == 0:
+                img.save(root / cls / f"{i}.jpg", quality=90)
+            elif kind == 1:
+                img.convert("L").save(root / cls / f"{i}.png")
+            elif kind == 2:
+                img.quantize(16).save(root / cls / f"{i}.png", transparency=0)
+            elif kind == 3:
+                img.convert("RGBA").save(root / cls / f"{i}.png")
+            else:
+                exif = Image.Exif()
+                exif[0x0112] = 6  # stored sideways: viewers (and the recipe) turn it upright
+                img.save(root / cls / f"{i}.jpg", quality=90, exif=exif)
+    return root
+
+
+@pytest.fixture(scope="session")
+def photos_like(tmp_path_factory):
+    """A photo folder with train/ (3 classes x 60) and test/ (3 x 8): mixed sizes, formats and modes."""
+    root = tmp_path_factory.mktemp("photos_like")
+    write_photo_folder(root / "train", 60)
+    write_photo_folder(root / "test", 8, seed=1)
+    return root
+
+
 @pytest.fixture(scope="session")
 def awkward(tmp_path_factory):
     """Hub-layout parquet with its own validation split of an awkward size: train 256, validation 99, test 82."""
@@ -232,6 +270,7 @@ SMALL = {  # each recipe's default --lr given: at --batch-size 32 the LR rule wo
     "fashion_mnist_mlp": ["--hidden", "32", "--lr", "4e-3"],
     "mnist_convnet": ["--width", "8", "--lr", "1e-2"],
     "cifar_cnn": ["--widths", "8,16,16", "--lr", "1.5"],
+    "finetune_folder": ["--image-size", 32, "--workers", 0],  # lr by its rule: 0.05 at batch 32
 }
 TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-every", 1]
 REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resumes must repeat
@@ -249,6 +288,9 @@ REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resume
                                           "--eval-every-steps", 5, "--keep-checkpoints", 10]),
     ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
     ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
+    ("finetune_folder", 1): ("photos_like", [*TRAIN, *SMALL["finetune_folder"], "--checkpoint-every", 3,
+                                             "--keep-checkpoints", 10]),
+    ("finetune_folder", 2): ("photos_like", [*TRAIN, *SMALL["finetune_folder"]]),
 }
 REFERENCE_EXTRA = {  # read-only checks riding on the reference run
     ("fashion_mnist_mlp", 1): ["--progress-every-s", 0],
@@ -288,13 +330,13 @@ class ReferenceRun:
 
 
 @pytest.fixture(scope="session")
-def reference_run(tmp_path_factory, mnist_like, cifar_like, awkward):
+def reference_run(tmp_path_factory, mnist_like, cifar_like, awkward, photos_like):
     """reference_run(recipe, nproc) -> ReferenceRun, run once per session: in this process for 1 process,
     `accelerate launch` with real gloo processes for 2."""
     root = tmp_path_factory.mktemp("reference")
     env = recipe_env(root)
     done: dict = {}
-    datasets = {"mnist_like": mnist_like, "cifar_like": cifar_like, "awkward": awkward}
+    datasets = {"mnist_like": mnist_like, "cifar_like": cifar_like, "awkward": awkward, "photos_like": photos_like}
 
     def get(recipe: str, nproc: int) -> ReferenceRun:
         key = (recipe, nproc)

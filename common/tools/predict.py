@@ -188,9 +188,11 @@ def collect_images(inputs) -> list[Path]:
     return unique
 
 
-def preprocess_image(img, input_shape) -> tuple[torch.Tensor, bool]:
-    """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized).
-    Pixels, mode and resizing follow ``common.data`` decoding (``common.pixels``): 'L' or 'RGB', bilinear resize."""
+def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
+    """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized to a size it did not
+    have). Pixels and mode follow ``common.data`` decoding (``common.pixels``: 'L' or 'RGB'). ``preprocess`` (a
+    photo run's model.json: ``common.photos``): the shorter side resized and the centre cropped, as the run
+    evaluated; else a bilinear resize to the input size, as the decoded-cache recipes decode."""
     import numpy as np
     from PIL import Image
 
@@ -198,6 +200,12 @@ def preprocess_image(img, input_shape) -> tuple[torch.Tensor, bool]:
 
     c, h, w = input_shape
     img = as_mode(img, "L" if c == 1 else "RGB")  # EXIF, 16-bit and transparency read as in training
+    if preprocess:
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        from common.photos import eval_view
+
+        return eval_view(pil_to_tensor(img), int(preprocess["center_crop"])).contiguous(), False
     resized = img.size != (w, h)
     if resized:
         img = img.resize((w, h), Image.BILINEAR)
@@ -205,17 +213,17 @@ def preprocess_image(img, input_shape) -> tuple[torch.Tensor, bool]:
     return (arr.unsqueeze(0) if arr.ndim == 2 else arr.permute(2, 0, 1)).contiguous(), resized
 
 
-def load_image(path, input_shape) -> tuple[torch.Tensor, bool]:
+def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as img:
             img.load()
-            return preprocess_image(img, input_shape)
+            return preprocess_image(img, input_shape, preprocess)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
         reason = "not an image file PIL can read" if isinstance(err, UnidentifiedImageError) else str(err)
-        raise RecipeError(f"Could not read {path} as an image ({reason}). Pass image files (PNG, JPEG, ...) "
-                           "or remove that file from the folder.") from None
+        raise RecipeError(f"Could not read {printable(path)} as an image ({printable(reason)}). Pass image files "
+                          "(PNG, JPEG, ...) or remove that file from the folder.") from None
 
 
 def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int = 64,
@@ -230,7 +238,7 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
         chunk = paths[start:start + max(1, batch_size)]
         tensors = []
         for p in chunk:
-            t, resized = load_image(p, predictor.input_shape)
+            t, resized = load_image(p, predictor.input_shape, predictor.card.get("preprocess"))
             if resized and on_resize is not None:
                 on_resize(p)
             tensors.append(t)

@@ -1,0 +1,208 @@
+"""Photos of any size and mode, for fine-tuning (``recipes/finetune_folder.py``): read from their files per batch,
+in DataLoader workers, never held decoded.
+
+Why not the decoded cache of ``common.data``: it stores every image at one size, which for photos means a squash
+(aspect ratio lost) and a cache many times the JPEGs' size (ImageNet at 224 px: ~190 GB). Here a split is a list of
+files and labels; memory grows with the number of file names, not pixels, and nothing is written to disk.
+
+- Training: ``RandomResizedCrop`` (torchvision's, the Inception-style crop every ImageNet recipe uses) to
+  ``--image-size`` and a horizontal flip, per image, in the worker. Each image's draw is seeded by (seed, epoch,
+  image), so a run resumed mid-epoch, or run with another number of workers, sees exactly the same pixels.
+- Evaluation and ``predict``: the shorter side resized to ``image_size / 0.875`` and a centre crop of
+  ``image_size`` (torchvision's 256 -> 224), never a squash.
+- JPEGs are decoded at a reduced scale when the photo is much larger than needed (Pillow's ``draft``: the DCT
+  itself skips the detail), so a 12-megapixel photo costs little more than a small one.
+- Pixels are read by ``common.pixels`` (EXIF orientation, 16-bit, transparency) and always as RGB: the torchvision
+  models take three channels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import numpy as np
+import torch
+
+from common.errors import DataError
+from common.splits import ImageData
+
+EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
+
+
+def resize_side(image_size: int) -> int:
+    return int(round(image_size / EVAL_RATIO))
+
+
+def read_rgb(path: str, min_side: int) -> torch.Tensor:
+    """uint8 (3, H, W) of the photo at ``path``; a JPEG decoded at the smallest scale whose shorter side is still
+    at least ``min_side``."""
+    from PIL import Image
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    from common.pixels import as_mode
+
+    with Image.open(path) as img:
+        if img.format == "JPEG":
+            w, h = img.size
+            scale = min_side / min(w, h)
+            img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))  # at least this big; 1/2, 1/4, 1/8
+        img.load()
+        return pil_to_tensor(as_mode(img, "RGB"))
+
+
+def eval_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
+    """Shorter side to ``resize_side(image_size)``, then the centre ``image_size`` square."""
+    from torchvision.transforms.v2 import functional as TF
+
+    image = TF.resize(image, [resize_side(image_size)], antialias=True)
+    return TF.center_crop(image, [image_size, image_size])
+
+
+class PhotoSplit:
+    """The files and labels of one split, with the interface of ``common.splits.ImageSplit`` that the run needs
+    (length, labels, index, ``select`` for the hold-out, ``images_at`` for the misclassified-image grid)."""
+
+    def __init__(self, files, labels: torch.Tensor, image_size: int, index: torch.Tensor | None = None, note=""):
+        self.files = files if isinstance(files, np.ndarray) else np.array(files)  # no per-item refcounts in workers
+        self.source_labels, self.image_size, self.note = labels, image_size, note
+        self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
+
+    def __len__(self):
+        return (self.source_labels if self.index is None else self.index).numel()
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (3, self.image_size, self.image_size)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.source_labels if self.index is None else self.source_labels[self.index]
+
+    @property
+    def preprocess(self) -> dict:
+        """What model.json records for predict and export: resize the shorter side, then centre-crop."""
+        return {"resize_shorter": resize_side(self.image_size), "center_crop": self.image_size}
+
+    def file_at(self, position: int) -> str:
+        return str(self.files[int(position if self.index is None else self.index[position])])
+
+    def select(self, positions) -> "PhotoSplit":
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        return PhotoSplit(self.files, self.source_labels, self.image_size,
+                          positions if self.index is None else self.index[positions], self.note)
+
+    def images_at(self, positions) -> torch.Tensor:
+        """The evaluation views of the images at ``positions`` (an index tensor, list or slice), decoded now."""
+        if isinstance(positions, slice):
+            positions = range(*positions.indices(len(self)))
+        side = resize_side(self.image_size)
+        views = [eval_view(read_rgb(self.file_at(int(p)), side), self.image_size) for p in positions]
+        return torch.stack(views) if views else torch.zeros((0, *self.image_shape), dtype=torch.uint8)
+
+
+class PhotoDataset(torch.utils.data.Dataset):
+    """Per-image decoding and augmentation, run in the DataLoader's workers."""
+
+    def __init__(self, split: PhotoSplit, train: bool, seed: int, min_scale: float):
+        self.split, self.train, self.seed, self.min_scale, self.epoch = split, train, seed, min_scale, 0
+
+    def set_epoch(self, epoch: int) -> None:  # called before each epoch's iterator (and its workers) starts
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.split)
+
+    def __getitem__(self, i):
+        from torchvision.transforms import v2
+
+        size = self.split.image_size
+        path = self.split.file_at(i)
+        try:
+            image = read_rgb(path, resize_side(size))
+        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
+            raise DataError(f"Could not read {path} ({type(err).__name__}: {err}); it was readable when the run "
+                            "started. Replace or remove it and resume (--resume-from latest).") from None
+        if not self.train:
+            return eval_view(image, size), self.split.labels[i]
+        # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
+        # main process's own stream (dropout, the shuffle) is untouched when there are no workers
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
+            image = v2.RandomResizedCrop(size, scale=(self.min_scale, 1.0), antialias=True)(image)
+            image = v2.RandomHorizontalFlip()(image)
+        return image, self.split.labels[i]
+
+
+def check_headers(split: PhotoSplit, what: str) -> None:
+    """Open every file's header (not its pixels: fast) so an unreadable file is named before training starts
+    rather than in a DataLoader worker mid-epoch. All bad files are listed in one message."""
+    from PIL import Image
+
+    bad = []
+    for p in range(len(split)):
+        path = split.file_at(p)
+        try:
+            with Image.open(path) as img:
+                w, h = img.size
+                if w * h > 2 * Image.MAX_IMAGE_PIXELS:
+                    raise Image.DecompressionBombError(f"{w}x{h} pixels, over Pillow's limit of "
+                                                       f"{2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels")
+        except Exception as err:  # noqa: BLE001
+            bad.append(f"{path} ({type(err).__name__}: {err})")
+    if bad:
+        more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise DataError(f"{len(bad)} of the {len(split)} files of {what} are not images Pillow can open: "
+                        f"{'; '.join(bad[:5])}{more}. Remove or replace those files and run again.")
+
+
+def load_photos(cfg, default_dataset: str = "", is_main: bool = True, log=print) -> ImageData:
+    """An image folder (``common.folders`` rules) as PhotoSplits at ``cfg.image_size``; validation held out of
+    train (``--val-fraction``, seeded) when the folder has no validation split."""
+    from common import folders, sources
+    from common.splits import hold_out
+
+    name = cfg.dataset or default_dataset
+    path = sources.local_folder(name) if name else None
+    if path is None or not folders.is_image_folder(path):
+        raise DataError(f"--dataset {name!r} is not a folder of images. This recipe fine-tunes on a folder of photos "
+                        "(<dir>/<class>/<image>, optionally under train/ val/ test/); for a Hub dataset or parquet "
+                        "files use recipes/cifar_cnn.py.")
+    scan = folders.scan(path, name)
+    splits = {}
+    for split_name, fs in scan.splits.items():
+        files = [str(fs.base / f) for f in fs.files]
+        splits[split_name] = PhotoSplit(files, torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
+        check_headers(splits[split_name], f"the {split_name} split of {name}")
+    train, val = splits["train"], splits.get("validation")
+    if val is None and cfg.val_fraction > 0:
+        train, val = hold_out(train, cfg.val_fraction, cfg.seed)
+    return ImageData(train, val, splits.get("test"), scan.class_names, name, scan.skipped_line())
+
+
+def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False):
+    """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
+    accumulation steps for training, --eval-batch-size over processes for evaluation."""
+    from common.accelerator import per_process_batch
+
+    if split is None:
+        return None
+    n = accelerator.num_processes
+    batch = per_process_batch(cfg, n) if train else max(1, cfg.eval_batch_size // n)
+    dataset = PhotoDataset(split, train, cfg.seed, cfg.min_crop_scale)
+    workers = cfg.workers
+    if workers < 0:  # this process's share of the node's cores, less the one the training loop runs on
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+        workers = min(8, max(0, len(os.sched_getaffinity(0)) // max(1, local) - 1))
+    # Workers start anew each epoch (not persistent): they copy the dataset after set_epoch, so every epoch
+    # draws its own crops. The loader's own generator keeps the shuffle off the global RNG (exact resume).
+    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=train, drop_last=train,
+                                       num_workers=workers, pin_memory=accelerator.device.type == "cuda",
+                                       generator=torch.Generator().manual_seed(0),
+                                       prefetch_factor=4 if workers else None)
+
+
+def photo_stats(split: PhotoSplit, count: int = 500) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views)."""
+    positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique()
+    x = split.images_at(positions).float().div_(255.0)
+    return x.mean(dim=(0, 2, 3)).tolist(), x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()

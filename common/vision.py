@@ -1,0 +1,184 @@
+"""torchvision's classification models for fine-tuning: built by name with the data's classes, started from a
+weights file or torchvision's pretrained weights, with their own preprocessing, and split into a head and a
+backbone that can learn at a lower rate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.errors import ConfigError
+
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def model_names() -> list[str]:
+    from torchvision import models
+
+    return models.list_models(module=models)  # the classification models (not detection, video, ...)
+
+
+def build(name: str, num_classes: int) -> nn.Module:
+    """``torchvision.models.get_model(name)`` from scratch, its classifier sized for ``num_classes``; ResNets with
+    their residual branches' last BatchNorm at zero."""
+    from torchvision import models
+
+    if name not in model_names():
+        raise ConfigError(f"--model {name!r} is not a torchvision classification model. Pick one of "
+                          f"{', '.join(model_names())} (e.g. resnet18, resnet50, convnext_tiny, efficientnet_b0, "
+                          "mobilenet_v3_large, vit_b_16).")
+    try:  # ResNets: each residual branch starts at zero, so the untrained network is shallow and stable (Goyal et
+        # al. 2017); the large early losses of a from-scratch start are gone. Other families have no such switch.
+        return models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True)
+    except TypeError:
+        return models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def head(model: nn.Module, num_classes: int) -> tuple[str, nn.Module]:
+    """The classifier: the last Linear (or 1x1 Conv2d, SqueezeNet) with ``num_classes`` outputs."""
+    found = None
+    for name, module in model.named_modules():
+        out = getattr(module, "out_features", None) or getattr(module, "out_channels", None)
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and out == num_classes:
+            found = (name, module)
+    if found is None:
+        raise ConfigError(f"Could not find the classifier of {type(model).__name__} (a Linear layer with "
+                          f"{num_classes} outputs). Use a torchvision classification model.")
+    return found
+
+
+@dataclass
+class Pretrained:
+    """Where the starting weights come from and the preprocessing they were trained with."""
+
+    spec: str                # '' (from scratch), DEFAULT or a weights enum name, or a file path
+    mean: list[float] | None
+    std: list[float] | None
+    crop: int | None         # the weights' own crop size (224 for torchvision's ImageNet weights)
+
+
+def resolve(name: str, spec: str) -> Pretrained:
+    """The preprocessing of ``--weights`` for ``--model name``: torchvision's enum for DEFAULT or an enum value
+    name; for a file, the model's DEFAULT entry (a file of torchvision's own weights, copied offline)."""
+    from torchvision import models
+
+    if not spec:
+        return Pretrained("", None, None, None)
+    try:
+        enum = models.get_model_weights(name)
+    except (ValueError, KeyError):
+        enum = None
+    entry = None
+    if enum is not None:
+        entry = enum.DEFAULT if spec == "DEFAULT" or Path(spec).suffix else getattr(enum, spec, None)
+    if entry is None and not Path(spec).suffix:
+        raise ConfigError(f"--weights {spec!r} is neither a file (.pth, .pt or .safetensors) nor one of "
+                          f"torchvision's weights for {name} ({', '.join(e.name for e in enum) if enum else 'none'}, "
+                          "or DEFAULT).")
+    if entry is None:
+        return Pretrained(spec, IMAGENET_MEAN, IMAGENET_STD, None)
+    t = entry.transforms()
+    return Pretrained(spec, list(t.mean), list(t.std), int(t.crop_size[0]))
+
+
+def _read_state(spec: str, name: str) -> dict:
+    from torchvision import models
+
+    path = Path(spec).expanduser()
+    if not path.suffix:  # DEFAULT or an enum name: torchvision downloads it (once, into $TORCH_HOME)
+        weights = models.get_model_weights(name)
+        entry = weights.DEFAULT if spec == "DEFAULT" else getattr(weights, spec)
+        try:
+            return entry.get_state_dict(progress=False, check_hash=True)
+        except Exception as err:  # noqa: BLE001 - urllib, socket and hash errors alike mean "no weights"
+            raise ConfigError(
+                f"torchvision could not fetch the {entry} weights ({type(err).__name__}: {err}); this machine is "
+                f"probably offline. Download {entry.url} on a machine with network access, copy it here, and pass "
+                f"--weights /path/to/{Path(entry.url).name} (or put it in $TORCH_HOME/hub/checkpoints/, where "
+                "torchvision looks first).") from None
+    if not path.is_file():
+        raise ConfigError(f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
+                          "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch.")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+        else:  # weights_only: a file someone sends you is data, never code
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        raise ConfigError(f"Could not read the weights file {path} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+                          "Pass a state_dict saved by torch.save (.pth/.pt) or safetensors (.safetensors), e.g. "
+                          "torchvision's own weight file for the model.") from None
+    for key in ("state_dict", "model", "model_state_dict"):  # a training checkpoint that wraps the state_dict
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError(f"{path} holds no state_dict (a mapping of names to tensors). Save one with "
+                          "torch.save(model.state_dict(), path).")
+    return {k.removeprefix("module."): v for k, v in state.items()}  # DDP-saved files prefix every key
+
+
+def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) -> str:
+    """Load ``--weights`` into ``model``; the head's tensors are skipped when their shape is another head's (the
+    1000 ImageNet classes). Any other mismatch is refused. Returns a line saying what was loaded."""
+    state = _read_state(spec, name)
+    own = model.state_dict()
+    head_name, _ = head(model, num_classes)
+    head_keys = {k for k in own if k.startswith(head_name + ".")}
+    skipped = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
+    unexpected = sorted(k for k in state if k not in own)
+    missing = sorted(k for k in own if k not in state)
+    wrong = [k for k in skipped if k not in head_keys]
+    if unexpected or wrong or set(missing) - head_keys:
+        shown = (unexpected + wrong + missing)[:4]
+        raise ConfigError(f"The weights in {spec} don't fit --model {name}: {len(missing)} of its tensors are "
+                          f"missing from the file, {len(unexpected)} in the file are not in the model, and "
+                          f"{len(wrong)} have another shape (e.g. {', '.join(shown)}). Pass weights of a {name} "
+                          "(torchvision's own file for it, or one saved from this model).")
+    model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
+    shapes = ", ".join(f"{k} {tuple(state[k].shape)} -> {tuple(own[k].shape)}" for k in skipped)
+    return (f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
+            + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else ""))
+
+
+def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: float) -> list[dict]:
+    """The head at ``lr``, every other parameter at ``lr * backbone_scale``."""
+    head_name, _ = head(model, num_classes)
+    head_params, body = [], []
+    for name, p in model.named_parameters():
+        (head_params if name.startswith(head_name + ".") else body).append(p)
+    return [{"params": body, "lr": lr * backbone_scale}, {"params": head_params, "lr": lr}]
+
+
+def ema(accelerator, model: nn.Module, decay: float):
+    """An exponential moving average of ``model``'s weights and buffers (``torch.optim.swa_utils``), saved in
+    every checkpoint; None when ``decay`` is 0."""
+    if not decay:
+        return None
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    averaged = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay),
+                             use_buffers=True)
+    accelerator.register_for_checkpointing(averaged)
+    return averaged
+
+
+def batch_mix(mixup: float, cutmix: float, num_classes: int):
+    """torchvision's MixUp and/or CutMix (one of the two per batch when both are on); None when both are off."""
+    from torchvision.transforms import v2
+
+    mixes = ([v2.MixUp(alpha=mixup, num_classes=num_classes)] if mixup else []) + \
+            ([v2.CutMix(alpha=cutmix, num_classes=num_classes)] if cutmix else [])
+    return None if not mixes else mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+def mixed(mix, images: torch.Tensor, labels: torch.Tensor, gen: torch.Generator):
+    """``mix`` applied to a batch, its draws seeded from the batch's generator (torchvision draws from torch's
+    global generator: forked here, so the run's own stream is untouched and a resumed run draws the same)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(gen.initial_seed())  # the CPU one only (no lazy CUDA seeding)
+        return mix(images, labels)

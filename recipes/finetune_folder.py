@@ -1,0 +1,154 @@
+"""Fine-tune (or train from scratch) a torchvision model on a folder of your own photos, on 1 to N devices.
+
+Photos of any size and mode are read from their files per batch in DataLoader workers (common.photos): random
+resized crops and flips for training; for evaluation and predict the shorter side is resized and the centre
+cropped (never squashed). --image-size is the crop side. Nothing decoded is kept, so memory and disk do not grow
+with the data. --model is any torchvision classification model; --weights starts it from a state_dict file or
+torchvision's pretrained weights (DEFAULT), whose own normalisation and crop size are then used.
+
+    accelerate launch recipes/finetune_folder.py --dataset ~/photos                     # ResNet-18 from scratch
+    accelerate launch recipes/finetune_folder.py --dataset ~/photos --weights DEFAULT   # pretrained (downloads)
+    accelerate launch recipes/finetune_folder.py --dataset ~/photos --model resnet50 --weights ~/resnet50.pth
+    accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/finetune_folder.py \\
+        --dataset ~/photos --workers 8 --output-dir runs/photos --resume-from latest
+Every knob: python recipes/finetune_folder.py --help
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+
+import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
+from common import vision
+from common.augment import BatchTransform
+from common.config import CommonConfig, LRRule, knob, parse_config
+from common.metrics import evaluate
+from common.photos import load_photos, photo_loader, photo_stats
+from common.run import TrainingRun
+from common.schedule import build_scheduler
+
+RECIPE = "finetune_folder"
+
+
+@dataclass
+class Config(CommonConfig):
+    # --- yours to change: the defaults of a run ---
+    dataset: str = knob("", "a folder of photos: <dir>/<class>/<image>, optionally under train/ val/ test/ (README)")
+    model: str = knob("resnet18", "any torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, "
+                      "mobilenet_v3_large, vit_b_16, ...)")
+    weights: str = knob("", "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
+                        ".safetensors state_dict file; heads of another shape are skipped")
+    image_size: int = knob(112, "crop side in pixels (with --weights, the weights' own unless given)")
+    epochs: int = knob(16, "number of passes over the training split")
+    batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")
+    lr_rule = LRRule("linear", 128)
+    backbone_lr_scale: float = knob(0.1, "with --weights, the backbone learns at this times --lr (from scratch: 1)")
+    momentum: float = knob(0.9, "SGD momentum (Nesterov)", on_resume="apply")
+    weight_decay: float = knob(5e-5, "SGD weight decay")
+    warmup_fraction: float = knob(0.1, "fraction of optimizer steps spent warming the LR up linearly")
+    label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
+    min_crop_scale: float = knob(0.25, "smallest area share of a random resized crop (torchvision's default: 0.08)")
+    mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
+    cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")
+    ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
+                            "this decay per step, evaluated and saved instead of the weights (0 = off)")
+    workers: int = knob(-1, "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
+                        "cores less one, at most 8: none on a 2-core machine running 2 processes)",
+                        on_resume="free", eval_only="own")
+    channels_last: bool = knob(True, "channels_last memory format for the model and batches")
+
+
+def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
+    """The model this recipe trains; predict, export and --eval-only rebuild it from here (weights from files)."""
+    return vision.build(cfg.model, num_classes)
+
+
+def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int) -> torch.optim.Optimizer:
+    scale = cfg.backbone_lr_scale if cfg.weights else 1.0
+    return torch.optim.SGD(vision.param_groups(model, num_classes, cfg.lr, scale), lr=cfg.lr, momentum=cfg.momentum,
+                           nesterov=True, weight_decay=cfg.weight_decay)
+
+
+def main(argv=None) -> int:
+    cfg = parse_config(Config, argv, __doc__)
+    # Accelerator and run directory, then train(cfg, run); how it ended -> exit code, error paragraph, summary.json
+    return TrainingRun(cfg, RECIPE).execute(train)
+
+
+def train(cfg: Config, run: TrainingRun) -> None:
+    accelerator = run.accelerator
+    pretrained = vision.resolve(cfg.model, cfg.weights)
+    if pretrained.crop and "image_size" not in cfg.explicit:
+        cfg.image_size = pretrained.crop  # the weights' own crop (224 for torchvision's ImageNet weights)
+    # --- data ---
+    data = run.load_data(load_photos)  # file lists; decoded per batch in the loader's workers
+    mean, std = (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train)
+    transform = BatchTransform(mean, std, channels_last=cfg.channels_last)  # normalises on the device
+    train_loader, val_loader = photo_loader(cfg, accelerator, data.train, train=True), photo_loader(cfg, accelerator, data.val)
+    final_loader = photo_loader(cfg, accelerator, data.test) or val_loader
+
+    # --- model ---
+    set_seed(cfg.seed)
+    model = build_model(cfg, data.shape, data.num_classes)
+    if cfg.weights and not cfg.eval_only:
+        run.say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes))
+    model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+    optimizer = build_optimizer(cfg, model, data.num_classes)
+    model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, final_loader)
+    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
+    ema = vision.ema(accelerator, model, cfg.ema_decay)  # None when off; in every checkpoint when on
+    mix = vision.batch_mix(cfg.mixup, cfg.cutmix, data.num_classes)  # None when both are off
+    scored = ema.module if ema is not None else model  # the weights that are evaluated and saved
+
+    def validate(loader):
+        return evaluate(accelerator, scored, loader, transform, data.num_classes)
+
+    if cfg.eval_only:  # score the weights in --checkpoint on the test split (else validation)
+        run.load_weights(scored)
+        return run.report_eval_only(data, validate(final_loader))
+
+    # --- train: the loop is yours to change ---
+    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
+    for epoch in run.epochs():
+        model.train()
+        for images, labels in run.batches(train_loader):  # resumes mid-epoch where the checkpoint left off
+            with accelerator.accumulate(model):
+                gen = run.augment_generator()  # seeded by (seed, epoch, step, rank): exact resume
+                x = transform.train(images, gen)  # the crops and flips were drawn in the loader's workers
+                if mix is not None:  # MixUp / CutMix: mixed images, soft targets
+                    x, labels = vision.mixed(mix, x, labels, gen)
+                logits = model(x)
+                loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
+                accelerator.backward(loss)
+                run.track_loss(loss)  # summed on the device: no sync
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) \
+                        if cfg.max_grad_norm else None
+                    run.guard_step(grad_norm)  # one all-reduce, no sync: a NaN loss or a stop signal stops all
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if accelerator.sync_gradients:
+                if run.step_was_taken():  # False when fp16 loss scaling skipped the step
+                    scheduler.step()
+                    if ema is not None:
+                        ema.update_parameters(accelerator.unwrap_model(model))
+                run.end_step()  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
+            if run.eval_due():  # at --eval-every-steps; never twice for the same weights
+                run.record_eval(validate(val_loader), scored)
+        if run.eval_due():  # --- eval and checkpoint: every --eval-every epochs and the last
+            run.record_eval(validate(val_loader), scored)  # keeps the best --monitor value in best/
+        run.end_epoch()
+
+    run.finish(scored, validate(final_loader))  # final/ weights, summary.json, target check
+
+
+if __name__ == "__main__":
+    sys.exit(main())

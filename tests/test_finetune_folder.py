@@ -1,0 +1,124 @@
+"""The photo recipe (recipes/finetune_folder.py) on a tiny folder of photos of mixed sizes and modes: it trains,
+resumes exactly (also with decoding moved into a worker process), predicts and exports photos of any size, scores
+--eval-only, starts from a weights file with another head, and follows the LR rule. The reference runs of conftest
+(1 process in this process, 2 real gloo processes) are shared with the pinned-loss test."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from conftest import check_ok, read_jsonl, run_in_process, stopped_at
+from common import vision
+from common.errors import ConfigError
+
+
+def test_trains_on_photos_of_any_size_and_mode_at_1_and_2_processes(reference_run):
+    for nproc in (1, 2):
+        ref = reference_run("finetune_folder", nproc)
+        summary = json.loads((ref.run / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["processes"] == nproc
+        assert summary["final"]["test/count"] == 24  # every test photo counted once, at 2 processes too
+        assert "processes=%d" % nproc in ref.proc.stdout and "train=162 val=18 test=24" in ref.proc.stdout
+    card = json.loads((ref.run / "final" / "model.json").read_text())
+    assert card["preprocess"] == {"resize_shorter": 37, "center_crop": 32} and card["input_shape"] == [3, 32, 32]
+    assert card["class_names"] == ["ant", "bee", "wasp"]
+
+
+def test_resumes_exactly_with_decoding_in_a_worker_process(reference_run, tmp_path, env):
+    """Stopped at step 3 (of 20), resumed with --workers 1 instead of 0: the same per-step losses and weights,
+    bit for bit: each photo's crop and flip are drawn from (seed, epoch, image), not from the process's RNG."""
+    ref = reference_run("finetune_folder", 1)
+    run = stopped_at(ref.run, 3, tmp_path / "run")
+    args = [*ref.train_args, "--output-dir", run, "--resume-from", "latest"]
+    args[args.index("--workers") + 1] = "1"
+    proc = check_ok(run_in_process("finetune_folder", args, env))
+    assert "resumed from" in proc.stdout
+    losses = lambda r: [(x["step"], x["train/loss"]) for x in read_jsonl(r / "metrics.jsonl") if "train/loss" in x]
+    assert losses(run) == losses(ref.run)
+    a, b = load_file(str(run / "final" / "model.safetensors")), load_file(str(ref.run / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_predict_export_and_eval_only_take_photos_of_any_size(reference_run, tmp_path, env, capsys):
+    from common.tools import export, predict
+
+    ref = reference_run("finetune_folder", 1)
+    photos = tmp_path / "new"
+    photos.mkdir()
+    Image.new("RGB", (300, 120), (200, 30, 30)).save(photos / "wide.jpg")
+    Image.new("L", (50, 140), 90).save(photos / "tall_grey.png")
+    Image.new("RGBA", (64, 64), (0, 0, 255, 128)).save(photos / "rgba.png")
+    assert predict.main([str(ref.run / "final"), str(photos), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    results = json.loads(out)["results"]
+    assert len(results) == 3 and "were resized" not in err
+    assert all(r["predictions"][0]["label"] in ("ant", "bee", "wasp") for r in results)
+    # predict's view of a photo is the run's evaluation view: the shorter side resized, the centre cropped
+    from common.photos import eval_view, read_rgb
+
+    view, _ = predict.load_image(photos / "wide.jpg", (3, 32, 32), {"resize_shorter": 37, "center_crop": 32})
+    assert torch.equal(view, eval_view(read_rgb(str(photos / "wide.jpg"), 37), 32))
+    assert export.main([str(ref.run / "final"), "--onnx", str(tmp_path / "m.onnx")]) == 0  # checked against torch
+    out, _ = capsys.readouterr()
+    assert "resize the shorter side to 37" in out
+    ev = check_ok(run_in_process("finetune_folder", ["--eval-only", "--checkpoint", ref.run / "final"], env))
+    assert "eval-only: test accuracy" in ev.stdout
+    assert json.loads((ref.run / "final" / "eval-test.json").read_text())["count"] == 24
+
+
+def test_a_weights_file_with_a_1000_class_head_loads_into_a_3_class_model(tmp_path, photos_like, env):
+    import torchvision
+
+    imagenet_like = torchvision.models.resnet18(num_classes=1000)
+    torch.save(imagenet_like.state_dict(), tmp_path / "resnet18.pth")
+    model = vision.build("resnet18", 3)
+    line = vision.load_pretrained(model, str(tmp_path / "resnet18.pth"), "resnet18", 3)
+    assert "skipped the head of another shape" in line and "fc.weight (1000, 512) -> (3, 512)" in line
+    assert torch.equal(model.conv1.weight, imagenet_like.conv1.weight)
+    assert model.fc.weight.shape == (3, 512)
+    # through the recipe: the backbone learns at --backbone-lr-scale x the head's LR, the weights' own crop
+    proc = check_ok(run_in_process("finetune_folder", [
+        "--dataset", photos_like, "--weights", tmp_path / "resnet18.pth", "--max-steps", 1, "--batch-size", 16,
+        "--workers", 0, "--output-dir", tmp_path / "run"], env))
+    assert "skipped the head of another shape" in proc.stdout and "train=162" in proc.stdout
+    assert json.loads((tmp_path / "run" / "final" / "model.json").read_text())["input_shape"] == [3, 224, 224]
+
+
+def test_weights_that_do_not_fit_or_cannot_be_fetched_are_one_paragraph(tmp_path, monkeypatch):
+    torch.save(vision.build("mobilenet_v3_small", 1000).state_dict(), tmp_path / "other.pth")
+    with pytest.raises(ConfigError, match="don't fit --model resnet18"):
+        vision.load_pretrained(vision.build("resnet18", 3), str(tmp_path / "other.pth"), "resnet18", 3)
+    (tmp_path / "junk.pth").write_bytes(b"not a state dict")
+    with pytest.raises(ConfigError, match="Could not read the weights file"):
+        vision.load_pretrained(vision.build("resnet18", 3), str(tmp_path / "junk.pth"), "resnet18", 3)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
+    for var in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):  # nothing listens there: offline
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    with pytest.raises(ConfigError, match="probably offline") as err:
+        vision.load_pretrained(vision.build("resnet18", 3), "DEFAULT", "resnet18", 3)
+    assert "resnet18-f37072fd.pth" in str(err.value) and "--weights /path/to/" in str(err.value)
+    with pytest.raises(ConfigError, match="not a torchvision classification model"):
+        vision.build("resnet_18", 3)
+
+
+def test_a_changed_batch_scales_the_lr_linearly(tmp_path, photos_like, env):
+    proc = check_ok(run_in_process("finetune_folder", [
+        "--dataset", photos_like, "--batch-size", 16, "--image-size", 32, "--max-steps", 1, "--workers", 0,
+        "--output-dir", tmp_path / "run"], env))
+    assert "lr=0.025 (0.2 x 16/128, linear rule)" in proc.stdout
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == pytest.approx(0.025)
+
+
+def test_copy_recipe_copies_the_photo_recipe(tmp_path, capsys):
+    from common.tools import copy_recipe
+
+    assert copy_recipe.main(["finetune_folder", str(tmp_path / "my_photos.py")]) == 0
+    text = (tmp_path / "my_photos.py").read_text()
+    assert 'RECIPE = "my_photos"' in text and "run.batches(train_loader)" in text
+    shutil.rmtree(tmp_path)
