@@ -82,6 +82,9 @@ def make_net(classes: int) -> nn.Sequential:
     w1, w2, w3 = HYP["widths"]
     whiten = nn.Conv2d(3, 2 * 3 * 2 * 2, kernel_size=2, padding=0, bias=True)
     whiten.weight.requires_grad = False
+    # The record's code zeroes every conv bias at init (its Conv.reset_parameters), this one included: torch's
+    # random init would start the whitened channels off-centre before GELU, a difference from the method.
+    nn.init.zeros_(whiten.bias)
     return nn.Sequential(whiten, nn.GELU(), ConvGroup(24, w1), ConvGroup(w1, w2), ConvGroup(w2, w3), Head(w3, classes))
 
 

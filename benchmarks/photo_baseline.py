@@ -121,6 +121,7 @@ def parse(argv=None):
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (each rank its LOCAL_RANK's GPU)")
     return p.parse_args(argv)
 
 
@@ -140,7 +141,8 @@ def main(argv=None) -> int:
     except DataError as err:
         bad(str(err))
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if args.device == "cuda" else "cpu")
     torch.set_num_threads(args.threads)
     lr = args.lr if args.lr is not None else 0.1 * args.batch_size / 64
     to_tensor = [T.ToTensor(), T.Normalize(MEAN, STD)]
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
     val_ds = Files(val_files[rank::world], val_labels[rank::world], eval_tf)  # no padding: each image counted once
     sampler = torch.utils.data.DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     per_rank = args.batch_size // world
-    train_loader = torch.utils.data.DataLoader(train_ds, per_rank, sampler=sampler, num_workers=args.workers)
+    train_loader = torch.utils.data.DataLoader(train_ds, per_rank, sampler=sampler, num_workers=args.workers,
+                                               pin_memory=args.device == "cuda")
     val_loader = torch.utils.data.DataLoader(val_ds, per_rank, num_workers=args.workers)
     print(f"rank {rank} of world size {world}: {len(sampler)} training images per epoch, {len(val_ds)} validation "
           f"images, {torch.get_num_threads()} threads", flush=True)
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
               f"{len(classes)} classes; {args.model}, batch {args.batch_size}, lr {lr:g}", flush=True)
 
     torch.manual_seed(args.seed)
-    model = torchvision.models.get_model(args.model, weights=None, num_classes=len(classes))
+    model = torchvision.models.get_model(args.model, weights=None, num_classes=len(classes)).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
         scheduler = sched.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
     def reduced(*values) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=device if args.device == "cuda" else "cpu")
         if world > 1:
             dist.all_reduce(t)
         return t.tolist()
@@ -185,6 +188,7 @@ def main(argv=None) -> int:
         epoch_lr = optimizer.param_groups[0]["lr"]
         loss_sum = seen = 0.0
         for images, labels in train_loader:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
             loss = criterion(ddp(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -198,6 +202,7 @@ def main(argv=None) -> int:
         correct = count = 0
         with torch.inference_mode():
             for images, labels in val_loader:
+                images, labels = images.to(device), labels.to(device)
                 correct += (model(images).argmax(1) == labels).sum().item()
                 count += len(labels)
         correct, count = reduced(correct, count)
