@@ -90,7 +90,13 @@ def main(argv=None) -> int:
                          "precision": summary.get("precision"), "run_dir_mb": round(folder_mb(run), 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {**provenance("photos", argv, None, load), "data": str(args.data), "nproc": args.nproc,
+    write_report(args, cfg, rows, load, argv)
+    return 0
+
+
+def write_report(args, cfg, rows: list[dict], load, argv=None) -> None:
+    """The markdown table (printed) and the JSON file of a finished set of rows."""
+    report = {**provenance("photos", argv, "cpu", load), "data": str(args.data), "nproc": args.nproc,
               "settings": {"model": cfg.model, "epochs": cfg.epochs, "crop": cfg.image_size,
                            "batch": cfg.batch_size, "val_fraction": args.val_fraction}, "rows": rows}
     lines = [machine_line(report["machine"]),
@@ -109,7 +115,6 @@ def main(argv=None) -> int:
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
     args.out_json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {args.out_json}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -100,6 +100,10 @@ def test_weights_that_do_not_fit_or_cannot_be_fetched_are_one_paragraph(tmp_path
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch-home"))
     for var in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):  # nothing listens there: offline
         monkeypatch.setenv(var, "http://127.0.0.1:9")
+    import urllib.request
+
+    # urllib builds its default opener (and reads the proxies) once: this test's goes when the test ends
+    monkeypatch.setattr(urllib.request, "_opener", None)
     with pytest.raises(ConfigError, match="probably offline") as err:
         vision.load_pretrained(vision.build("resnet18", 3), "DEFAULT", "resnet18", 3)
     assert "resnet18-f37072fd.pth" in str(err.value) and "--weights /path/to/" in str(err.value)
@@ -122,3 +126,21 @@ def test_copy_recipe_copies_the_photo_recipe(tmp_path, capsys):
     text = (tmp_path / "my_photos.py").read_text()
     assert 'RECIPE = "my_photos"' in text and "run.batches(train_loader)" in text
     shutil.rmtree(tmp_path)
+
+
+def test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved(tmp_path, photos_like, env):
+    """torchvision's MixUp/CutMix and torch's AveragedModel through the recipe: the weights saved in final/ are the
+    average's (not the live model's), and it is in the checkpoint (a resume restores it)."""
+    run = tmp_path / "run"
+    args = ["--dataset", photos_like, "--image-size", 32, "--batch-size", 16, "--epochs", 1, "--workers", 0,
+            "--mixup", 0.2, "--cutmix", 1.0, "--ema-decay", 0.5, "--output-dir", run]
+    check_ok(run_in_process("finetune_folder", args, env))
+    final = load_file(str(run / "final" / "model.safetensors"))
+    checkpoint = next((run / "checkpoints").glob("step-*"))
+    live, averaged = load_file(str(checkpoint / "model.safetensors")), load_file(str(checkpoint / "ema.safetensors"))
+    assert not torch.equal(final["conv1.weight"], live["conv1.weight"])  # the average, not the live weights
+    assert torch.equal(averaged["module.conv1.weight"], final["conv1.weight"])
+    assert not list(checkpoint.glob("custom_checkpoint_*"))  # no pickle
+    resumed = check_ok(run_in_process("finetune_folder", [*args[:-2], "--epochs", 2, "--output-dir", run,
+                                                          "--resume-from", "latest"], env))
+    assert "resumed from" in resumed.stdout
