@@ -257,7 +257,7 @@ def raw_step(module, cfg, shape, device, stream, transform, rank: int = 0, world
     both on every step and read at once. The recipe measures the norm at log steps only and reads the guard a step
     late, so this loop pays a little more than the recipe does: overheads against it lean in the recipe's favour."""
     model = new_model(module, cfg, shape, device)
-    optimizer = module.build_optimizer(cfg, model, device)
+    optimizer = module.build_optimizer(cfg, model)
     if world > 1:
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     zero = torch.zeros((), device=device)
@@ -294,7 +294,7 @@ class Bench:
         missing = [n for n in ("Config", "build_model", "build_optimizer", "main") if not hasattr(self.module, n)]
         if missing:
             bad_input(f"{args.recipe_path} has no {', '.join(missing)}: the benchmark uses the recipe's Config, "
-                      "build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, model, device).")
+                      "build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, model).")
         try:
             self.cfg = cfg = recipe_config(args.recipe_path, args.recipe_argv)
         except SystemExit:

@@ -44,7 +44,7 @@ def pure_step(bench, x, y, bf16=False, channels_last=None, compile_backend=None)
     """The compute bound: the recipe's model and optimizer over ONE pre-built batch."""
     cfg, device = bench.cfg, bench.device
     model = harness.new_model(bench.module, cfg, bench.shape, device, channels_last)
-    optimizer = bench.module.build_optimizer(cfg, model, device)
+    optimizer = bench.module.build_optimizer(cfg, model)
     cl = channels_last if channels_last is not None else getattr(cfg, "channels_last", False)
     x = x.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
     forward = torch.compile(model, backend=compile_backend) if compile_backend else model

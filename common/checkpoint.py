@@ -15,6 +15,7 @@ trainer_state.json, never parsed from folder names.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import fields_with
+from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH
 from common.errors import RecipeError
 from common.files import fsync_dir as _fsync_dir
 from common.files import fsync_file as _fsync_file
@@ -157,7 +158,7 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
             return []
     explicit = getattr(cfg, "explicit", set())
     refused, taken = [], []
-    for key, why in ((name, meta["why"]) for name, meta in fields_with(cfg, on_resume="keep").items()):
+    for key, why in RESUME_MUST_MATCH.items():
         if key not in saved or getattr(cfg, key) == saved[key]:
             continue
         flag = "--" + key.replace("_", "-")
@@ -188,7 +189,8 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
             f"{cfg.batch_size}. The data position would be wrong; resume with --batch-size {state['global_batch']} "
             "(the per-process batch adapts to the number of processes).")
     notes = []
-    noted = fields_with(cfg, on_resume="note")  # "keep" ones were settled before; "free" and "apply" need no note
+    # the must-match ones were settled before; the applied and the free ones need no note
+    noted = {f.name for f in dataclasses.fields(cfg)} - set(RESUME_MUST_MATCH) - RESUME_APPLIED - RESUME_FREE
     changed = {k: (v, getattr(cfg, k)) for k, v in state["config"].items() if k in noted and getattr(cfg, k) != v}
     if changed:
         notes.append(f"resuming with changed settings {changed}; the result will differ from the original run.")
@@ -240,7 +242,7 @@ def verify_files(path: Path) -> None:
 
 def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[str]:
     """After ``load_state`` restored the checkpoint's optimizer and scheduler: put back the optimizer
-    hyperparameters this command line asked for (the config fields marked ``on_resume="apply"``, e.g. the
+    hyperparameters this command line asked for (``common.config.RESUME_APPLIED``, e.g. the
     learning rate, weight decay, momentum; ``fresh``: the param groups' values before loading), keeping the
     schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
     def show(value):
@@ -249,7 +251,7 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[
     changes = []
     scheduler = getattr(scheduler, "scheduler", scheduler)  # the LambdaLR inside Accelerate's wrapper
     for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
-        for key in fields_with(cfg, on_resume="apply"):
+        for key in RESUME_APPLIED & {f.name for f in dataclasses.fields(cfg)}:
             if key == "lr":
                 old, new = group.get("initial_lr", group["lr"]), want.get("initial_lr", want["lr"])
                 if old != new:

@@ -19,38 +19,36 @@ from pathlib import Path
 from common.errors import EXIT_BAD_INPUT, ConfigError, printable
 
 
-def knob(default, help: str, choices=None, *, on_resume: str = "note", why: str = "", eval_only: str = "run",
-         decides_split: bool = False):
-    """A config field with its help text (and optional choices) for the CLI, and the rules that concern it:
-
-    ``on_resume``: what resuming does when this command line gives another value than the checkpoint's.
-      ``"note"`` accepts it and says the result will differ from the original run; ``"free"`` accepts it
-      without a word (it changes how the run is watched or stored, not what it computes); ``"apply"`` puts it
-      over the optimizer state the checkpoint restores, and prints it (an optimizer hyperparameter);
-      ``"keep"`` takes the checkpoint's value when the flag is not given and refuses another (``why`` says why).
-    ``eval_only``: ``"run"`` means --eval-only takes the value from the run's config.json, ``"own"`` from
-      this command line.
-    ``decides_split``: it decides which training images are held out for validation, so --eval-only refuses
-      another value (it would score images the model trained on)."""
-    assert on_resume in ("note", "free", "apply", "keep") and (on_resume != "keep" or why), on_resume
-    meta = {"help": help, "on_resume": on_resume, "why": why, "eval_only": eval_only, "decides_split": decides_split}
+def knob(default, help: str, choices=None):
+    """A config field with its help text (and optional choices) for the command line. What a resume and
+    --eval-only do with it is in the tables below (``RESUME``, ``EVAL_OWN``), by name."""
+    meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
     return field(default=default, metadata=meta)
 
 
-RULE_DEFAULTS = {"on_resume": "note", "why": "", "eval_only": "run", "decides_split": False}
-
-
-def fields_with(cfg, **rule) -> dict[str, dict]:
-    """The fields of a config (class or instance) whose rules match, e.g. ``fields_with(cfg, on_resume="keep")``:
-    name -> metadata. A field of ``CommonConfig`` keeps the rules declared there when a recipe redeclares it
-    to change its default (the rules are about what the field means); a field declared without ``knob`` has
-    the default rules."""
-    shared = {f.name: f.metadata for f in dataclasses.fields(CommonConfig)}
-    found = {f.name: shared.get(f.name, f.metadata) for f in dataclasses.fields(cfg)}
-    return {name: meta for name, meta in found.items()
-            if all(meta.get(k, RULE_DEFAULTS[k]) == v for k, v in rule.items())}
+# --- what a resume and --eval-only do with each setting: the one place that says it ----------------------
+# A resume given a value other than the checkpoint's. A field named in no set (a recipe's model or augmentation
+# settings, for instance) is accepted, with a note that the result will differ from the original run.
+RESUME_MUST_MATCH = {  # taken from the checkpoint when not given; another value is refused, for this reason
+    "dataset": "the checkpoint was trained on that data",
+    "val_fraction": "it chose the images held out for validation",
+    "seed": "it chose the images held out for validation and the order of the data",
+    "grad_accum": "the saved data position counts its micro-batches",
+}
+RESUME_APPLIED = {"lr", "weight_decay", "momentum", "betas"}  # put over the restored optimizer state, and printed
+RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: accepted without a word
+    "epochs",  # the resume notes the new LR curve itself
+    "cache_dir", "data_on_device", "workers", "eval_batch_size", "max_steps", "eval_every", "eval_every_steps",
+    "target_accuracy", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints", "log_every",
+    "progress_every_s", "report_to", "profile", "timeout_s",
+}
+# --eval-only takes every setting from the run's config.json except these, which are this command line's own;
+# of those it takes, a given value that differs is refused when it decides the held-out split.
+EVAL_OWN = {"cache_dir", "data_on_device", "workers", "eval_batch_size", "target_accuracy", "eval_only", "checkpoint",
+            "output_dir", "resume_from", "report_to", "profile", "timeout_s"}
+DECIDES_SPLIT = {"val_fraction", "seed"}
 
 
 @dataclass(frozen=True)
@@ -140,67 +138,56 @@ class CommonConfig:
     """The knobs every recipe shares. A recipe subclasses this and changes defaults or adds fields."""
 
     # --- data ---
-    dataset: str = knob("", DATASET_HELP, on_resume="keep", why="the checkpoint was trained on that data")
+    dataset: str = knob("", DATASET_HELP)
     image_column: str = knob("", "image column name ('' = detect: image, img)")
     label_column: str = knob("", "label column name ('' = detect: label, labels)")
-    val_fraction: float = knob(0.1, "fraction of train held out for validation when the dataset has no validation split",
-                                on_resume="keep", why="it chose the images held out for validation", decides_split=True)
+    val_fraction: float = knob(0.1, "fraction of train held out for validation when the dataset has no validation split")
     image_size: int = knob(0, "resize images to this square size (0 = keep; all images must then share one size)")
     channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = RGB if any image is in "
                             "colour, else grayscale)")
-    cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)",
-                           on_resume="free", eval_only="own")
-    data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory",
-                                 on_resume="free", eval_only="own")
+    cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)")
+    data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory "
+                                "(unless given: on a GPU when it takes under a quarter of the free memory)")
     # --- train ---
-    epochs: int = knob(2, "number of passes over the training split", on_resume="free")  # resume notes the new LR curve
+    epochs: int = knob(2, "number of passes over the training split")  # resume notes the new LR curve
     batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps")
-    eval_batch_size: int = knob(1000, "global batch size for evaluation", on_resume="free", eval_only="own")
-    lr: float = knob(1e-3, "peak learning rate", on_resume="apply")
+    eval_batch_size: int = knob(1000, "global batch size for evaluation")
+    lr: float = knob(1e-3, "peak learning rate")
     lr_rule = None  # how the default --lr follows --batch-size: a recipe's LRRule; None keeps it at every batch
-    weight_decay: float = knob(0.0, "weight decay", on_resume="apply")
+    weight_decay: float = knob(0.0, "weight decay")
     warmup_fraction: float = knob(0.0, "fraction of optimizer steps spent warming the LR up linearly from 0")
     warmup_start: float = knob(0.0, "LR multiplier the warm-up starts from (it rises linearly to 1)")
     schedule: str = knob("cosine", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
     final_lr: float = knob(0.0, "LR multiplier the schedule ends at (cosine and linear)")
-    grad_accum: int = knob(1, "gradient accumulation steps per optimizer step", on_resume="keep",
-                          why="the saved data position counts its micro-batches")
+    grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
-    seed: int = knob(42, "seed for weights, data order, held-out split and augmentation", on_resume="keep",
-                    why="it chose the images held out for validation and the order of the data", decides_split=True)
+    seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
     max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
-                         "is still planned for all epochs, so a stopped run can be resumed exactly", on_resume="free")
+                         "is still planned for all epochs, so a stopped run can be resumed exactly")
     # --- eval ---
-    eval_every: int = knob(1, "evaluate on the validation split every N epochs", on_resume="free")
-    eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)",
-                                 on_resume="free")
-    target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99",
-                                  on_resume="free", eval_only="own")
-    eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split", eval_only="own")
-    checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates",
-                           eval_only="own")
+    eval_every: int = knob(1, "evaluate on the validation split every N epochs")
+    eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)")
+    target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99")
+    eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split")
+    checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates")
     # --- checkpoint ---
-    output_dir: str = knob("", "run directory ('' = runs/<recipe>-<timestamp>)", on_resume="free", eval_only="own")
-    resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path",
-                            on_resume="free", eval_only="own")
-    checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)", on_resume="free")
-    keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)",
-                                 on_resume="free")
+    output_dir: str = knob("", "run directory ('' = runs/<recipe>-<timestamp>)")
+    resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path")
+    checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)")
+    keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)")
     monitor: str = knob("eval/accuracy", "metric that decides the best model kept in best/",
                         choices=list(MONITOR_MODES))
     mode: str = knob("auto", "whether a larger or smaller --monitor value is better (auto: accuracy max, loss min)",
                      choices=["auto", "max", "min"])
     # --- logging ---
-    log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps", on_resume="free")
+    log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
     progress_every_s: float = knob(30.0, "when output is not a terminal (nohup, SLURM), print a progress line this "
-                                   "often, in seconds (0 = at every --log-every step)", on_resume="free")
+                                   "often, in seconds (0 = at every --log-every step)")
     report_to: str = knob("tensorboard", "where the metrics go besides <run dir>/metrics.jsonl: Accelerate trackers, "
                           "comma-separated (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, "
-                          "trackio), 'all' (every one installed) or 'none'", on_resume="free", eval_only="own")
-    profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)",
-                        on_resume="free", eval_only="own")
-    timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging",
-                          on_resume="free", eval_only="own")
+                          "trackio), 'all' (every one installed) or 'none'")
+    profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
+    timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
 
 _BOOL_TRUE = {"1", "true", "yes", "on"}

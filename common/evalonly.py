@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from common import checkpoint as ckpt
-from common.config import fields_with
+from common.config import DECIDES_SPLIT, EVAL_OWN
 from common.errors import RecipeError, printable
 
 
@@ -24,13 +24,12 @@ def adopt_run_config(cfg, say) -> str:
         return note
     recorded = json.loads(found.read_text())
     explicit = getattr(cfg, "explicit", set())
-    from_run, decides_split = fields_with(cfg, eval_only="run"), fields_with(cfg, decides_split=True)
     for key, value in recorded.items():
-        if key not in from_run:  # the field's eval_only rule (common.config.knob): this command line's own
+        if key in EVAL_OWN or not hasattr(cfg, key):  # this command line's own (common.config.EVAL_OWN)
             continue
         mine = getattr(cfg, key)
         if key in explicit and mine != value:
-            if key in decides_split:
+            if key in DECIDES_SPLIT:
                 raise RecipeError(
                     f"--{key.replace('_', '-')} {mine} differs from the run's {value} ({found}), which chose the images "
                     "held out of train for validation: evaluating with it would score images the model trained "

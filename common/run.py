@@ -5,23 +5,20 @@ A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
     def train(cfg, run):                          # called by TrainingRun(cfg, RECIPE).execute(train)
         data = run.load_data()
         ...build loaders, model, optimizer; accelerator.prepare(...); scheduler...
-        run.start(model, optimizer, scheduler, train_loader, data, transform)   # fresh or resumed
-        for epoch in run.epochs():
-            for images, labels in run.batches(train_loader):
-                ...forward, loss, accelerator.backward...
-                run.track_loss(loss)                   # no device sync
-                if accelerator.sync_gradients:
-                    run.guard_step()                   # the one collective of a step; no sync
-                ...optimizer.step()...
-                if accelerator.sync_gradients:
-                    if run.step_was_taken(): scheduler.step()
-                    run.end_step()                     # log, checkpoint, preemption, --max-steps
-                if run.eval_due():                     # --eval-every-steps
-                    run.record_eval(evaluate(...), model)
-            if run.eval_due():                         # epoch end; never the same weights twice
-                run.record_eval(evaluate(...), model)  # keeps best/
-            run.end_epoch()                            # checkpoint
-        run.finish(model, evaluate(...))               # final/ weights, summary.json, target check
+        run.start(model, optimizer, scheduler, train_loader, data, transform,   # fresh or resumed
+                  evaluate=lambda: validate(val_loader))                          # called when due
+        for epoch in run.epochs():                 # each epoch's end: evaluation, epoch line, checkpoint
+            for images, labels in run.batches(train_loader):   # after each step: scheduler, log, checkpoint,
+                ...forward, loss...                            # stop, --eval-every-steps evaluation
+                accelerator.backward(loss)
+                run.step(loss)                     # loss sums, clipping, the guard's all-reduce; no sync
+                optimizer.step(); optimizer.zero_grad()
+        run.finish(validate(final_loader))         # final/ weights, summary.json, target check
+
+The loop holds the training math and five calls; when to evaluate, checkpoint-after-evaluation, best/ and the
+epoch end are the run's, so none can be forgotten or misordered. Leaving out ``run.step`` stops the run at its
+first batch, saying so. (The finer calls the run makes itself, ``track_loss``, ``guard_step``, ``end_step``,
+``eval_due``, ``record_eval`` and ``end_epoch``, remain for loops written before ``evaluate=``.)
 
 What each call promises:
 
@@ -62,7 +59,7 @@ from common.accelerator import make_accelerator, startup_line
 from common.augment import batch_generator
 from common import evalonly, resume, summary
 from common.config import sanitize_for_hparams
-from common.data import data_fingerprint, load_image_data, split_loader
+from common.data import data_fingerprint, load_image_data, place_on_device, split_loader
 from common.errors import EXIT_OK, EXIT_TARGET_MISSED, Preempted, RecipeError, report
 from common.guard import StepChecks, unclipped_grad_norm
 from common.profiler import StepProfiler
@@ -79,6 +76,7 @@ class TrainingRun:
         self.run_dir, self.resume_path, self.lock, self.made_dir, self.started = None, None, None, False, False
         self.log, self.profiler, self.progress = None, None, None
         self.epoch, self.global_step, self.validation, self.checks = 0, 0, None, None
+        self.evaluate, self.after_step, self.scored, self.stepped = None, None, None, False  # run.start() sets them
         self.t_start, self.train_start = time.time(), None
         # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
         self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
@@ -148,6 +146,9 @@ class TrainingRun:
         self.stop.interruptible(None)
         if data.note:
             self.say(f"data {data.source}: {data.note}")
+        if reader is load_image_data:
+            placed = place_on_device(self.cfg, self.accelerator, data)
+            self.note = "; ".join(n for n in (self.note, placed) if n)
         self.data = data
         return data
 
@@ -158,9 +159,17 @@ class TrainingRun:
 
     # --- resume or fresh start -------------------------------------------------------------------
 
-    def start(self, model, optimizer, scheduler, train_loader, data, transform) -> None:
+    def start(self, model, optimizer, scheduler, train_loader, data, transform, evaluate=None, after_step=None,
+              scored=None) -> None:
+        """Fresh, or resumed exactly from the newest complete checkpoint. ``evaluate``: a function returning the
+        validation metrics (``common.metrics.evaluate``), called by the run when an evaluation is due (at
+        --eval-every-steps, at the epoch ends --eval-every chooses, at the last); ``after_step``: called after each
+        optimizer step that was taken, after the scheduler's step (a weight average's update); ``scored``: the
+        module evaluated and saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
         cfg, acc = self.cfg, self.accelerator
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
+        self.evaluate, self.after_step, self.scored = evaluate, after_step, model if scored is None else scored
+        self.stepped = False  # run.step() seen since the last batch
         self.data, self.transform = data, transform
         self.steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
         self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
@@ -177,7 +186,8 @@ class TrainingRun:
         self.log = MetricsLog(acc, self.run_dir, self.global_step if self.resume_path is not None else None,
                               self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg)))
         self.profiler = StepProfiler(acc, cfg.profile, self.run_dir)
-        self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s)
+        self.progress = Progress(acc, self.total_steps, cfg.epochs, cfg.progress_every_s, cfg.eval_every,
+                                 cfg.eval_every_steps)
         self.meter = Throughput(acc.device)
         self.step_lr, self.epoch_open, self.in_epoch = None, False, False
         self.say(startup_line(acc, cfg, self.steps_per_epoch, self.note))
@@ -203,10 +213,15 @@ class TrainingRun:
                 self.train_loader.dataset.set_epoch(self.epoch)
             self.epoch_t0, self.validation.epoch_result = time.time(), None
             yield self.epoch
+            if self.epoch_open and self.evaluate is not None:  # the epoch's end: its evaluation, its line, a checkpoint
+                if self.eval_due():
+                    self.record_eval(self.evaluate(), self.scored)
+                self.end_epoch()
             if self.epoch_open:
                 raise RecipeError(f"The recipe's loop did not call run.end_epoch() at the end of epoch {started + 1}: "
                                   "the epoch was neither checkpointed nor counted, and the next one would repeat its "
-                                  "data order. Call run.end_epoch() as the last line of the epoch loop.")
+                                  "data order. Pass run.start(..., evaluate=...) and the run ends each epoch itself, or "
+                                  "call run.end_epoch() as the last line of the epoch loop.")
         # the final evaluation follows; the last checkpoint holds everything trained, so a stop ends it at once
         self.stop.interruptible("running the final evaluation")
 
@@ -226,6 +241,8 @@ class TrainingRun:
         for images, labels in self.progress.wrap(batches, self.epoch, first, total):
             self.meter.add(labels.shape[0] * self.accelerator.num_processes, time.perf_counter() - t_wait)
             yield images, labels
+            if self.evaluate is not None:  # the loop's body is done: this batch's bookkeeping
+                self._after_batch()
             self.consumed = self.batch = self.batch + 1
             if self.done:
                 break
@@ -236,6 +253,35 @@ class TrainingRun:
             raise RecipeError("The recipe's loop did not call run.end_step() after its optimizer steps: nothing was "
                               "counted, logged or checkpointed. Call run.end_step() after each optimizer step "
                               "(inside `if accelerator.sync_gradients:`).")
+
+    def step(self, loss: torch.Tensor) -> None:
+        """After ``accelerator.backward(loss)``, before ``optimizer.step()``: the loss added to the step's sums,
+        and at an optimizer step (``accelerator.sync_gradients``) the gradients clipped (--max-grad-norm) and the
+        guard's one small all-reduce (``guard_step``). No device sync. What follows the optimizer step (scheduler,
+        logging, checkpoints, evaluation) the run does when the loop asks for the next batch."""
+        self.track_loss(loss)
+        self.stepped = True
+        if self.accelerator.sync_gradients:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm) \
+                if self.cfg.max_grad_norm else None
+            self.guard_step(grad_norm)
+
+    def _after_batch(self) -> None:
+        """After the loop's body for a batch: the scheduler and ``after_step`` (when the step was taken), logging,
+        checkpoints and stopping (``end_step``), and an evaluation when one is due."""
+        if not self.stepped:
+            raise RecipeError("The recipe's loop did not call run.step(loss) after accelerator.backward(loss): nothing "
+                              "would be logged, checkpointed or guarded (a NaN loss or a stop signal would go unseen). "
+                              "Call run.step(loss) between accelerator.backward(loss) and optimizer.step().")
+        self.stepped = False
+        if self.accelerator.sync_gradients:
+            if self.step_was_taken():  # False when fp16 loss scaling skipped the step
+                self.scheduler.step()
+                if self.after_step is not None:
+                    self.after_step()
+            self.end_step()
+        if self.eval_due():  # at --eval-every-steps; never twice for the same weights
+            self.record_eval(self.evaluate(), self.scored)
 
     def augment_generator(self) -> torch.Generator:
         """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
@@ -330,6 +376,7 @@ class TrainingRun:
     def record_eval(self, metrics: dict, model) -> None:
         """Log a validation result (scalars, per-class accuracy, confusion matrix, misclassified images)
         and keep the model in best/ when --monitor improved."""
+        self.progress.note_eval(metrics.get("seconds") if metrics else None)
         self.validation.record(metrics, model)
 
     def end_epoch(self) -> None:
@@ -338,6 +385,9 @@ class TrainingRun:
         self.epoch_open = False
         finished = self.consumed == len(self.train_loader)
         line = f"epoch {self.epoch + 1}/{self.cfg.epochs}:"
+        if not finished:  # --max-steps (or a stop) ended it part-way: not an epoch's figures
+            line = (f"epoch {self.epoch + 1}/{self.cfg.epochs}, stopped at batch {self.consumed}/"
+                    f"{len(self.train_loader)} (--max-steps):")
         loss_sum, count = self.checks.guard.read(self.checks.guard.epoch)
         if count:
             line += f" train loss {loss_sum / count:.4f}"
@@ -349,9 +399,13 @@ class TrainingRun:
 
     # --- the end ---------------------------------------------------------------------------------
 
-    def finish(self, model, metrics: dict | None) -> None:
+    def finish(self, metrics: dict | None, *more) -> None:
         """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
-        curves.png and confusion_matrix.png, and the --target-accuracy check."""
+        curves.png and confusion_matrix.png, and the --target-accuracy check. ``finish(model, metrics)``, the
+        call before ``run.start(..., evaluate=)``, still works."""
+        model = self.scored
+        if more:  # finish(model, metrics)
+            model, metrics = metrics, more[0]
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.checks.settle(self.epoch)
         self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too

@@ -223,10 +223,34 @@ class Progress:
     ``step 120/1407 (epoch 1/3) loss 0.2345 1,234 samples/s ETA 3m12s``. ``say`` prints through the
     bar (tqdm.write) so messages never land on top of it. Main process only."""
 
-    def __init__(self, accelerator, total_steps: int, epochs: int, every_s: float):
+    def __init__(self, accelerator, total_steps: int, epochs: int, every_s: float, eval_every: int = 1,
+                 eval_every_steps: int = 0):
         self.accelerator, self.total, self.epochs, self.every_s = accelerator, total_steps, epochs, every_s
+        self.eval_every, self.eval_every_steps = max(1, eval_every), eval_every_steps
         self.tty, self.bar = on_terminal(accelerator), None
         self.t_start, self.step_start, self.last_line = time.time(), None, time.time()
+        self.eval_s, self.last_eval_s = 0.0, None  # evaluation time so far, and the last one's
+
+    def note_eval(self, seconds: float | None) -> None:
+        """An evaluation took ``seconds``: the ETA counts it apart from training and adds the ones still to come."""
+        if seconds is not None:
+            self.eval_s += seconds
+            self.last_eval_s = seconds
+
+    def eta(self, step: int, epoch: int, now: float) -> str:
+        """Training left at the training-only rate, plus the evaluations left (epoch ends, --eval-every-steps, the
+        final one) at the last one's duration; before any evaluation, said to be left out."""
+        rate = (step - self.step_start) / max(now - self.t_start - self.eval_s, 1e-9)
+        if rate <= 0:
+            return "?"
+        left = (self.total - step) / rate
+        if self.last_eval_s is None:
+            return f"{format_duration(left)} + evaluations"
+        ends = range(epoch + 1, self.epochs + 1)  # this epoch's end and the later ones (1-based), then the final one
+        evals = 1 + sum(1 for e in ends if e % self.eval_every == 0 or e == self.epochs)
+        if self.eval_every_steps:
+            evals += (self.total - step) // self.eval_every_steps
+        return format_duration(left + evals * self.last_eval_s)
 
     def say(self, text: str) -> None:
         if not self.accelerator.is_main_process:
@@ -253,7 +277,7 @@ class Progress:
 
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: the ETA counts from here."""
-        self.step_start, self.t_start = step, time.time()
+        self.step_start, self.t_start, self.eval_s = step, time.time(), 0.0
 
     def update(self, step: int, epoch: int, loss: float | None, samples_per_s: float | None) -> None:
         """At a log step: postfix the bar, or print a line when ``every_s`` has passed."""
@@ -267,8 +291,7 @@ class Progress:
         if not self.accelerator.is_main_process or now - self.last_line < self.every_s or loss is None:
             return
         self.last_line = now
-        rate = (step - self.step_start) / max(now - self.t_start, 1e-9)
-        eta = format_duration((self.total - step) / rate) if rate > 0 else "?"
+        eta = self.eta(step, epoch, now)
         speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
         print(f"step {step}/{self.total} (epoch {epoch + 1}/{self.epochs}) loss {loss:.4f}{speed} ETA {eta}",
               flush=True)

@@ -43,7 +43,7 @@ class Config(CommonConfig):
     batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(1.5, "peak learning rate of the mean loss (SGD, Nesterov)")
     lr_rule = LRRule("linear", 1024)  # SGD on the mean loss: the LR follows the batch linearly
-    momentum: float = knob(0.85, "SGD momentum (Nesterov)", on_resume="apply")
+    momentum: float = knob(0.85, "SGD momentum (Nesterov)")
     weight_decay: float = knob(1.33e-3, "SGD weight decay (coupled to the LR, as torch's SGD does)")
     bias_lr_scale: float = knob(64.0, "BatchNorm biases learn this many times faster (their decay per step unchanged)")
     warmup_fraction: float = knob(0.23, "fraction of optimizer steps spent warming the LR up linearly")
@@ -72,7 +72,7 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     return CifarCNN(in_shape, num_classes, widths=parse_ints(cfg.widths, "--widths"), dirac=cfg.dirac_init)
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     return sgd_with_bias_groups(model, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.bias_lr_scale,
                                 early_params=[model.whiten.bias], early_epochs=cfg.whiten_bias_epochs)
 
@@ -101,7 +101,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     if cfg.sync_bn:
         model = convert_sync_batchnorm(model, accelerator.device)
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-    optimizer = build_optimizer(cfg, model, accelerator.device)
+    optimizer = build_optimizer(cfg, model)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
@@ -117,34 +117,22 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(model)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
-    for epoch in run.epochs():
+    # --- train: the loop is yours to change (forward, loss, backward, optimizer step); the run does the rest ---
+    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
+              evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
+              after_step=lookahead.step)  # every 5 steps; at the last step the weights become the average
+    for epoch in run.epochs():  # each epoch's end: its evaluation, its line, a checkpoint
         model.train()
-        for images, labels in run.batches(train_loader):  # resumes mid-epoch where the checkpoint left off
+        for images, labels in run.batches(train_loader):  # after each step: schedule, log, checkpoint, stop, eval
             with accelerator.accumulate(model):
                 logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.track_loss(loss)  # summed on the device: no sync
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) \
-                        if cfg.max_grad_norm else None
-                    run.guard_step(grad_norm)  # one all-reduce, no sync: a NaN loss or a stop signal stops all
-                optimizer.step()  # skipped on the device after a non-finite loss (common.guard)
+                run.step(loss)  # loss sums, --max-grad-norm, the NaN/stop guard: one all-reduce, no sync
+                optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if accelerator.sync_gradients:
-                if run.step_was_taken():  # False when fp16 loss scaling skipped the step
-                    scheduler.step()
-                    lookahead.step()  # every 5 steps; at the last step the weights become the average
-                run.end_step()  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
-            if run.eval_due():  # at --eval-every-steps; never twice for the same weights
-                run.record_eval(validate(val_loader), model)
-        if run.eval_due():  # --- eval and checkpoint: every --eval-every epochs and the last
-            run.record_eval(validate(val_loader), model)  # keeps the best --monitor value in best/
-        run.end_epoch()
 
-    run.finish(model, validate(final_loader))  # final/ weights, summary.json, target check
+    run.finish(validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class Config(CommonConfig):
     batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
     lr: float = knob(4e-3, "peak learning rate (AdamW)")
     lr_rule = LRRule("sqrt", 1024)  # AdamW: the LR follows the square root of the batch
-    betas: str = knob("0.9,0.999", "AdamW betas, comma-separated", on_resume="apply")
+    betas: str = knob("0.9,0.999", "AdamW betas, comma-separated")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
     warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
     label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
@@ -68,9 +68,9 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     return MLP(in_shape, num_classes, hidden=parse_ints(cfg.hidden, "--hidden"), dropout=cfg.dropout)
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=parse_floats(cfg.betas, "--betas", count=2),
-                             weight_decay=cfg.weight_decay, fused=True)  # one kernel per step (CPU too); masks a NaN step
+                             weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; masks a NaN step
 
 
 def main(argv=None) -> int:
@@ -92,7 +92,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     # --- model ---
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
-    optimizer = build_optimizer(cfg, model, accelerator.device)
+    optimizer = build_optimizer(cfg, model)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
@@ -105,34 +105,21 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(model)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
-    for epoch in run.epochs():
+    # --- train: the loop is yours to change (forward, loss, backward, optimizer step); the run does the rest ---
+    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
+              evaluate=lambda: validate(val_loader))  # called when due; best/ and checkpoints follow
+    for epoch in run.epochs():  # each epoch's end: its evaluation, its line, a checkpoint
         model.train()
-        for images, labels in run.batches(train_loader):  # resumes mid-epoch where the checkpoint left off
+        for images, labels in run.batches(train_loader):  # after each step: schedule, log, checkpoint, stop, eval
             with accelerator.accumulate(model):
                 logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.track_loss(loss)  # summed on the device: no sync
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) \
-                        if cfg.max_grad_norm else None
-                    run.guard_step(grad_norm)  # one all-reduce, no sync: a NaN loss or a stop signal stops all
+                run.step(loss)  # loss sums, --max-grad-norm, the NaN/stop guard: one all-reduce, no sync
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if accelerator.sync_gradients:
-                if run.step_was_taken():  # False when fp16 loss scaling skipped the step
-                    scheduler.step()
-                run.end_step()  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
-            if run.eval_due():  # at --eval-every-steps; never twice for the same weights
-                run.record_eval(validate(val_loader), model)
 
-        if run.eval_due():  # --- eval and checkpoint: every --eval-every epochs and the last
-            run.record_eval(validate(val_loader), model)  # keeps the best --monitor value in best/
-        run.end_epoch()
-
-    run.finish(model, validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
+    run.finish(validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
 
 
 if __name__ == "__main__":

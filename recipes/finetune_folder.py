@@ -6,6 +6,9 @@ cropped (never squashed). --image-size is the crop side. Nothing decoded is kept
 with the data. --model is any torchvision classification model; --weights starts it from a state_dict file or
 torchvision's pretrained weights (DEFAULT), whose own normalisation and crop size are then used.
 
+Measured (README): ResNet-18 from scratch on 3,457 flower photos, 16 epochs at 112 px, 2 CPU processes (amx_bf16):
+67.76% validation (seeds 1-3) in 343-354 s, where a torchvision-style script gets 42.26% in 682-726 s.
+
     accelerate launch recipes/finetune_folder.py --dataset ~/photos                     # ResNet-18 from scratch
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --weights DEFAULT   # pretrained (downloads)
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --model resnet50 --weights ~/resnet50.pth
@@ -50,8 +53,8 @@ class Config(CommonConfig):
     lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")
     lr_rule = LRRule("linear", 128)
     backbone_lr_scale: float = knob(0.1, "with --weights, the backbone learns at this times --lr (from scratch: 1)")
-    momentum: float = knob(0.9, "SGD momentum (Nesterov)", on_resume="apply")
-    weight_decay: float = knob(5e-5, "SGD weight decay")
+    momentum: float = knob(0.9, "SGD momentum (Nesterov)")
+    weight_decay: float = knob(5e-4, "SGD weight decay")
     warmup_fraction: float = knob(0.1, "fraction of optimizer steps spent warming the LR up linearly")
     label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
     min_crop_scale: float = knob(0.25, "smallest area share of a random resized crop (torchvision's default: 0.08)")
@@ -60,8 +63,7 @@ class Config(CommonConfig):
     ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
                             "this decay per step, evaluated and saved instead of the weights (0 = off)")
     workers: int = knob(-1, "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
-                        "cores less one, at most 8: none on a 2-core machine running 2 processes)",
-                        on_resume="free", eval_only="own")
+                        "cores less one, at most 8: none on a 2-core machine running 2 processes)")
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
 
 
@@ -91,7 +93,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
     data = run.load_data(load_photos)  # file lists; decoded per batch in the loader's workers
     mean, std = (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train)
     transform = BatchTransform(mean, std, channels_last=cfg.channels_last)  # normalises on the device
-    train_loader, val_loader = photo_loader(cfg, accelerator, data.train, train=True), photo_loader(cfg, accelerator, data.val)
+    train_loader = photo_loader(cfg, accelerator, data.train, train=True)
+    val_loader = photo_loader(cfg, accelerator, data.val)
     final_loader = photo_loader(cfg, accelerator, data.test) or val_loader
 
     # --- model ---
@@ -108,6 +111,10 @@ def train(cfg: Config, run: TrainingRun) -> None:
     mix = vision.batch_mix(cfg.mixup, cfg.cutmix, data.num_classes)  # None when both are off
     scored = ema.module if ema is not None else model  # the weights that are evaluated and saved
 
+    def ema_update():  # after each optimizer step that was taken
+        if ema is not None:
+            ema.update_parameters(accelerator.unwrap_model(model))
+
     def validate(loader):
         return evaluate(accelerator, scored, loader, transform, data.num_classes)
 
@@ -115,39 +122,25 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(scored)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train: the loop is yours to change ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
-    for epoch in run.epochs():
+    # --- train: the loop is yours to change (forward, loss, backward, optimizer step); the run does the rest ---
+    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
+              evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
+              after_step=ema_update, scored=scored)  # the EMA's update; the weights evaluated and saved
+    for epoch in run.epochs():  # each epoch's end: its evaluation, its line, a checkpoint
         model.train()
-        for images, labels in run.batches(train_loader):  # resumes mid-epoch where the checkpoint left off
+        for images, labels in run.batches(train_loader):  # after each step: schedule, log, checkpoint, stop, eval
             with accelerator.accumulate(model):
-                gen = run.augment_generator()  # seeded by (seed, epoch, step, rank): exact resume
-                x = transform.train(images, gen)  # the crops and flips were drawn in the loader's workers
+                x = transform.train(images, run.augment_generator())  # crops and flips: drawn in the workers
                 if mix is not None:  # MixUp / CutMix: mixed images, soft targets
-                    x, labels = vision.mixed(mix, x, labels, gen)
+                    x, labels = vision.mixed(mix, x, labels, run.augment_generator())
                 logits = model(x)
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.track_loss(loss)  # summed on the device: no sync
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm) \
-                        if cfg.max_grad_norm else None
-                    run.guard_step(grad_norm)  # one all-reduce, no sync: a NaN loss or a stop signal stops all
+                run.step(loss)  # loss sums, --max-grad-norm, the NaN/stop guard: one all-reduce, no sync
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if accelerator.sync_gradients:
-                if run.step_was_taken():  # False when fp16 loss scaling skipped the step
-                    scheduler.step()
-                    if ema is not None:
-                        ema.update_parameters(accelerator.unwrap_model(model))
-                run.end_step()  # logs, checkpoints (--checkpoint-every), stops on a signal or --max-steps
-            if run.eval_due():  # at --eval-every-steps; never twice for the same weights
-                run.record_eval(validate(val_loader), scored)
-        if run.eval_due():  # --- eval and checkpoint: every --eval-every epochs and the last
-            run.record_eval(validate(val_loader), scored)  # keeps the best --monitor value in best/
-        run.end_epoch()
 
-    run.finish(scored, validate(final_loader))  # final/ weights, summary.json, target check
+    run.finish(validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
 
 
 if __name__ == "__main__":

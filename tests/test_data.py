@@ -332,3 +332,25 @@ def test_every_corrupt_image_of_a_split_is_reported_in_one_pass(tmp_path):
     assert "3 of the 12 images" in msg and "Remove or replace" in msg
     assert all(p.name in msg for p in bad), msg
     assert not list((tmp_path / "c").glob("*.safetensors"))  # nothing cached for a split that failed
+
+
+def test_on_a_gpu_the_decoded_data_goes_to_the_device_when_it_fits(small, tmp_path, monkeypatch):
+    """Without --data-on-device: on the GPU when the decoded images take under a quarter of its free memory, in
+    host memory otherwise; an explicit flag decides; a CPU run is unchanged."""
+    from types import SimpleNamespace
+
+    from common.data import place_on_device
+
+    data = load(small, tmp_path / "c")
+    need = data.train.source_images.numel() + data.test.source_images.numel()
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    for free, expect in ((need * 5, True), (need * 3, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 2 * f))
+        cfg = config(small, tmp_path / "c")
+        note = place_on_device(cfg, gpu, data)
+        assert cfg.data_on_device is expect and ("data on the GPU" in note) is expect, note
+    cfg = config(small, tmp_path / "c")
+    cfg.explicit = {"data_on_device"}
+    assert place_on_device(cfg, gpu, data) == "" and cfg.data_on_device is False
+    cfg = config(small, tmp_path / "c")
+    assert place_on_device(cfg, SimpleNamespace(device=torch.device("cpu")), data) == "" and not cfg.data_on_device

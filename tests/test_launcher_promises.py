@@ -185,7 +185,7 @@ def test_resume_from_an_older_checkpoint_with_new_hyperparameters(tmp_path, env,
     check_ok(run_in_process("fashion_mnist_mlp", base, env))
     again = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--resume-from", run / "checkpoints" / "step-00000003",
                                                   "--lr", "1e-5", "--betas", "0.8,0.99"], env))
-    # every field marked on_resume="apply" (common.config.knob), the recipe's own --betas too
+    # every field in common.config.RESUME_APPLIED, the recipe's own --betas too
     assert ("applied from the command line over the checkpoint's values: betas 0.9,0.999 -> 0.8,0.99, "
             "lr 0.004 -> 1e-05") in again.stdout
     from common.checkpoint import complete_checkpoints, read_state

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import check_ok, import_recipe, read_jsonl, run_in_process
 
-MLP = ["--hidden", "32"]
+MLP = ["--hidden", "32", "--lr", "4e-3"]
 
 
 def test_an_eval_every_steps_evaluation_that_ends_an_epoch_is_the_epochs_own(tmp_path, env, mnist_like, monkeypatch):
@@ -33,10 +33,10 @@ def test_an_eval_every_steps_evaluation_that_ends_an_epoch_is_the_epochs_own(tmp
 
 @pytest.mark.parametrize("edit,needle", [
     (("for epoch in run.epochs():", "for epoch in range(cfg.epochs):"), "outside `for epoch in run.epochs():`"),
-    (("        run.end_epoch()\n", "\n"), "did not call run.end_epoch()"),
-    (("                run.end_step()  #", "                pass  #"), "did not call run.end_step()"),
+    (("                run.step(loss)  #", "                pass  #"), "did not call run.step(loss)"),
 ])
 def test_a_loop_that_leaves_out_a_call_fails_loudly(tmp_path, env, mnist_like, edit, needle):
+    """Forgetting the per-step call stops the run at its first batch, before anything is logged or written."""
     from common.tools.copy_recipe import copy_recipe
 
     copy = copy_recipe("fashion_mnist_mlp", tmp_path / "mine.py")
@@ -46,6 +46,7 @@ def test_a_loop_that_leaves_out_a_call_fails_loudly(tmp_path, env, mnist_like, e
     proc = run_in_process(copy, ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
                                  "--output-dir", tmp_path / "run"], env)
     assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_without_validation_a_checkpoint_step_that_is_also_an_eval_step_still_checkpoints(tmp_path, env, mnist_like):
