@@ -218,8 +218,8 @@ def run(args: argparse.Namespace) -> int:
         add_metadata(out, card, description)
         diff = check_onnxruntime(out, wrapper, example)
         if not diff < args.atol:
-            print(f"onnxruntime check FAILED: max abs logit difference to torch is {diff:.3g} "
-                  f"(allowed {args.atol:g}) on {args.check_batch} random images; {final} was not written"
+            print(f"onnxruntime check FAILED: max logit difference to torch is {diff:.3g} (relative to the largest "
+                  f"logit above 1; allowed {args.atol:g}) on {args.check_batch} random images; {final} was not written"
                   f"{' (the previous file there is kept)' if final.exists() else ''}")
             return EXIT_CHECK_FAILED
         os.replace(out, final)
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"input: {printable(description)}")  # it quotes model.json's mean and std
     import onnxruntime
 
-    print(f"onnxruntime check passed: max abs logit difference to torch {diff:.3g} < {args.atol:g} "
+    print(f"onnxruntime check passed: max logit difference to torch {diff:.3g} < {args.atol:g} "
           f"({args.check_batch} random images, onnxruntime {onnxruntime.__version__})")
     return 0
 
