@@ -105,6 +105,12 @@ def per_process_batch(cfg, num_processes: int) -> int:
     return cfg.batch_size // div
 
 
+def loader_batch(cfg, num_processes: int, train: bool) -> int:
+    """A DataLoader's batch on each process: training, the global --batch-size split over processes and
+    accumulation steps; evaluation, --eval-batch-size split over processes."""
+    return per_process_batch(cfg, num_processes) if train else max(1, cfg.eval_batch_size // num_processes)
+
+
 def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
     dev = accelerator.device
     if dev.type == "cuda":

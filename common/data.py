@@ -122,7 +122,7 @@ def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bo
 def _same_channels(splits: dict, cfg, log, is_main: bool) -> dict:
     """Without --channels, a grey split beside colour ones is read as RGB too (one note says so)."""
     counts = {k: v.image_shape[0] for k, v in splits.items()}
-    if cfg.channels or len(set(counts.values())) < 2 or set(counts.values()) != {1, 3}:
+    if cfg.channels or set(counts.values()) != {1, 3}:
         return splits
     grey = [k for k, c in counts.items() if c == 1]
     if is_main:
@@ -242,8 +242,8 @@ def place_on_device(cfg, accelerator, data: ImageData) -> str:
     for the startup line ('' on a CPU, where host memory is the device's). CPU runs are unchanged."""
     if accelerator.device.type != "cuda" or "data_on_device" in getattr(cfg, "explicit", ()):
         return ""
-    sources = {id(s.source_images): s.source_images for s in (data.train, data.val, data.test) if s is not None}
-    need = sum(t.numel() * t.element_size() for t in sources.values())
+    shared = {id(s.source_images): s.source_images for s in (data.train, data.val, data.test) if s is not None}
+    need = sum(t.numel() * t.element_size() for t in shared.values())  # train and held-out share one source
     free, _ = torch.cuda.mem_get_info(accelerator.device)
     cfg.data_on_device = need < DEVICE_SHARE * free
     where = "on the GPU" if cfg.data_on_device else "in host memory (over a quarter of the GPU's free memory)"
@@ -254,11 +254,11 @@ def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False
     """A recipe's DataLoader over a decoded split (None for none): the global --batch-size split over processes
     and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator
     with --data-on-device. ``alternating_flip``: airbench's flip, seeded by --seed (``TensorImages``)."""
-    from common.accelerator import per_process_batch
+    from common.accelerator import loader_batch
 
     if split is None:
         return None
     n = accelerator.num_processes
-    batch = per_process_batch(cfg, n) if train else max(1, cfg.eval_batch_size // n)
+    batch = loader_batch(cfg, n, train)
     return make_loader(split, batch, train, device=accelerator.device if cfg.data_on_device else None,
                        pin=accelerator.device.type == "cuda", flip_seed=cfg.seed if alternating_flip else None)

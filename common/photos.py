@@ -18,13 +18,15 @@ files and labels; memory grows with the number of file names, not pixels, and no
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from pathlib import Path
 import numpy as np
 import torch
 
 from common.errors import DataError
-from common.splits import ImageData
+from common.splits import ImageData, Rows
 
 EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
 
@@ -58,25 +60,18 @@ def eval_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
     return TF.center_crop(image, [image_size, image_size])
 
 
-class PhotoSplit:
+class PhotoSplit(Rows):
     """The files and labels of one split, with the interface of ``common.splits.ImageSplit`` that the run needs
-    (length, labels, index, ``select`` for the hold-out, ``images_at`` for the misclassified-image grid)."""
+    (length, labels and ``select`` for the hold-out from ``Rows``; ``images_at`` for the misclassified-image grid)."""
 
     def __init__(self, files, labels: torch.Tensor, image_size: int, index: torch.Tensor | None = None, note=""):
         self.files = files if isinstance(files, np.ndarray) else np.array(files)  # no per-item refcounts in workers
         self.source_labels, self.image_size, self.note = labels, image_size, note
         self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
 
-    def __len__(self):
-        return (self.source_labels if self.index is None else self.index).numel()
-
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return (3, self.image_size, self.image_size)
-
-    @property
-    def labels(self) -> torch.Tensor:
-        return self.source_labels if self.index is None else self.source_labels[self.index]
 
     @property
     def preprocess(self) -> dict:
@@ -84,12 +79,10 @@ class PhotoSplit:
         return {"resize_shorter": resize_side(self.image_size), "center_crop": self.image_size}
 
     def file_at(self, position: int) -> str:
-        return str(self.files[int(position if self.index is None else self.index[position])])
+        return str(self.files[self.source_row(position)])
 
-    def select(self, positions) -> "PhotoSplit":
-        positions = torch.as_tensor(positions, dtype=torch.int64)
-        return PhotoSplit(self.files, self.source_labels, self.image_size,
-                          positions if self.index is None else self.index[positions], self.note)
+    def with_index(self, index: torch.Tensor) -> "PhotoSplit":
+        return PhotoSplit(self.files, self.source_labels, self.image_size, index, self.note)
 
     def images_at(self, positions) -> torch.Tensor:
         """The evaluation views of the images at ``positions`` (an index tensor, list or slice), decoded now."""
@@ -123,42 +116,41 @@ class PhotoDataset(torch.utils.data.Dataset):
             raise DataError(f"Could not read {path} ({type(err).__name__}: {err}); it was readable when the run "
                             "started. Replace or remove it and resume (--resume-from latest).") from None
         if not self.train:
-            return eval_view(image, size), self.split.labels[i]
+            return eval_view(image, size), self.split.label_at(i)
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
         # main process's own stream (dropout, the shuffle) is untouched when there are no workers
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
             image = v2.RandomResizedCrop(size, scale=(self.min_scale, 1.0), antialias=True)(image)
             image = v2.RandomHorizontalFlip()(image)
-        return image, self.split.labels[i]
+        return image, self.split.label_at(i)
 
 
 def check_headers(split: PhotoSplit, what: str) -> None:
-    """Open every file's header (not its pixels: fast) so an unreadable file is named before training starts
-    rather than in a DataLoader worker mid-epoch. All bad files are listed in one message."""
+    """Open every file's header (not its pixels: fast; Pillow refuses a decompression bomb there too) so an
+    unreadable file is named before training starts rather than in a DataLoader worker mid-epoch. All bad files
+    are listed in one message."""
     from PIL import Image
+
+    from common.pixels import unreadable_error, unreadable_reason
 
     bad = []
     for p in range(len(split)):
         path = split.file_at(p)
         try:
-            with Image.open(path) as img:
-                w, h = img.size
-                if w * h > 2 * Image.MAX_IMAGE_PIXELS:
-                    raise Image.DecompressionBombError(f"{w}x{h} pixels, over Pillow's limit of "
-                                                       f"{2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels")
-        except Exception as err:  # noqa: BLE001
-            bad.append(f"{path} ({type(err).__name__}: {err})")
+            Image.open(path).close()
+        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
+            bad.append((path, unreadable_reason(err)))
     if bad:
-        more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
-        raise DataError(f"{len(bad)} of the {len(split)} files of {what} are not images Pillow can open: "
-                        f"{'; '.join(bad[:5])}{more}. Remove or replace those files and run again.")
+        raise unreadable_error(bad, len(split), what)
 
 
 def load_photos(cfg, default_dataset: str = "", is_main: bool = True, log=print) -> ImageData:
     """An image folder (``common.folders`` rules) as PhotoSplits at ``cfg.image_size``; validation held out of
     train (``--val-fraction``, seeded) when the folder has no validation split."""
     from common import folders, sources
+    from common.cache import default_cache_dir
+    from common.files import write_atomic
     from common.splits import hold_out
 
     name = cfg.dataset or default_dataset
@@ -168,11 +160,18 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True, log=print)
                         "(<dir>/<class>/<image>, optionally under train/ val/ test/); for a Hub dataset or parquet "
                         "files use recipes/cifar_cnn.py.")
     scan = folders.scan(path, name)
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     splits = {}
     for split_name, fs in scan.splits.items():
         files = [str(fs.base / f) for f in fs.files]
         splits[split_name] = PhotoSplit(files, torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
-        check_headers(splits[split_name], f"the {split_name} split of {name}")
+        # Checked once per state of the files (the fingerprint covers every file's size and times), not at every
+        # launch on every process: a marker in the cache folder says these very files were checked.
+        checked = cache_dir / f"photos-checked-{fs.fingerprint}"
+        if not checked.exists():
+            check_headers(splits[split_name], f"the {split_name} split of {name}")
+            with contextlib.suppress(OSError):  # only a shortcut: without it the next launch checks again
+                write_atomic(checked, "")
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
@@ -182,12 +181,12 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True, log=print)
 def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False):
     """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
     accumulation steps for training, --eval-batch-size over processes for evaluation."""
-    from common.accelerator import per_process_batch
+    from common.accelerator import loader_batch
 
     if split is None:
         return None
     n = accelerator.num_processes
-    batch = per_process_batch(cfg, n) if train else max(1, cfg.eval_batch_size // n)
+    batch = loader_batch(cfg, n, train)
     dataset = PhotoDataset(split, train, cfg.seed, cfg.min_crop_scale)
     workers = cfg.workers
     if workers < 0:  # this process's share of the node's cores, less the one the training loop runs on
@@ -203,6 +202,7 @@ def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False
 
 def photo_stats(split: PhotoSplit, count: int = 500) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views)."""
+    from common.augment import channel_stats
+
     positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique()
-    x = split.images_at(positions).float().div_(255.0)
-    return x.mean(dim=(0, 2, 3)).tolist(), x.std(dim=(0, 2, 3)).clamp_min(1e-3).tolist()
+    return channel_stats(split.images_at(positions))

@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+from common.errors import DataError
+
+MAX_SHOWN = 5  # unreadable files named in one message
 GREY_MODES = ("1", "L", "LA", "La", "I", "I;16", "I;16L", "I;16B", "I;16N", "F")
 SIXTEEN_BIT_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")
 
@@ -47,3 +50,23 @@ def as_mode(img, mode: str):
     """``img`` read by ``natural`` and then given ``mode`` ('L' or 'RGB')."""
     img = natural(img)
     return img if img.mode == mode else img.convert(mode)
+
+
+def unreadable_reason(err: Exception) -> str:
+    """Why Pillow could not open or decode a file, with the fix where there is one."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(err, Image.DecompressionBombError):
+        return (f"{err}; shrink it below {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, e.g. "
+                "`mogrify -resize 4096x4096\\> FILE`, or remove it")
+    if isinstance(err, UnidentifiedImageError):
+        return "not an image file Pillow can read"
+    return str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+
+
+def unreadable_error(bad: list[tuple[str, str]], total: int, what: str) -> DataError:
+    """One paragraph naming every unreadable file of a split ((file, reason) pairs), not only the first."""
+    shown = "; ".join(f"{src} ({reason})" for src, reason in bad[:MAX_SHOWN])
+    more = f"; and {len(bad) - MAX_SHOWN} more" if len(bad) > MAX_SHOWN else ""
+    return DataError(f"{len(bad)} of the {total} images in {what} could not be read: {shown}{more}. Remove or "
+                     "replace those files and run again.")

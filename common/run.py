@@ -214,8 +214,7 @@ class TrainingRun:
             self.epoch_t0, self.validation.epoch_result = time.time(), None
             yield self.epoch
             if self.epoch_open and self.evaluate is not None:  # the epoch's end: its evaluation, its line, a checkpoint
-                if self.eval_due():
-                    self.record_eval(self.evaluate(), self.scored)
+                self._evaluate_if_due()
                 self.end_epoch()
             if self.epoch_open:
                 raise RecipeError(f"The recipe's loop did not call run.end_epoch() at the end of epoch {started + 1}: "
@@ -280,7 +279,11 @@ class TrainingRun:
                 if self.after_step is not None:
                     self.after_step()
             self.end_step()
-        if self.eval_due():  # at --eval-every-steps; never twice for the same weights
+        self._evaluate_if_due()  # at --eval-every-steps
+
+    def _evaluate_if_due(self) -> None:
+        """Evaluate with the recipe's ``evaluate`` when ``eval_due`` says so (never twice for the same weights)."""
+        if self.eval_due():
             self.record_eval(self.evaluate(), self.scored)
 
     def augment_generator(self) -> torch.Generator:

@@ -21,7 +21,6 @@ from common.splits import ImageSplit
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
 LFS_POINTER = b"version https://git-lfs.github.com/spec"
-MAX_BAD_IMAGES_SHOWN = 5
 
 
 def _hub_reachable(timeout: float = 5.0) -> bool:
@@ -201,17 +200,6 @@ def _items(split, img_col: str | None, lab_col: str | None):
             yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path"), label
 
 
-def _bad_file_reason(err: Exception) -> str:
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(err, Image.DecompressionBombError):
-        return (f"{err}; shrink it below {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, e.g. "
-                "`mogrify -resize 4096x4096\\> FILE`, or remove it")
-    if isinstance(err, UnidentifiedImageError):
-        return "not an image file Pillow can read"
-    return f"{type(err).__name__}: {err}" if not isinstance(err, OSError) else str(err)
-
-
 def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str,
                  progress: bool = False):
     """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
@@ -224,13 +212,13 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
     from tqdm.auto import tqdm
     from PIL import Image
 
-    from common.pixels import natural
+    from common.pixels import natural, unreadable_error, unreadable_reason
 
     if not isinstance(split, FolderSplit):
         from datasets import Image as ImageFeature
 
         if not isinstance(split.features[img_col], ImageFeature):
-                raise DataError(f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
+            raise DataError(f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
                             "Pass --image-column with the column of images.")
     n = len(split)
     if n == 0:
@@ -246,7 +234,7 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
                 opened.load()
                 img = natural(opened)
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
-            bad.append((src, _bad_file_reason(err)))  # keep going: one run names every bad file of the split
+            bad.append((src, unreadable_reason(err)))  # keep going: one run names every bad file of the split
             continue
         if forced and img.mode != forced:
             img = img.convert(forced)
@@ -262,10 +250,7 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
         arrays.append(np.asarray(img, dtype=np.uint8))
     bar.close()
     if bad:
-        shown = "; ".join(f"{src} ({reason})" for src, reason in bad[:MAX_BAD_IMAGES_SHOWN])
-        more = f"; and {len(bad) - MAX_BAD_IMAGES_SHOWN} more" if len(bad) > MAX_BAD_IMAGES_SHOWN else ""
-        raise DataError(f"{len(bad)} of the {n} images in {what} could not be decoded: {shown}{more}. Remove or "
-                        "replace those files and run again.")
+        raise unreadable_error(bad, n, what)
     grey = sum(a.ndim == 2 for a in arrays)
     note = ""
     if 0 < grey < len(arrays):  # colour and grey mixed, no --channels: the grey ones get three equal channels
@@ -282,12 +267,12 @@ def class_names_of(train, lab_col: str):
     feat = train.features[lab_col]
     if isinstance(feat, ClassLabel):
         return list(feat.names), None
-    column = train[lab_col]
-    if None in set(column):
-        row = list(column).index(None)
-        raise DataError(f"Row {row} of the train split has no label (column {lab_col!r} is empty there). Fill in its "
-                        "label, or remove the row, and run again.")
-    values = sorted(set(column))
+    column = list(train[lab_col])
+    distinct = set(column)
+    if None in distinct:
+        raise DataError(f"Row {column.index(None)} of the train split has no label (column {lab_col!r} is empty "
+                        "there). Fill in its label, or remove the row, and run again.")
+    values = sorted(distinct)
     if all(isinstance(v, int) for v in values):
         if values[0] < 0:
             raise DataError(f"Label column {lab_col!r} holds negative labels ({values[0]}). Labels must be "

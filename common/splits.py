@@ -13,7 +13,39 @@ import torch
 from common.errors import DataError
 
 
-class ImageSplit:
+class Rows:
+    """The rows of a split that may share their source with other splits (a held-out split is an index into
+    train's): ``source_labels`` (N,) int64 and ``index`` (int64 positions into them, or None for all N), in order.
+    Subclasses hold what the rows are (decoded images, or photo files) and make a copy with another index."""
+
+    source_labels: torch.Tensor
+    index: torch.Tensor | None
+
+    def __len__(self):
+        return (self.source_labels if self.index is None else self.index).numel()
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.source_labels if self.index is None else self.source_labels[self.index]
+
+    def source_row(self, position: int) -> int:
+        """The source row of this split's ``position``."""
+        return int(position if self.index is None else self.index[position])
+
+    def label_at(self, position: int) -> torch.Tensor:
+        """One row's label, without gathering the others (``labels`` gathers them all)."""
+        return self.source_labels[self.source_row(position)]
+
+    def select(self, positions):
+        """The rows at ``positions`` of this split, as a split sharing the same source (no copy)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        return self.with_index(positions if self.index is None else self.index[positions])
+
+    def with_index(self, index: torch.Tensor):
+        raise NotImplementedError
+
+
+class ImageSplit(Rows):
     """The images and labels of one split.
 
     ``source_images`` (N, C, H, W) uint8 and ``source_labels`` (N,) int64 may be shared: by the train and
@@ -31,9 +63,6 @@ class ImageSplit:
         self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
         self.note = note  # what decoding changed about the files (grey images read as RGB), for the startup line
 
-    def __len__(self):
-        return (self.source_labels if self.index is None else self.index).numel()
-
     @property
     def image_shape(self) -> tuple[int, int, int]:
         return tuple(self.source_images.shape[1:])
@@ -47,15 +76,8 @@ class ImageSplit:
     def images(self) -> torch.Tensor:
         return self.source_images if self.index is None else self.source_images[self.index]
 
-    @property
-    def labels(self) -> torch.Tensor:
-        return self.source_labels if self.index is None else self.source_labels[self.index]
-
-    def select(self, positions: torch.Tensor) -> "ImageSplit":
-        """The rows at ``positions`` of this split, as a split sharing the same source tensors (no copy)."""
-        positions = torch.as_tensor(positions, dtype=torch.int64)
-        return ImageSplit(self.source_images, self.source_labels,
-                          positions if self.index is None else self.index[positions], self.note)
+    def with_index(self, index: torch.Tensor) -> "ImageSplit":
+        return ImageSplit(self.source_images, self.source_labels, index, self.note)
 
     def __repr__(self):
         rows = "indexed" if self.index is not None else "all rows"

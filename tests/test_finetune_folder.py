@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import check_ok, read_jsonl, run_in_process, stopped_at
+from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from common import vision
 from common.errors import ConfigError
 
@@ -144,3 +144,14 @@ def test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved(tmp_path, photo
     resumed = check_ok(run_in_process("finetune_folder", [*args[:-2], "--epochs", 2, "--output-dir", run,
                                                           "--resume-from", "latest"], env))
     assert "resumed from" in resumed.stdout
+
+
+def test_an_unreadable_photo_is_named_before_training_at_every_launch(tmp_path, env):
+    """Checked before the first step, in one paragraph naming the file; a failed check is not remembered as done."""
+    root = write_photo_folder(tmp_path / "d", 6)
+    (root / "ant" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    for _ in range(2):
+        proc = run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--workers", 0,
+                                                  "--output-dir", tmp_path / "run"], env)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert "1 of the 19 images" in proc.stderr and "broken.jpg" in proc.stderr

@@ -216,12 +216,14 @@ def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[
 def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
     from PIL import Image, UnidentifiedImageError
 
+    from common.pixels import unreadable_reason
+
     try:
         with Image.open(path) as img:
             img.load()
             return preprocess_image(img, input_shape, preprocess)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-        reason = "not an image file PIL can read" if isinstance(err, UnidentifiedImageError) else str(err)
+        reason = unreadable_reason(err)
         raise RecipeError(f"Could not read {printable(path)} as an image ({printable(reason)}). Pass image files "
                           "(PNG, JPEG, ...) or remove that file from the folder.") from None
 
