@@ -232,7 +232,7 @@ def load(dataset: str, seed: int, val_fraction: float):
     --val-fraction 0 the dataset's test split."""
     cfg = recipe_config("cifar_cnn", ["--dataset", dataset, "--seed", str(seed), "--val-fraction", str(val_fraction)])
     try:
-        data = load_image_data(cfg, cfg.dataset, True, log=lambda *a: None)
+        data = load_image_data(cfg, cfg.dataset, True)
     except RecipeError as err:
         bad_input(str(err))
     held = data.val if data.val is not None else data.test

@@ -261,8 +261,8 @@ def sync_check(recipe: str, out: str, argv: list[str]) -> int:
         end_step(self)  # under the mode set after the step before: a checked step's end is checked too
         state["checked"] += state["on"]
         state["step"] = nxt = self.global_step + 1
-        state["on"] = bool(nxt % self.cfg.log_every and nxt < self.total_steps
-                           and self.batch + 1 < len(self.train_loader))  # this step was not the epoch's last
+        state["on"] = bool(nxt % self.cfg.log_every and nxt < self.ckpt.total_steps
+                           and self.ckpt.mid_epoch())  # this step was not the epoch's last
         torch.cuda.set_sync_debug_mode("error" if state["on"] else "default")
 
     def unchecked_close(self, err):  # the run's ending (summary.json after an error) is not the hot path

@@ -42,7 +42,7 @@ def worker(rank: int, mode: str, dataset: str, cache_dir: str, start, done, resu
     start.wait()  # every peer has imported: the libraries' shared pages are split as they will be later
     base = memory_kib()
     start.wait()  # every process loads at once, as the recipes do
-    data = load_image_data(CommonConfig(dataset=dataset, cache_dir=cache_dir, val_fraction=0.1), "", False, print,
+    data = load_image_data(CommonConfig(dataset=dataset, cache_dir=cache_dir, val_fraction=0.1), "", False,
                            mmap=(mode == "mmap"))
     if mode == "copy":  # the previous hold-out: both splits gathered into tensors of their own
         data.train, data.val = (ImageSplit(data.train.images, data.train.labels),
@@ -79,7 +79,7 @@ def main(argv=None):
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as cache_dir:
         data = load_image_data(CommonConfig(dataset=args.dataset, cache_dir=cache_dir, val_fraction=0.1), "",
-                               True, lambda *_: None)  # decode once, unmeasured
+                               True)  # decode once, unmeasured
         n = len(data.train) + len(data.val)
         mib = n * data.train.source_images[0].numel() / 2**20
         del data

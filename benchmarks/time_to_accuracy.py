@@ -224,7 +224,7 @@ def data_config(args, seed: int, cache_dir: Path):
 def load_split(args, seed: int, cache_dir: Path):
     """The recipe's data for this seed: its loader, its cache, its hold-out. Returns (train, val)."""
     try:
-        data = load_image_data(data_config(args, seed, cache_dir), args.dataset, True, log=lambda *a: None)
+        data = load_image_data(data_config(args, seed, cache_dir), args.dataset, True)
     except RecipeError as err:
         bad_input(str(err))
     if data.val is None:

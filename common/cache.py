@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from common import console
 from common.errors import DataError
 from common.files import create_exclusive as _create_exclusive
 from common.files import fsync_dir as _fsync_dir
@@ -182,9 +183,9 @@ def _identity(path: Path):
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def cached_split(path: Path, decode, what: str, class_names, is_main: bool, log, mmap: bool) -> ImageSplit:
+def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap: bool) -> ImageSplit:
     """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
-    say = log if is_main else (lambda *_: None)
+    say = console.say if is_main else (lambda *_: None)  # the process that decodes says what it does
     damage = None
     try:
         return _read_cache(path, mmap)

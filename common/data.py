@@ -11,7 +11,7 @@ Accepted sources (``--dataset``):
 - an image folder: ``<dir>/<class>/.../*.png`` (optionally under ``train/``, ``validation/``, ``test/``), read
   by torchvision's ImageFolder rules (``common.folders``).
 
-Contract of ``load_image_data(cfg, default_dataset, is_main, log)``:
+Contract of ``load_image_data(cfg, default_dataset, is_main)``:
 - Call it on EVERY process at the same time; it needs no collective and no main-first ordering.
   Each decoded split is cached in one file under ``--cache-dir`` (default
   ``~/.cache/accelerate-recipes``), keyed by the split's fingerprint and the decode settings. The first
@@ -21,7 +21,7 @@ Contract of ``load_image_data(cfg, default_dataset, is_main, log)``:
   memory-maps the same file, so the processes of a node share one copy of the images in the page cache
   instead of holding one copy each. The images are mapped copy-on-write: writing to them never touches
   the file.
-- Only the process with ``is_main=True`` prints (through ``log``) and shows a progress bar.
+- Only the process with ``is_main=True`` prints (``common.console.say``) and shows a progress bar.
 - Bad data raises ``common.errors.DataError`` (one paragraph naming the problem and the fix) on every
   process that meets it; a process that waited on a peer that failed raises the peer's message rather
   than decoding again.
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from common import cache, folders, sources
+from common.console import say
 from common.cache import default_cache_dir  # noqa: F401 - part of this module's interface
 from common.errors import DataError  # noqa: F401 - raised by everything here
 from common.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
@@ -67,7 +68,7 @@ def _label_map(what: str, class_names, str_map):
     return label_map
 
 
-def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, log, mmap: bool):
+def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, mmap: bool):
     """An image folder read by ``common.folders`` (torchvision's ImageFolder rules), each split decoded into (or
     read from) the cache under a key made of every file's path, class, size and times."""
     scan = folders.scan(path, name)
@@ -80,11 +81,11 @@ def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, l
 
         splits[split_name] = cache.cached_split(cache.cache_path(cache_dir, split.fingerprint, settings), decode,
                                                  f"the {split_name} split of {name} ({len(split)} images)",
-                                                 scan.class_names, is_main, log, mmap)
+                                                 scan.class_names, is_main, mmap)
     return splits, scan.class_names, scan.skipped_line()
 
 
-def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bool, state: str | None,
+def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, mmap: bool, state: str | None,
                    index: Path | None):
     """Each split of a table dataset (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``
     and decoded into (or read from) the cache. A local folder's splits are keyed by its files' identity too."""
@@ -112,21 +113,21 @@ def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, log, mmap: bo
         files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
         splits[split_name] = cache.cached_split(files[split_name], decode,
                                                  f"the {split_name} split of {name} ({len(split)} images)",
-                                                 class_names, is_main, log, mmap)
+                                                 class_names, is_main, mmap)
 
     if index is not None and is_main:
         cache.write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
     return splits, class_names
 
 
-def _same_channels(splits: dict, cfg, log, is_main: bool) -> dict:
+def _same_channels(splits: dict, cfg, is_main: bool) -> dict:
     """Without --channels, a grey split beside colour ones is read as RGB too (one note says so)."""
     counts = {k: v.image_shape[0] for k, v in splits.items()}
     if cfg.channels or set(counts.values()) != {1, 3}:
         return splits
     grey = [k for k, c in counts.items() if c == 1]
     if is_main:
-        log(f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
+        say(f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
             "(pass --channels 1 to train on grey).")
     out = dict(splits)
     for k in grey:
@@ -135,7 +136,7 @@ def _same_channels(splits: dict, cfg, log, is_main: bool) -> dict:
     return out
 
 
-def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, *, mmap: bool = True) -> ImageData:
+def load_image_data(cfg, default_dataset: str, is_main: bool = True, *, mmap: bool = True) -> ImageData:
     """Load, decode (or read from cache), split. Call on every process at once (see the module docstring).
 
     ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed.
@@ -145,7 +146,7 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     path, skipped = sources.local_folder(name), ""
     if path is not None and folders.is_image_folder(path):
-        splits, class_names, skipped = _decode_folder(cfg, path, name, cache_dir, is_main, log, mmap)
+        splits, class_names, skipped = _decode_folder(cfg, path, name, cache_dir, is_main, mmap)
     else:
         state = cache.source_state(name)  # a local folder's files, hashed; None for a Hub id
         index = cache.source_index_path(cache_dir, state, {"img": cfg.image_column, "lab": cfg.label_column,
@@ -154,8 +155,8 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, log=print, 
         if known is not None:  # a local folder decoded before and unchanged since: no `datasets` import, no scan
             splits, class_names = known
         else:
-            splits, class_names = _decode_source(cfg, name, cache_dir, is_main, log, mmap, state, index)
-    splits = _same_channels(splits, cfg, log, is_main)
+            splits, class_names = _decode_source(cfg, name, cache_dir, is_main, mmap, state, index)
+    splits = _same_channels(splits, cfg, is_main)
     shapes = {k: v.image_shape for k, v in splits.items()}
     if len(set(shapes.values())) > 1:
         raise DataError(f"The splits of {name!r} have different image shapes {shapes}. Pass --image-size N "

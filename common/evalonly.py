@@ -8,11 +8,26 @@ from pathlib import Path
 
 from common import checkpoint as ckpt
 from common.config import DECIDES_SPLIT, EVAL_OWN
+from common.console import say
 from common.errors import RecipeError, printable
 
 
+class EvalOnly:
+    """An --eval-only run: the run's own settings adopted (``note``: what differs, '' if nothing), then the
+    weights loaded (``weights``: their file) and scored."""
 
-def adopt_run_config(cfg, say) -> str:
+    def __init__(self, cfg):
+        self.cfg, self.note, self.weights = cfg, adopt_run_config(cfg), None
+
+    def load(self, accelerator, model, data) -> None:
+        self.weights = load_weights(self.cfg, accelerator, model)
+        check_data(self.weights, data, other_data=bool(self.note))
+
+    def report(self, accelerator, data, metrics: dict | None) -> bool:
+        """Printed and written beside the weights; True when --target-accuracy was missed."""
+        return report(self.cfg, accelerator, self.weights, self.note, data, metrics)
+
+def adopt_run_config(cfg) -> str:
     """Take the dataset, split and model settings from the run's config.json, so the weights are scored on
     the images the run held out; refuse overrides that would change the split. Returns a note ('' if none)."""
     root = Path(cfg.checkpoint).expanduser()
@@ -60,7 +75,7 @@ def load_weights(cfg, accelerator, model) -> Path:
     return found
 
 
-def check_data(weights: Path, data, say, other_data: bool) -> None:
+def check_data(weights: Path, data, other_data: bool) -> None:
     """Refuse to score weights on data that changed since their run: a folder that gained, lost or moved an
     image redraws the held-out split, which would then hold images the model trained on. The record is the
     model card's (best/, final/) or the checkpoint's. Skipped, with a note, when --dataset names other data
@@ -92,7 +107,7 @@ def check_data(weights: Path, data, say, other_data: bool) -> None:
         "data named by --dataset with a path of its own (e.g. a copy holding a test/ split).")
 
 
-def report(cfg, accelerator, say, weights: Path, note: str, data, metrics: dict | None) -> bool:
+def report(cfg, accelerator, weights: Path, note: str, data, metrics: dict | None) -> bool:
     """Print and write eval-<split>.json beside the weights (a new file if one exists). True when
     --target-accuracy was missed."""
     if metrics is None:

@@ -147,6 +147,17 @@ class StepChecks:
         self.guard, self.scale_watch = StepGuard(accelerator, optimizer), LossScaleWatch(accelerator.scaler)
         self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
         self.skipped_before, self.stopping = skipped_before, False
+        self.tracked = False  # a loss was tracked since the last batch ended (the loop called run.step)
+
+    def track(self, loss: torch.Tensor) -> None:
+        """A micro-step's loss into the step's sums, on the device (no sync)."""
+        self.guard.track(loss)
+        self.tracked = True
+
+    def batch_tracked(self) -> bool:
+        """Whether this batch's loss was tracked; the next batch starts untracked."""
+        tracked, self.tracked = self.tracked, False
+        return tracked
 
     def check(self, stop_requested: bool, step: int, epoch: int) -> None:
         """Before ``optimizer.step()``: the all-reduce, no sync; acts on the previous step's flags."""

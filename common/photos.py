@@ -145,7 +145,7 @@ def check_headers(split: PhotoSplit, what: str) -> None:
         raise unreadable_error(bad, len(split), what)
 
 
-def load_photos(cfg, default_dataset: str = "", is_main: bool = True, log=print) -> ImageData:
+def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageData:
     """An image folder (``common.folders`` rules) as PhotoSplits at ``cfg.image_size``; validation held out of
     train (``--val-fraction``, seeded) when the folder has no validation split."""
     from common import folders, sources

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.console import say
+
 
 class StepProfiler:
     """--profile N: skip one optimizer step, warm up one, then record N with the PyTorch profiler. Each
@@ -31,8 +33,8 @@ class StepProfiler:
         self.left -= 1
         if self.left <= 0:
             self.close()
-            self.accelerator.print(f"profiler: trace of {self.steps} optimizer step(s) per process written to "
-                                   f"{self.dir} (tensorboard --logdir {self.dir.parent}, PyTorch Profiler tab)")
+            say(f"profiler: trace of {self.steps} optimizer step(s) per process written to "
+                f"{self.dir} (tensorboard --logdir {self.dir.parent}, PyTorch Profiler tab)")
 
     def close(self):
         if self.prof is not None:

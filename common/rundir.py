@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from common.accelerator import on_main
+from common.console import say
 from common.checkpoint import find_latest, is_complete
 from common.errors import RecipeError, StorageError
 
@@ -175,44 +176,61 @@ def check_shared(accelerator, run_dir: Path, token: str | None) -> None:
             "run needs --output-dir on a filesystem every node mounts (NFS, Lustre, ...).")
 
 
-def claim(run) -> None:
-    """The main process resolves ``run``'s directory, checks a resume's settings (a refused resume changes
-    nothing there, its lock file included) and takes the lock; every rank then learns the directory, checks
-    that it sees the same folder, and takes the checkpoint's settings that decide what the run means."""
-    import copy
+class RunDir:
+    """Where a run writes: ``path``, the checkpoint it resumes (``resume_path``, or None), whether this start
+    made the folder (``made``), and the lock held on it for the run's life."""
 
-    from common.checkpoint import adopt_resume_settings
+    def __init__(self, path: Path, resume_path: Path | None, made: bool, lock: RunDirLock | None):
+        self.path, self.resume_path, self.made, self.lock = path, resume_path, made, lock
 
-    def claim_on_main():
-        run_dir, resume, made = resolve(run.cfg, run.recipe)
-        if resume is not None:
-            adopt_resume_settings(resume, copy.copy(run.cfg))
+    @classmethod
+    def claim(cls, cfg, recipe: str, accelerator) -> "RunDir":
+        """The main process resolves the directory, checks a resume's settings (a refused resume changes nothing
+        there, its lock file included) and takes the lock; every rank then learns the directory, checks that it
+        sees the same folder, and takes the checkpoint's settings that decide what the run means (into ``cfg``)."""
+        import copy
+
+        from common.checkpoint import adopt_resume_settings
+
+        lock = None
+
+        def claim_on_main():
+            nonlocal lock
+            run_dir, resume, made = resolve(cfg, recipe)
+            if resume is not None:
+                adopt_resume_settings(resume, copy.copy(cfg))
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise RecipeError(f"Cannot create the run directory {run_dir} ({err.strerror or err}): its filesystem "
+                                  "is read-only, full or not this user's. Pass --output-dir a folder this user can "
+                                  "write.") from None
+            lock = RunDirLock(run_dir)
+            return run_dir, resume, made, lock.token
+
+        path, resume, made, token = on_main(accelerator, claim_on_main)
+        claimed = cls(path, resume, made, lock)
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise RecipeError(f"Cannot create the run directory {run_dir} ({err.strerror or err}): its filesystem is "
-                              "read-only, full or not this user's. Pass --output-dir a folder this user can write.") from None
-        run.lock = RunDirLock(run_dir)
-        return run_dir, resume, made, run.lock.token
+            accelerator.project_configuration.set_directories(str(path))
+            accelerator.project_configuration.logging_dir = str(path)
+            check_shared(accelerator, path, token)
+            if resume is not None:  # before any data is read: the split depends on these settings
+                for note in adopt_resume_settings(resume, cfg):
+                    say(f"NOTE: {note}")
+        except BaseException:
+            claimed.release(started=False)
+            raise
+        return claimed
 
-    run.run_dir, run.resume_path, run.made_dir, token = on_main(run.accelerator, claim_on_main)
-    run.accelerator.project_configuration.set_directories(str(run.run_dir))
-    run.accelerator.project_configuration.logging_dir = str(run.run_dir)
-    check_shared(run.accelerator, run.run_dir, token)
-    if run.resume_path is not None:  # before any data is read: the split depends on these settings
-        for note in adopt_resume_settings(run.resume_path, run.cfg):
-            run.say(f"NOTE: {note}")
-
-
-def release(run) -> None:
-    """Release ``run``'s lock; a run directory this start created and wrote nothing into is removed (an error
-    before training leaves no trace)."""
-    if run.lock is None:
-        return
-    run.lock.release()
-    if not run.started and run.made_dir and is_empty(run.run_dir):
-        (run.run_dir / LOCK_FILE).unlink(missing_ok=True)
-        run.run_dir.rmdir()
+    def release(self, started: bool) -> None:
+        """Release the lock; a folder this start created and nothing was written into is removed (an error before
+        training leaves no trace)."""
+        if self.lock is None:
+            return
+        self.lock.release()
+        if not started and self.made and is_empty(self.path):
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+            self.path.rmdir()
 
 
 def storage_error(err: BaseException, run_dir) -> StorageError | None:

@@ -5,77 +5,88 @@ summary table printed at the end. Written atomically at the start of training an
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from importlib.metadata import version
 
 import torch
 
+from common.console import say
 from common.files import write_atomic
 
 
-def write(run, extra: dict) -> dict:
-    acc = run.accelerator
-    now = time.time()
-    summary = {
-        "recipe": run.recipe, "status": run.status, "start_id": run.start_id, "final": {},
-        "best": {run.cfg.monitor: run.best},
-        "epochs_completed": run.epoch, "global_step": run.global_step, "skipped_steps": run.skipped_steps,
-        "wall_time_s": round(now - run.t_start, 2),
-        "timing": {"train_start": run.train_start, "train_s": round(now - (run.train_start or now), 2), "compile_s": 0.0},
-        "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "accelerate": version("accelerate"), "datasets": version("datasets"),
-                     "platform": platform.platform()},
-        **extra,
-    }
-    if acc.is_main_process:
-        write_atomic(run.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
+class Summary:
+    """Writes ``<run>/summary.json`` from the values it is given (main process only). Owns what only it needs:
+    when this start began (``t_start``) and which start it is (``start_id``); ``train_start`` is set when training
+    starts, ``path`` when the run directory is known."""
 
+    def __init__(self, recipe: str, accelerator, t_start: float | None = None):
+        self.recipe, self.accelerator = recipe, accelerator
+        self.t_start = time.time() if t_start is None else t_start
+        # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
+        self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
+        self.train_start, self.path = None, None
 
-def write_ending(run, err) -> None:
-    """summary.json for a start that ended in ``err`` after the start of training. A stop while reading the data
-    (before it) is recorded too, so a requeue script sees this start's "preempted", not an earlier start's status."""
-    from common.errors import Preempted
+    def write(self, status: str, values: dict, extra: dict | None = None) -> dict:
+        """``values``: best ({monitor: value}), epochs_completed, global_step, skipped_steps; ``extra``: final, error."""
+        acc, now = self.accelerator, time.time()
+        summary = {
+            "recipe": self.recipe, "status": status, "start_id": self.start_id, "final": {}, **values,
+            "wall_time_s": round(now - self.t_start, 2),
+            "timing": {"train_start": self.train_start, "train_s": round(now - (self.train_start or now), 2),
+                       "compile_s": 0.0},
+            "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "accelerate": version("accelerate"), "datasets": version("datasets"),
+                         "platform": platform.platform()},
+            **(extra or {}),
+        }
+        if acc.is_main_process:
+            write_atomic(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+        return summary
 
-    if run.started or (isinstance(err, Preempted) and run.run_dir is not None):
-        try:
-            write(run, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
-        except OSError:  # a full disk: summary.json keeps its last whole version ("running")
-            pass
+    def write_ending(self, status: str, err, values: dict, started: bool) -> None:
+        """summary.json for a start that ended in ``err`` after the start of training. A stop while reading the data
+        (before it) is recorded too, so a requeue script sees this start's "preempted", not an earlier start's
+        status."""
+        from common.errors import Preempted
 
+        if started or (isinstance(err, Preempted) and self.path is not None):
+            try:
+                self.write(status, values,
+                           {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+            except OSError:  # a full disk: summary.json keeps its last whole version ("running")
+                pass
 
-def table(run, final: dict, summary: dict) -> str:
-    acc = run.accelerator
-    rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
-    rows += [("best " + run.cfg.monitor, f"{run.best:.4f}" if run.best is not None else "-"),
-             ("epochs completed", str(run.epoch)), ("optimizer steps", str(run.global_step)),
-             ("wall time", f"{summary['wall_time_s']:.1f} s"), ("processes", str(acc.num_processes)),
-             ("precision", acc.mixed_precision), ("run dir", str(run.run_dir))]
-    width = max(len(k) for k, _ in rows)
-    return "summary:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+    def finish(self, cfg, values: dict, split: str, final: dict, confusion) -> str:
+        """The end of a run that trained to its end: the --target-accuracy check decides the status (returned);
+        curves.png and confusion_matrix.png (the image TensorBoard got, titled with the step), summary.json and the
+        printed table."""
+        value = final.get(f"{split}/accuracy")
+        missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
+        status = "target_missed" if missed else "completed"
+        if self.accelerator.is_main_process:
+            from common.plots import save_curves_png, save_image_png
 
-
-def finish(run, split: str, final: dict, confusion) -> None:
-    """The end of a run that trained to its end: the --target-accuracy check decides the status and exit code;
-    curves.png and confusion_matrix.png (the image TensorBoard got, titled with the step), summary.json and the
-    printed table."""
-    from common.errors import EXIT_OK, EXIT_TARGET_MISSED
-
-    cfg = run.cfg
-    value = final.get(f"{split}/accuracy")
-    missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
-    run.status, run.exit_code = ("target_missed", EXIT_TARGET_MISSED) if missed else ("completed", EXIT_OK)
-    if run.accelerator.is_main_process:
-        from common.plots import save_curves_png, save_image_png
-
-        save_curves_png(run.run_dir / "metrics.jsonl", run.run_dir / "curves.png")
-        if confusion is not None:
-            save_image_png(confusion, run.run_dir / "confusion_matrix.png")
-    run.say(table(run, final, write(run, {"final": final})))
-    if missed:
-        run.say(f"TARGET MISSED: final {split} accuracy {value if value is None else f'{value:.4f}'} "
+            save_curves_png(self.path / "metrics.jsonl", self.path / "curves.png")
+            if confusion is not None:
+                save_image_png(confusion, self.path / "confusion_matrix.png")
+        say(self.table(cfg.monitor, values, final, self.write(status, values, {"final": final})))
+        if missed:
+            say(f"TARGET MISSED: final {split} accuracy {value if value is None else f'{value:.4f}'} "
                 f"is below --target-accuracy {cfg.target_accuracy:.4f}.")
-    elif cfg.target_accuracy:
-        run.say(f"target reached: final {split} accuracy {value:.4f} >= {cfg.target_accuracy:.4f}")
+        elif cfg.target_accuracy:
+            say(f"target reached: final {split} accuracy {value:.4f} >= {cfg.target_accuracy:.4f}")
+        return status
+
+    def table(self, monitor: str, values: dict, final: dict, summary: dict) -> str:
+        acc, best = self.accelerator, values["best"][monitor]
+        rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
+        rows += [("best " + monitor, f"{best:.4f}" if best is not None else "-"),
+                 ("epochs completed", str(values["epochs_completed"])),
+                 ("optimizer steps", str(values["global_step"])),
+                 ("wall time", f"{summary['wall_time_s']:.1f} s"), ("processes", str(acc.num_processes)),
+                 ("precision", acc.mixed_precision), ("run dir", str(self.path))]
+        width = max(len(k) for k, _ in rows)
+        return "summary:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from common import console
 from common.errors import ConfigError
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
@@ -167,10 +168,10 @@ class MetricsLog:
 
 class Throughput:
     """Per log window: global samples/s, the share of wall time spent waiting for data, the mean
-    gradient norm, peak memory."""
+    gradient norm, peak memory; and ``lr``, the learning rate the last step used (before the scheduler moved it)."""
 
     def __init__(self, device):
-        self.device = device
+        self.device, self.lr = device, None
         self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = time.perf_counter(), 0, 0.0, None, 0
 
     def add(self, samples: int, wait: float) -> None:
@@ -220,15 +221,15 @@ def format_duration(seconds: float) -> str:
 
 class Progress:
     """A tqdm bar per epoch in a terminal; in a log file a line every ``every_s`` seconds:
-    ``step 120/1407 (epoch 1/3) loss 0.2345 1,234 samples/s ETA 3m12s``. ``say`` prints through the
-    bar (tqdm.write) so messages never land on top of it. Main process only."""
+    ``step 120/1407 (epoch 1/3) loss 0.2345 1,234 samples/s ETA 3m12s``. While a bar is shown,
+    ``common.console.say`` prints through it, so messages never land on top of it. Main process only."""
 
     def __init__(self, accelerator, total_steps: int, epochs: int, every_s: float, eval_every: int = 1,
                  eval_every_steps: int = 0):
         self.accelerator, self.total, self.epochs, self.every_s = accelerator, total_steps, epochs, every_s
         self.eval_every, self.eval_every_steps = max(1, eval_every), eval_every_steps
         self.tty, self.bar = on_terminal(accelerator), None
-        self.t_start, self.step_start, self.last_line = time.time(), None, time.time()
+        self.t_start, self.step_start, self.last_line, self.epoch_t0 = time.time(), None, time.time(), time.time()
         self.eval_s, self.last_eval_s = 0.0, None  # evaluation time so far, and the last one's
 
     def note_eval(self, seconds: float | None) -> None:
@@ -252,32 +253,30 @@ class Progress:
             evals += (self.total - step) // self.eval_every_steps
         return format_duration(left + evals * self.last_eval_s)
 
-    def say(self, text: str) -> None:
-        if not self.accelerator.is_main_process:
-            return
-        if self.bar is not None:
-            from tqdm.auto import tqdm
-
-            tqdm.write(text, file=sys.stdout)
-        else:
-            print(text, flush=True)
-
     def wrap(self, iterable, epoch: int, initial: int, total: int):
         if not self.tty:
             return iterable
         from tqdm.auto import tqdm
 
         self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.epochs}", initial=initial, total=total, leave=False)
+        console.show_bar(self.bar)  # messages go through it meanwhile
         return self.bar
 
     def close_bar(self) -> None:
         if self.bar is not None:
+            console.show_bar(None)
             self.bar.close()
             self.bar = None
 
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: the ETA counts from here."""
         self.step_start, self.t_start, self.eval_s = step, time.time(), 0.0
+
+    def begin_epoch(self) -> None:
+        self.epoch_t0 = time.time()
+
+    def epoch_seconds(self) -> float:
+        return time.time() - self.epoch_t0
 
     def update(self, step: int, epoch: int, loss: float | None, samples_per_s: float | None) -> None:
         """At a log step: postfix the bar, or print a line when ``every_s`` has passed."""
@@ -293,5 +292,4 @@ class Progress:
         self.last_line = now
         eta = self.eta(step, epoch, now)
         speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
-        print(f"step {step}/{self.total} (epoch {epoch + 1}/{self.epochs}) loss {loss:.4f}{speed} ETA {eta}",
-              flush=True)
+        console.say(f"step {step}/{self.total} (epoch {epoch + 1}/{self.epochs}) loss {loss:.4f}{speed} ETA {eta}")

@@ -14,72 +14,83 @@ import time
 import numpy as np
 
 from common import checkpoint as ckpt
+from common.console import say
 
 
-class Validation:
-    def __init__(self, run, best):
-        self.run, self.best = run, best
-        self.now = False                # an --eval-every-steps evaluation is due at this step (set by end_step)
+class Evaluator:
+    """Owns the evaluation schedule, the best --monitor value and best/, and the epoch's evaluation result.
+    ``evaluate``: the recipe's function returning validation metrics (``common.metrics.evaluate``); ``model``: the
+    module scored and saved (the trained model, or an EMA copy); ``card``: model.json's fields for best/ and final/."""
+
+    def __init__(self, cfg, accelerator, evaluate, model, data, log, card: dict, run_dir, best):
+        self.cfg, self.accelerator, self.evaluate, self.model = cfg, accelerator, evaluate, model
+        self.data, self.log, self.card, self.run_dir, self.best = data, log, card, run_dir, best
+        self.now = False                # an --eval-every-steps evaluation is due at this step (set by at_step)
         self.checkpoint_after = False   # ... and --checkpoint-every fell on it too: checkpoint after the result
         self.evaluated_step = None      # the step whose weights were evaluated last
         self.epoch_result = None        # the epoch's evaluation, for the epoch line
+        self.seconds = None             # how long the last evaluation took
 
     def at_step(self, step: int, checkpoint_now: bool, mid_epoch: bool) -> bool:
-        """end_step: is an evaluation due at this step? True when the step's checkpoint must wait for it."""
-        every = self.run.cfg.eval_every_steps
-        self.now = bool(every and step % every == 0) and self.run.data.val is not None  # else nothing to evaluate
+        """After an optimizer step: is an --eval-every-steps evaluation due? True when the step's checkpoint must
+        wait for it."""
+        every = self.cfg.eval_every_steps
+        self.now = bool(every and step % every == 0) and self.data.val is not None  # else nothing to evaluate
         self.checkpoint_after = self.now and checkpoint_now and mid_epoch
         return self.checkpoint_after
 
-    def due(self, in_epoch: bool, epoch_end_due) -> bool:
-        run = self.run
-        if run.data.val is None or self.evaluated_step == run.global_step:
+    def due(self, step: int, in_epoch: bool, epoch_end_due) -> bool:
+        """Inside the batch loop, at an --eval-every-steps step; after it, when ``epoch_end_due()``. Never twice for
+        the same weights."""
+        if self.data.val is None or self.evaluated_step == step:
             return False
         return self.now if in_epoch else epoch_end_due()
 
-    def record(self, metrics: dict, model) -> None:
-        run, cfg = self.run, self.run.cfg
-        self.log("eval", metrics, run.data.val)
-        self.evaluated_step = run.global_step
+    def run(self, step: int, epoch: int, mid_epoch: bool) -> bool:
+        """Evaluate, log the result and keep the model in best/ when --monitor improved. True when this step's
+        checkpoint was waiting for the result (the caller writes it now)."""
+        metrics = self.evaluate()
+        cfg = self.cfg
+        self.seconds = metrics.get("seconds") if metrics else None
+        self.log_result("eval", metrics, self.data.val, step)
+        self.evaluated_step = step
         value = metrics[cfg.monitor.split("/", 1)[1]]
         if self.best is None or (value > self.best if cfg.mode == "max" else value < self.best):
             self.best = value
-            ckpt.save_model_dir(run.accelerator, model, run.run_dir / "best",
-                                {**run.card, "metrics": {cfg.monitor: value}, "epoch": run.epoch + 1,
-                                 "step": run.global_step})
-        if self.now and run.batch + 1 < len(run.train_loader):  # mid-epoch: its own line, not the epoch's
-            run.say(f"eval at step {run.global_step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
-                    f"({metrics['count']} images)")
+            ckpt.save_model_dir(self.accelerator, self.model, self.run_dir / "best",
+                                {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step})
+        if self.now and mid_epoch:  # mid-epoch: its own line, not the epoch's
+            say(f"eval at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
+                f"({metrics['count']} images)")
         else:
             self.epoch_result = metrics
         self.now = False
-        if self.checkpoint_after:  # the checkpoint of this step knows this result
-            self.checkpoint_after = False
-            run.checkpoint(batches_in_epoch=run.batch + 1)
+        checkpoint_after, self.checkpoint_after = self.checkpoint_after, False
+        return checkpoint_after
 
-    def log(self, split: str, metrics: dict, data_split, final: bool = False) -> np.ndarray | None:
+    def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> np.ndarray | None:
         """Scalars to metrics.jsonl and the trackers, images to TensorBoard; returns the confusion matrix image."""
-        run = self.run
         per_class = {f"{split}/accuracy_class/{name}": acc
-                     for name, acc in zip(run.data.class_names, metrics.get("per_class_accuracy", []))}
-        run.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
-                    step=run.global_step, extra={f"{split}_time": round(time.time(), 3),
-                                                 f"{split}_seconds": round(metrics["seconds"], 3)})
-        return run.log.images(split, metrics, data_split, run.data.class_names, run.global_step, final)
+                     for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
+        self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
+                     step=step, extra={f"{split}_time": round(time.time(), 3),
+                                       f"{split}_seconds": round(metrics["seconds"], 3)})
+        return self.log.images(split, metrics, data_split, self.data.class_names, step, final)
 
     def epoch_line(self) -> str:
-        m = self.epoch_result
+        """The epoch's evaluation for its line ('' when the epoch was not evaluated); the next epoch starts empty."""
+        m, self.epoch_result = self.epoch_result, None
         return "" if m is None else f" | eval loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)"
 
-    def final(self, model, metrics: dict | None):
+    def final(self, metrics: dict | None, step: int, epochs_completed: int):
         """The final evaluation (test split, else validation) logged, and final/ written: (split, scalars, confusion
         matrix image)."""
-        run = self.run
-        split = "test" if run.data.test is not None else "val"
+        split = "test" if self.data.test is not None else "val"
         final, confusion = {}, None
         if metrics is not None:
-            confusion = self.log(split, metrics, run.data.test if split == "test" else run.data.val, final=True)
+            confusion = self.log_result(split, metrics, self.data.test if split == "test" else self.data.val, step,
+                                        final=True)
             final = {f"{split}/{k}": metrics[k] for k in ("loss", "accuracy", "count")}
-        ckpt.save_model_dir(run.accelerator, model, run.run_dir / "final",
-                            {**run.card, "metrics": final, "epoch": run.epoch, "step": run.global_step})
+        ckpt.save_model_dir(self.accelerator, self.model, self.run_dir / "final",
+                            {**self.card, "metrics": final, "epoch": epochs_completed, "step": step})
         return split, final, confusion

@@ -31,6 +31,7 @@ import accelerate_recipes  # noqa: F401  (first: says so if a package of yours n
 from common import vision
 from common.augment import BatchTransform
 from common.config import CommonConfig, LRRule, knob, parse_config
+from common.console import say
 from common.metrics import evaluate
 from common.photos import load_photos, photo_loader, photo_stats
 from common.run import TrainingRun
@@ -101,7 +102,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
     if cfg.weights and not cfg.eval_only:
-        run.say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes))
+        say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes))
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
     optimizer = build_optimizer(cfg, model, data.num_classes)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(

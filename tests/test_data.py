@@ -4,6 +4,9 @@ the held-out split is an index (no copy), and layout mistakes get messages that 
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import json
 import os
 import subprocess
@@ -45,7 +48,12 @@ def cache_files(cache_dir: Path) -> list[Path]:
 
 
 def load(dataset, cache_dir, logs=None, **kw):
-    return load_image_data(config(dataset, cache_dir, **kw), "", True, (logs if logs is not None else []).append)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # what common.console.say printed
+        data = load_image_data(config(dataset, cache_dir, **kw), "", True)
+    if logs is not None:
+        logs.extend(said.getvalue().splitlines())
+    return data
 
 
 # --- 11.11: damage, durability, stale temporary files ---------------------------------------------
@@ -146,7 +154,7 @@ SECOND_LOAD = textwrap.dedent("""
     from common.config import CommonConfig
     from common.data import load_image_data
 
-    data = load_image_data(CommonConfig(dataset=sys.argv[1], cache_dir=sys.argv[2]), "", True, print)
+    data = load_image_data(CommonConfig(dataset=sys.argv[1], cache_dir=sys.argv[2]), "", True)
     print("datasets imported:", "datasets" in sys.modules, "train", len(data.train), "test", len(data.test),
           "classes", ",".join(data.class_names), "sum", int(data.train.images.sum()))
 """)
@@ -196,7 +204,7 @@ RACER = textwrap.dedent("""
     results = []
     for dataset in datasets:
         try:
-            d = data.load_image_data(CommonConfig(dataset=dataset, cache_dir=cache), "", rank == "0", print)
+            d = data.load_image_data(CommonConfig(dataset=dataset, cache_dir=cache), "", rank == "0")
             results.append({"train": d.train.images.sum().item(), "val": d.val.labels.tolist(),
                             "test": d.test.images.sum().item()})
         except data.DataError as err:
@@ -272,7 +280,7 @@ def test_images_are_memory_mapped_and_the_hold_out_copies_nothing(small, tmp_pat
     # copy-on-write: writing to the mapped images never changes the cache
     data.train.source_images[0] += 1
     assert torch.equal(load(small, tmp_path / "c", val_fraction=0.0).train.images, full.images)
-    in_memory = load_image_data(config(small, tmp_path / "c", val_fraction=0.25, seed=3), "", True, print, mmap=False)
+    in_memory = load_image_data(config(small, tmp_path / "c", val_fraction=0.25, seed=3), "", True, mmap=False)
     assert torch.equal(in_memory.val.images, full.images[val_idx])
 
 

@@ -397,7 +397,7 @@ def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp
     real = TrainingRun.guard_step
 
     def stop_on_the_last_step(self, grad_norm=None):
-        if self.global_step + 1 == self.total_steps:
+        if self.global_step + 1 == self.ckpt.total_steps:
             self.stop.reason = "a test's stop request"
         return real(self, grad_norm)
 

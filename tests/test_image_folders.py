@@ -7,6 +7,9 @@ code, no recipe); the eval-only and 2-process cases run real recipe processes.""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import json
 import os
 import subprocess
@@ -26,7 +29,12 @@ from common.data import DataError, load_image_data
 
 def load(root, tmp_path, logs=None, **kw):
     cfg = CommonConfig(dataset=str(root), cache_dir=str(tmp_path / "cache"), **kw)
-    return load_image_data(cfg, "", True, (logs if logs is not None else []).append)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # what common.console.say printed
+        data = load_image_data(cfg, "", True)
+    if logs is not None:
+        logs.extend(said.getvalue().splitlines())
+    return data
 
 
 def all_images(data) -> list[bytes]:
@@ -292,7 +300,7 @@ RANK_VIEW = textwrap.dedent("""
     from common.config import CommonConfig
     from common.data import data_fingerprint, load_image_data
     data = load_image_data(CommonConfig(dataset=sys.argv[1], cache_dir=sys.argv[2]), "",
-                           os.environ["RANK"] == "0", lambda *_: None)
+                           os.environ["RANK"] == "0")
     print(json.dumps({"rank": int(os.environ["RANK"]), "fingerprint": data_fingerprint(data),
                       "classes": data.class_names, "sizes": [len(data.train), len(data.val), len(data.test)],
                       "test": data.test.labels.tolist()}), flush=True)

@@ -1,0 +1,148 @@
+"""The run's position (epoch, batch, optimizer step) and its checkpoints: when one is written, what it holds,
+and resuming from one: the newest readable checkpoint (past a damaged one), the checks that refuse a resume that
+would change what the run means, and the notes on what a resume changed (hyperparameters, schedule length).
+
+``common.checkpoint`` is the file format underneath (crash-safe writes, completion markers, model folders)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from common import checkpoint as ckpt
+from common.accelerator import on_main
+from common.console import say
+from common.errors import RecipeError
+from common.files import move_aside
+from common.schedule import lr_multiplier
+
+
+class Checkpointer:
+    """Owns the position: ``epoch`` (0-based, the one running), ``batch`` (batches of it consumed, or the one
+    running inside the loop's body), ``global_step`` (optimizer steps taken), ``start_batch`` (where a resumed epoch
+    starts) and ``saved_step`` (the step of the newest checkpoint written or resumed); the run's length
+    (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a resume compares."""
+
+    def __init__(self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int,
+                 data_fingerprint: str):
+        self.cfg, self.accelerator, self.run_dir, self.resume_path = cfg, accelerator, run_dir, resume_path
+        self.batches_per_epoch = batches_per_epoch
+        self.steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
+        self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
+        self.data_fingerprint = data_fingerprint
+        self.epoch = self.batch = self.start_batch = self.global_step = 0
+        self.saved_step = None
+
+    @property
+    def done(self) -> bool:
+        """Every optimizer step of the run (--epochs, or --max-steps) taken."""
+        return self.global_step >= self.total_steps
+
+    def mid_epoch(self) -> bool:
+        """The batch running is not the epoch's last."""
+        return self.batch + 1 < self.batches_per_epoch
+
+    # --- resume or fresh start -------------------------------------------------------------------
+
+    def start(self, model, optimizer, scheduler) -> dict:
+        """Fresh, or resumed exactly from the newest complete checkpoint into everything prepared. Sets the position
+        and returns the rest of the checkpoint's state (``best``, ``skipped_steps``). Restores a best/ or final/ a
+        crash left mid-swap, and writes config.json (a resume continued in a new folder gets one too)."""
+        from common.config import save_config
+
+        if self.accelerator.is_main_process:
+            ckpt.restore_interrupted_swaps(self.run_dir)
+        state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
+        if self.resume_path is not None:
+            state = self._resume_newest_readable(model, optimizer, scheduler)
+            self.saved_step = state["global_step"]
+        elif self.cfg.resume_from == "latest":
+            say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
+        if self.accelerator.is_main_process and (self.resume_path is None
+                                                 or not (self.run_dir / "config.json").exists()):
+            save_config(self.cfg, self.run_dir / "config.json")
+        self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
+        return state
+
+    def _resume_newest_readable(self, model, optimizer, scheduler) -> dict:
+        """--resume-from latest falls back past a checkpoint that was marked complete but cannot be read (a power
+        loss while it was written), and says so; the damaged folder is renamed damaged-step-N (damaged-step-N.2, ...
+        when that step was damaged before) and kept."""
+        while True:
+            try:
+                return self._resume_from(self.resume_path, model, optimizer, scheduler)
+            except ckpt.DamagedCheckpoint as err:
+                damaged = self.resume_path
+                older = [p for p in ckpt.complete_checkpoints(self.run_dir) if p.name < damaged.name]
+                if self.cfg.resume_from != "latest" or not older:
+                    raise RecipeError(f"Cannot resume from {damaged}: {err}. "
+                                      + ("Pass --resume-from latest to fall back to an older checkpoint, or another "
+                                         "checkpoint folder." if older else "No older complete checkpoint exists: "
+                                         "start a new run with a new --output-dir.")) from None
+                self.accelerator.wait_for_everyone()  # every rank has seen the damage before the folder moves
+                # a copy damaged before (the fallback re-wrote this step) keeps its name: this one gets damaged-step-N.2
+                kept = on_main(self.accelerator, lambda: move_aside(damaged, f"damaged-{damaged.name}").name)
+                say(f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
+                    f"{kept} and the run resumes from the previous one, {older[-1]}.")
+                self.resume_path = older[-1]
+
+    def _resume_from(self, path: Path, model, optimizer, scheduler) -> dict:
+        cfg, acc = self.cfg, self.accelerator
+        state = ckpt.read_state(path)
+        notes = ckpt.check_resumable(path, state, cfg, acc, model)
+        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+            raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' "
+                              "labels or the images held out for validation are not the same (the dataset folder "
+                              "changed, or another dataset was given). Resuming would validate on other images than "
+                              "the run did. Resume on the run's own data, or start a new run with a new --output-dir.")
+        if state["config"].get("epochs", cfg.epochs) != cfg.epochs:
+            notes.append(self._schedule_change_note(state))
+        if cfg.resume_from != "latest":
+            moved = on_main(acc, lambda: ckpt.supersede_newer(self.run_dir, state["global_step"]))
+            if moved:
+                notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
+                             f"renamed ({', '.join(moved)}) and will not be resumed from.")
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
+        acc.load_state(str(path))
+        changes = ckpt.apply_hyperparameters(optimizer, scheduler, fresh, cfg)
+        for note in notes:
+            say(f"NOTE: {note}")
+        if changes:
+            say(f"NOTE: applied from the command line over the checkpoint's values: {', '.join(changes)}")
+        say(f"resumed from {path}: epoch {state['epoch'] + 1}, batch {state['batches_in_epoch']}, "
+            f"step {state['global_step']}")
+        return state
+
+    def _schedule_change_note(self, state: dict) -> str:
+        cfg, step, old_epochs = self.cfg, state["global_step"], state["config"]["epochs"]
+
+        def multiplier(epochs):
+            total = self.steps_per_epoch * epochs
+            return lr_multiplier(step, total, int(round(cfg.warmup_fraction * total)), cfg.schedule,
+                                 cfg.warmup_start, cfg.final_lr)
+
+        return (f"--epochs {cfg.epochs} differs from the run's {old_epochs}: the LR schedule is recomputed for "
+                f"{self.steps_per_epoch * cfg.epochs} steps instead of {self.steps_per_epoch * old_epochs}, so at step "
+                f"{step} the learning rate moves from {multiplier(old_epochs):.3g} to {multiplier(cfg.epochs):.3g} of "
+                f"its peak and follows the new curve from there; the result will differ from a run started with "
+                f"--epochs {cfg.epochs}.")
+
+    # --- writing ---------------------------------------------------------------------------------
+
+    def due(self) -> bool:
+        """--checkpoint-every falls on the step just taken."""
+        every = self.cfg.checkpoint_every
+        return bool(every and self.global_step % every == 0)
+
+    def save(self, model, best, skipped_steps: int, batches_in_epoch: int | None = None,
+             epoch: int | None = None) -> Path:
+        """A crash-safe checkpoint of everything prepared and the position (``common.checkpoint``): by default
+        after the batch running (``batch + 1`` batches of ``epoch`` consumed)."""
+        state = {"epoch": self.epoch if epoch is None else epoch,
+                 "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
+                 "global_step": self.global_step, "best": best, "skipped_steps": skipped_steps,
+                 "data_fingerprint": self.data_fingerprint, **ckpt.checkpoint_meta(self.cfg, self.accelerator, model)}
+        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
+        self.saved_step = self.global_step
+        return path
