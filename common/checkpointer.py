@@ -6,11 +6,14 @@ would change what the run means, and the notes on what a resume changed (hyperpa
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 
 from common import checkpoint as ckpt
 from common.accelerator import on_main
+from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH
 from common.console import say
 from common.errors import RecipeError
 from common.files import move_aside
@@ -89,7 +92,7 @@ class Checkpointer:
     def _resume_from(self, path: Path, model, optimizer, scheduler) -> dict:
         cfg, acc = self.cfg, self.accelerator
         state = ckpt.read_state(path)
-        notes = ckpt.check_resumable(path, state, cfg, acc, model)
+        notes = check_resumable(path, state, cfg, acc, model)
         if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
             raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' "
                               "labels or the images held out for validation are not the same (the dataset folder "
@@ -105,7 +108,7 @@ class Checkpointer:
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
         acc.load_state(str(path))
-        changes = ckpt.apply_hyperparameters(optimizer, scheduler, fresh, cfg)
+        changes = apply_hyperparameters(optimizer, scheduler, fresh, cfg)
         for note in notes:
             say(f"NOTE: {note}")
         if changes:
@@ -142,7 +145,99 @@ class Checkpointer:
         state = {"epoch": self.epoch if epoch is None else epoch,
                  "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
                  "global_step": self.global_step, "best": best, "skipped_steps": skipped_steps,
-                 "data_fingerprint": self.data_fingerprint, **ckpt.checkpoint_meta(self.cfg, self.accelerator, model)}
+                 "data_fingerprint": self.data_fingerprint, **checkpoint_meta(self.cfg, self.accelerator, model)}
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
         self.saved_step = self.global_step
         return path
+
+
+# --- what a resume refuses, takes and applies ------------------------------------------------------------------------------------
+
+def checkpoint_meta(cfg, accelerator, model) -> dict:
+    """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
+    import dataclasses
+
+    return {"seed": cfg.seed, "world_size": accelerator.num_processes, "global_batch": cfg.batch_size,
+            "config": dataclasses.asdict(cfg), "model_signature": ckpt.model_signature(accelerator.unwrap_model(model))}
+
+
+def adopt_resume_settings(path: Path, cfg) -> list[str]:
+    """Before the data is read: the checkpoint's seed, validation fraction, accumulation and dataset, unless
+    the command line gives another value, which is refused (it would validate on trained-on images, or
+    resume at the wrong data position). Returns notes on what was taken from the checkpoint."""
+    try:
+        saved = ckpt.read_state(path).get("config", {})
+    except ckpt.DamagedCheckpoint:  # the resume falls back to an older checkpoint; the run's settings are the same
+        try:
+            saved = json.loads((Path(path).parents[1] / "config.json").read_text())
+        except (OSError, ValueError):
+            return []
+    explicit = getattr(cfg, "explicit", set())
+    refused, taken = [], []
+    for key, why in RESUME_MUST_MATCH.items():
+        if key not in saved or getattr(cfg, key) == saved[key]:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key in explicit:
+            refused.append(f"{flag} {getattr(cfg, key)!r} (the run used {saved[key]!r}: {why})")
+        else:
+            setattr(cfg, key, saved[key])
+            taken.append(f"{flag} {saved[key]!r}")
+    if refused:
+        raise RecipeError(f"Refusing to resume from {path} with {'; '.join(refused)}. Resume without "
+                          f"{'that flag' if len(refused) == 1 else 'those flags'} (the run's own values are then "
+                          "used), or start a new run with a new --output-dir. Nothing was changed.")
+    return [f"resuming with the run's own {', '.join(taken)} (from the checkpoint)"] if taken else []
+
+
+def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[str]:
+    """Refuse a checkpoint of another model or global batch; return notes on what else changed."""
+    mine, theirs = ckpt.model_signature(accelerator.unwrap_model(model)), state.get("model_signature", {})
+    if mine != theirs:
+        diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
+        raise RecipeError(
+            f"The checkpoint {path} was written by a different model (first differences: {', '.join(diff[:4])}). "
+            "Resume with the same recipe and model settings (see the config.json in its run directory), or "
+            "start a new run with a new --output-dir.")
+    if state["global_batch"] != cfg.batch_size:
+        raise RecipeError(
+            f"The checkpoint {path} was trained with global batch {state['global_batch']}, this run asks for "
+            f"{cfg.batch_size}. The data position would be wrong; resume with --batch-size {state['global_batch']} "
+            "(the per-process batch adapts to the number of processes).")
+    notes = []
+    # the must-match ones were settled before; the applied and the free ones need no note
+    noted = {f.name for f in dataclasses.fields(cfg)} - set(RESUME_MUST_MATCH) - RESUME_APPLIED - RESUME_FREE
+    changed = {k: (v, getattr(cfg, k)) for k, v in state["config"].items() if k in noted and getattr(cfg, k) != v}
+    if changed:
+        notes.append(f"resuming with changed settings {changed}; the result will differ from the original run.")
+    if state["world_size"] != accelerator.num_processes:
+        notes.append(f"the checkpoint was written by {state['world_size']} process(es), this run has "
+                     f"{accelerator.num_processes}. The global batch ({cfg.batch_size}) and data order are kept; "
+                     "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted one.")
+    return notes
+
+
+def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[str]:
+    """After ``load_state`` restored the checkpoint's optimizer and scheduler: put back the optimizer
+    hyperparameters this command line asked for (``common.config.RESUME_APPLIED``, e.g. the
+    learning rate, weight decay, momentum; ``fresh``: the param groups' values before loading), keeping the
+    schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
+    def show(value):
+        return ",".join(f"{v:g}" for v in value) if isinstance(value, (tuple, list)) else f"{value:g}"
+
+    changes = []
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # the LambdaLR inside Accelerate's wrapper
+    for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
+        for key in RESUME_APPLIED & {f.name for f in dataclasses.fields(cfg)}:
+            if key == "lr":
+                old, new = group.get("initial_lr", group["lr"]), want.get("initial_lr", want["lr"])
+                if old != new:
+                    group["initial_lr"] = new
+                    scheduler.base_lrs[i] = new
+                    group["lr"] = new * scheduler.lr_lambdas[i](scheduler.last_epoch)
+                    changes.append(f"lr {old:g} -> {new:g}")
+            elif key in group and group[key] != want.get(key):
+                changes.append(f"{key} {show(group[key])} -> {show(want[key])}")
+                group[key] = want[key]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    return sorted(set(changes))

@@ -190,7 +190,7 @@ class RunDir:
         sees the same folder, and takes the checkpoint's settings that decide what the run means (into ``cfg``)."""
         import copy
 
-        from common.checkpoint import adopt_resume_settings
+        from common.checkpointer import adopt_resume_settings
 
         lock = None
 
