@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.errors import EXIT_BAD_INPUT, ConfigError, printable
+from common.errors import ConfigError, report
 
 
 def knob(default, help: str, choices=None):
@@ -240,7 +240,7 @@ class _Parser(argparse.ArgumentParser):
                             "the recipe that has it, or use that recipe")
             if hf:
                 message += f"; in these recipes: {'; '.join(hf)}"
-        self.exit(EXIT_BAD_INPUT, f"error: {message}. Run with --help to see every option and its default.\n")
+        self.exit(report(ConfigError(f"{message}. Run with --help to see every option and its default.")))
 
 
 def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
@@ -350,8 +350,7 @@ def parse_config(cls, argv=None, description: str = ""):
         cfg = cls(**values)
         validate(cfg)  # first: the rule needs a valid --batch-size
     except ConfigError as err:
-        sys.stderr.write(f"error: {printable(err)}\n")  # it may quote a key of the --config file
-        raise SystemExit(EXIT_BAD_INPUT)
+        raise SystemExit(report(err))  # it may quote a key of the --config file: escaped
     cfg.explicit = given  # not a dataclass field: not saved, not logged
     # The same command gives the same lr, so --resume-from latest resumes with the lr the run started with.
     # NOTE: a run started before recipes had a rule, at another batch and without --lr, resumes with the rule's

@@ -8,9 +8,11 @@ every non-zero worker exit reaches the shell as 1, so a run also records how it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+from datetime import timedelta
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1    # a tool's own check failed (export: onnxruntime disagrees with PyTorch)
@@ -65,15 +67,53 @@ def printable(text) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
+SAID_ONCE_WAIT_S = 15.0  # how long a process waits for the main process to say the same bad input
+
+
 def report(err: RecipeError) -> int:
-    """Print ``err`` as one paragraph on stderr (prefixed with the rank in a multi-process job) and return
-    its exit code. Every command of this repository ends a user error this way. Messages often quote what a
-    file held, so control characters are escaped (a line break an embedded message carries is kept)."""
+    """Print ``err`` as one paragraph on stderr and return its exit code. Every command of this repository ends a
+    user error this way. Messages often quote what a file held, so control characters are escaped (a line break an
+    embedded message carries is kept).
+
+    In a job of several processes the message carries its rank, and bad input (the same data, flags or files stop
+    every process alike) is said once: the main process says it and posts it in the launcher's key-value store; any
+    other process waits for that (up to ``SAID_ONCE_WAIT_S``) and prints its own only when it differs or never
+    came. Waiting also keeps a process from exiting first, which would make the launcher stop the main process
+    before it has said anything. Other errors (a non-finite loss: each process says it stopped) print on every
+    process."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     message = "\n".join(printable(line) for line in str(err).split("\n"))
+    store = _job_store() if world > 1 and err.exit_code == EXIT_BAD_INPUT else None
+    key = f"accelerate-recipes/said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if store is not None and rank != 0 and _said_by_main(store, key) == message:
+        return err.exit_code
     sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {message}\n")
     sys.stderr.flush()
+    if store is not None and rank == 0:
+        with contextlib.suppress(Exception):  # the others then print theirs
+            store.set(key, message)
     return err.exit_code
+
+
+def _job_store():
+    """A client of the launcher's key-value store (torchrun's, at MASTER_ADDR:MASTER_PORT), or None."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    try:
+        import torch.distributed as dist
+
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=5))
+    except Exception:  # noqa: BLE001 - no store to reach: every process prints its own
+        return None
+
+
+def _said_by_main(store, key: str) -> str | None:
+    try:
+        store.wait([key], timedelta(seconds=SAID_ONCE_WAIT_S))
+        return store.get(key).decode()
+    except Exception:  # noqa: BLE001 - not said in time (the main process runs on, or failed otherwise)
+        return None
 
 
 def run_command(run, args) -> int:

@@ -106,15 +106,12 @@ class TrainingRun:
             err, self.status = caught, caught.status
             if isinstance(caught, Preempted):
                 say(str(caught))
-            else:
-                report(caught)
         except BaseException as caught:
             storage = storage_error(caught, self.dir.path if self.dir else None)  # a full or read-only disk
             if storage is None:  # a bug or an interrupt: recorded, then raised with its traceback
                 err, self.status = caught, "crashed"
                 raise
             err, self.status = storage, storage.status
-            report(storage)
         finally:
             self._close(err)
         return EXIT_CODES[self.status]
@@ -122,6 +119,8 @@ class TrainingRun:
     def _close(self, err) -> None:
         if err is not None:
             self.summary.write_ending(self.status, err, self._position(), started=self.ckpt is not None)
+        if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
+            report(err)                   # for the main one to say it (common.errors.report)
         for part in (self.stop, self.profiler):  # signal handlers and the launcher watch; a --profile trace
             if part is not None:
                 part.close()

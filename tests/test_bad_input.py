@@ -128,3 +128,62 @@ def test_output_dir_of_another_run_is_not_overwritten(tmp_path, env, mnist_like)
                        "already holds a run", "--resume-from latest")
     assert (run / "config.json").read_text() == '{"mine": true}'
     assert sorted(p.name for p in run.iterdir()) == ["config.json"]
+
+
+# --- said once in a job of several processes ---------------------------------------------------------
+
+def error_paragraphs(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "error: " in line and not line.startswith(" ")]
+
+
+@pytest.mark.parametrize("case", ["flag", "data"])
+def test_bad_input_on_two_processes_is_said_once(tmp_path, env, case):
+    """The same bad input stops both processes; the job says it once (the main process), not once per rank."""
+    from conftest import launch
+
+    root = tmp_path / "d"
+    write_image_folder(root / "train", n_per_class=4, classes=("cat", "dog"))
+    write_image_folder(root / "test", n_per_class=2, classes=("cat", "dog", "horse"))
+    args = ["--dataset", root, "--output-dir", tmp_path / "r"] + (["--epochs", "0"] if case == "flag" else [])
+    proc = launch("fashion_mnist_mlp", args, env, nproc=2)
+    said = error_paragraphs(proc.stderr)
+    needle = "--epochs must be at least 1" if case == "flag" else "which train does not have"
+    # the launcher adds its own traceback (torchrun's ChildFailedError); none comes from the recipe's processes
+    frames = [line for line in proc.stderr.splitlines() if line.strip().startswith('File "')]
+    assert proc.returncode != 0 and not [f for f in frames if "/common/" in f or "/recipes/" in f], proc.stderr[-3000:]
+    assert len(said) == 1 and said[0].startswith("[rank 0] error: ") and needle in said[0], proc.stderr[-3000:]
+    assert not (tmp_path / "r").exists()  # nothing left behind either
+
+
+SAY_PER_RANK = """
+import os, sys, time
+import common.errors as errors
+from common.errors import DataError, report
+
+errors.SAID_ONCE_WAIT_S = 3.0
+rank = int(os.environ["RANK"])
+if sys.argv[1] == "differ":      # each process meets its own bad input
+    sys.exit(report(DataError(f"bad file number {rank}")))
+if rank == 1:                    # only rank 1 meets bad input; rank 0 runs on
+    sys.exit(report(DataError("bad file only rank 1 reads")))
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("case", ["differ", "only_rank_1"])
+def test_bad_input_that_differs_by_process_is_said_by_each(tmp_path, env, case):
+    """The false positive: a message the main process did not say (another one, or none at all) is printed."""
+    from conftest import ACCELERATE, CONFIGS, REPO
+    from common.machine import free_port
+
+    script = tmp_path / "say.py"
+    script.write_text(SAY_PER_RANK)
+    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port",
+           str(free_port()), str(script), case]
+    proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    said = sorted(error_paragraphs(proc.stderr))
+    if case == "differ":
+        assert said == ["[rank 0] error: bad file number 0", "[rank 1] error: bad file number 1"], proc.stderr[-3000:]
+    else:
+        assert said == ["[rank 1] error: bad file only rank 1 reads"], proc.stderr[-3000:]
+    assert proc.returncode != 0
