@@ -151,7 +151,7 @@ class Checkpointer:
         return path
 
 
-# --- what a resume refuses, takes and applies ------------------------------------------------------------------------------------
+# --- what a resume refuses, takes and applies ----------------------------------------------------------
 
 def checkpoint_meta(cfg, accelerator, model) -> dict:
     """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
@@ -213,7 +213,8 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
     if state["world_size"] != accelerator.num_processes:
         notes.append(f"the checkpoint was written by {state['world_size']} process(es), this run has "
                      f"{accelerator.num_processes}. The global batch ({cfg.batch_size}) and data order are kept; "
-                     "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted one.")
+                     "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted "
+                     "one.")
     return notes
 
 

@@ -1,6 +1,7 @@
 """Dataclass configs turned into a command line, validated, and saved with the run.
 
-Every recipe declares one ``@dataclass`` whose fields carry a ``help`` in their metadata.
+Every recipe declares one ``@dataclass`` whose fields carry a ``help`` in their metadata (``knob``); a field a
+recipe only gives a new default (``epochs: int = 12``) keeps the help of ``CommonConfig``'s.
 ``parse_config`` builds an ``argparse`` parser from it, so ``--help`` lists every knob with its
 default, and ``--some-field value`` overrides it. Launcher concerns (process count, precision,
 machines) are deliberately absent: they come from ``accelerate launch`` / ``accelerate config``.
@@ -161,6 +162,7 @@ class CommonConfig:
     final_lr: float = knob(0.0, "LR multiplier the schedule ends at (cosine and linear)")
     grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
+    label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
     max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
                          "is still planned for all epochs, so a stopped run can be resumed exactly")
@@ -243,18 +245,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(report(ConfigError(f"{message}. Run with --help to see every option and its default.")))
 
 
+def described(cls, name: str) -> dict:
+    """A field's help and choices: its own knob's, or, when a recipe only gives it a new default (``epochs: int =
+    12``), those of the nearest base class that describes it."""
+    for klass in cls.__mro__:
+        f = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if f is not None and "help" in f.metadata:
+            return f.metadata
+    return {}
+
+
 def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
     parser = _Parser(description=description, formatter_class=_HelpFormatter,
                      allow_abbrev=False)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        typ = hints[f.name]
+        typ, meta = hints[f.name], described(cls, f.name)
         flag = "--" + f.name.replace("_", "-")
-        kwargs = {"default": f.default, "help": f.metadata.get("help", ""), "dest": f.name}
+        kwargs = {"default": f.default, "help": meta.get("help", ""), "dest": f.name}
         if f.name == "lr" and getattr(cls, "lr_rule", None):  # every recipe with a rule states it, in the same words
             kwargs["help"] += cls.lr_rule.help()
-        if "choices" in f.metadata:
-            kwargs["choices"] = f.metadata["choices"]
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
         # the snake_case spelling (--output_dir) that accelerate launch, torchrun and HfArgumentParser accept
         # works too; --help lists the kebab-case form only
         alias = "--" + f.name if "_" in f.name else None
@@ -318,7 +330,7 @@ def _from_file(cls, path: str) -> dict:
                 value = typ(value)
         except (ValueError, TypeError, argparse.ArgumentTypeError):
             raise ConfigError(f"--config {path}: {key} = {value!r} is not {wanted}. {fix}") from None
-        choices = fields[name].metadata.get("choices")
+        choices = described(cls, name).get("choices")
         if choices is not None and value not in choices:
             raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it "
                               "to one of them in the file (one written by an older version may hold a value this "

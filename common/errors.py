@@ -23,8 +23,9 @@ EXIT_PREEMPTED = 75      # stopped by a signal (or a lost launcher) after writin
 
 
 # how a run ended (summary.json's ``status``) -> its exit code
-EXIT_CODES = {"running": EXIT_OK, "completed": EXIT_OK, "target_missed": EXIT_TARGET_MISSED, "bad_input": EXIT_BAD_INPUT,
-              "nonfinite_loss": EXIT_NONFINITE, "storage_error": 1, "preempted": EXIT_PREEMPTED, "crashed": 1}
+EXIT_CODES = {"running": EXIT_OK, "completed": EXIT_OK, "target_missed": EXIT_TARGET_MISSED,
+              "bad_input": EXIT_BAD_INPUT, "nonfinite_loss": EXIT_NONFINITE, "storage_error": 1,
+              "preempted": EXIT_PREEMPTED, "crashed": 1}
 
 
 class RecipeError(Exception):

@@ -363,7 +363,8 @@ class TrainingRun:
         finished = c.batch == c.batches_per_epoch
         line = f"epoch {c.epoch + 1}/{self.cfg.epochs}:"
         if not finished:  # --max-steps (or a stop) ended it part-way: not an epoch's figures
-            line = f"epoch {c.epoch + 1}/{self.cfg.epochs}, stopped at batch {c.batch}/{c.batches_per_epoch} (--max-steps):"
+            line = (f"epoch {c.epoch + 1}/{self.cfg.epochs}, stopped at batch {c.batch}/{c.batches_per_epoch} "
+                    "(--max-steps):")
         loss_sum, count = self.checks.guard.read(self.checks.guard.epoch)
         if count:
             line += f" train loss {loss_sum / count:.4f}"

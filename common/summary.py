@@ -29,7 +29,8 @@ class Summary:
         self.train_start, self.path = None, None
 
     def write(self, status: str, values: dict, extra: dict | None = None) -> dict:
-        """``values``: best ({monitor: value}), epochs_completed, global_step, skipped_steps; ``extra``: final, error."""
+        """``values``: best ({monitor: value}), epochs_completed, global_step, skipped_steps; ``extra``: final,
+        error."""
         acc, now = self.accelerator, time.time()
         summary = {
             "recipe": self.recipe, "status": status, "start_id": self.start_id, "final": {}, **values,

@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
-from common.config import DATASET_HELP, CommonConfig, LRRule, knob, parse_config
+from common.config import CommonConfig, LRRule, knob, parse_config
 from common.averaging import Lookahead
 from common.metrics import evaluate
 from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
@@ -38,19 +38,19 @@ RECIPE = "cifar_cnn"
 
 @dataclass
 class Config(CommonConfig):
-    dataset: str = knob("uoft-cs/cifar10", DATASET_HELP)
-    epochs: int = knob(10, "number of passes over the training split")
-    batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    dataset: str = "uoft-cs/cifar10"
+    epochs: int = 10
+    batch_size: int = 1024
     lr: float = knob(1.5, "peak learning rate of the mean loss (SGD, Nesterov)")
     lr_rule = LRRule("linear", 1024)  # SGD on the mean loss: the LR follows the batch linearly
     momentum: float = knob(0.85, "SGD momentum (Nesterov)")
     weight_decay: float = knob(1.33e-3, "SGD weight decay (coupled to the LR, as torch's SGD does)")
     bias_lr_scale: float = knob(64.0, "BatchNorm biases learn this many times faster (their decay per step unchanged)")
     warmup_fraction: float = knob(0.23, "fraction of optimizer steps spent warming the LR up linearly")
-    warmup_start: float = knob(0.2, "LR multiplier the warm-up starts from")
-    schedule: str = knob("linear", "LR schedule after warm-up", choices=["cosine", "linear", "constant"])
-    final_lr: float = knob(0.07, "LR multiplier the schedule ends at")
-    label_smoothing: float = knob(0.2, "label smoothing for the cross-entropy loss")
+    warmup_start: float = 0.2
+    schedule: str = "linear"
+    final_lr: float = 0.07
+    label_smoothing: float = 0.2
     widths: str = knob("64,256,256", "channels of the three conv groups, comma-separated")
     whiten_init: bool = knob(True, "set the stem conv to whiten 2x2 patches of the training images, and freeze it")
     dirac_init: bool = knob(True, "3x3 convs start as the identity on their first channels (dirac init)")

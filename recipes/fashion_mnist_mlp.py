@@ -1,10 +1,11 @@
 """FashionMNIST with an MLP (flatten, 784 -> 1024 -> 1024 -> 10, ReLU, dropout), on 1 to N devices.
 
 Target: 90.0% validation accuracy in 12 epochs of batch 1024 (measured: 90.15-91.03%, mean 90.63% over seeds 1-5 on
-the real Fashion-MNIST train set, 29-30 s from launch to exit on 2 CPU cores with avx512_bf16, bf16; README has
-every seed and machine). Check it:
+validation held out of the real Fashion-MNIST train set, 29-30 s from launch to exit on 2 CPU cores with
+avx512_bf16, bf16; README has every seed and machine). The Hub's dataset has a test split, on which the run ends and
+the target is checked: expect it about a point below validation, so check with a margin:
 
-    accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.90   # exits 4 if missed
+    accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.89   # exits 4 if missed
 
 The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisation), --label-smoothing
 0.1, --warmup-fraction 0.05 --schedule cosine (warm-up, then cosine decay to zero within the run), AdamW --lr 4e-3
@@ -12,14 +13,10 @@ The techniques are flags: --hidden 1024,1024 --dropout 0.2 (width and regularisa
 an optimizer pass over 1.9M weights: 12 epochs take the time 6 of batch 256 took, for +0.5 points). No augmentation
 (a random flip cost 0.4 points at 6 epochs), no weight average: the simplest recipe to start from.
 
-    # one process (CPU or one GPU)
-    accelerate launch recipes/fashion_mnist_mlp.py
-    # two gloo processes on a CPU-only machine
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/fashion_mnist_mlp.py
-    # all GPUs of one machine, bf16
-    accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/fashion_mnist_mlp.py
-    # resume (the same command starts fresh when there is nothing to resume)
-    accelerate launch recipes/fashion_mnist_mlp.py --output-dir runs/fmnist --resume-from latest
+    accelerate launch recipes/fashion_mnist_mlp.py                              # one process (CPU or one GPU)
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/fashion_mnist_mlp.py  # 2 CPU processes
+    accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/fashion_mnist_mlp.py  # GPUs, bf16
+    accelerate launch recipes/fashion_mnist_mlp.py --output-dir runs/fmnist --resume-from latest  # resume or start
 Every knob: python recipes/fashion_mnist_mlp.py --help
 """
 
@@ -35,7 +32,7 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
-from common.config import DATASET_HELP, CommonConfig, LRRule, knob, parse_config
+from common.config import CommonConfig, LRRule, knob, parse_config
 from common.metrics import evaluate
 from common.models import MLP, parse_floats, parse_ints
 from common.run import TrainingRun
@@ -46,15 +43,15 @@ RECIPE = "fashion_mnist_mlp"
 
 @dataclass
 class Config(CommonConfig):
-    dataset: str = knob("zalando-datasets/fashion_mnist", DATASET_HELP)
-    epochs: int = knob(12, "number of passes over the training split")
-    batch_size: int = knob(1024, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    dataset: str = "zalando-datasets/fashion_mnist"
+    epochs: int = 12
+    batch_size: int = 1024
     lr: float = knob(4e-3, "peak learning rate (AdamW)")
     lr_rule = LRRule("sqrt", 1024)  # AdamW: the LR follows the square root of the batch
     betas: str = knob("0.9,0.999", "AdamW betas, comma-separated")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
-    warmup_fraction: float = knob(0.05, "fraction of optimizer steps spent warming the LR up linearly from 0")
-    label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
+    warmup_fraction: float = 0.05
+    label_smoothing: float = 0.1
     hidden: str = knob("1024,1024", "hidden layer widths, comma-separated (e.g. 512 for one layer)")
     dropout: float = knob(0.2, "dropout after each hidden layer")
 

@@ -49,15 +49,15 @@ class Config(CommonConfig):
     weights: str = knob("", "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
                         ".safetensors state_dict file; heads of another shape are skipped")
     image_size: int = knob(112, "crop side in pixels (with --weights, the weights' own unless given)")
-    epochs: int = knob(16, "number of passes over the training split")
-    batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    epochs: int = 16
+    batch_size: int = 128
     lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")
     lr_rule = LRRule("linear", 128)
     backbone_lr_scale: float = knob(0.1, "with --weights, the backbone learns at this times --lr (from scratch: 1)")
     momentum: float = knob(0.9, "SGD momentum (Nesterov)")
     weight_decay: float = knob(5e-4, "SGD weight decay")
     warmup_fraction: float = knob(0.1, "fraction of optimizer steps spent warming the LR up linearly")
-    label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
+    label_smoothing: float = 0.1
     min_crop_scale: float = knob(0.25, "smallest area share of a random resized crop (torchvision's default: 0.08)")
     mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
     cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")

@@ -14,14 +14,11 @@ within the run), --label-smoothing 0.1, --batch-size 256, no augmentation (--tra
 --sync-bn shares BatchNorm statistics over processes. The previous, 25x costlier model: --model deep --width 48
 --depth 2 --translate 2 --dropout 0.1.
 
-    # one process (CPU or one GPU)
-    accelerate launch recipes/mnist_convnet.py
-    # two gloo processes on a CPU-only machine
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/mnist_convnet.py
-    # all GPUs of one machine, bf16
-    accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/mnist_convnet.py
-    # resume (the same command starts fresh when there is nothing to resume)
-    accelerate launch recipes/mnist_convnet.py --output-dir runs/mnist --resume-from latest
+    accelerate launch recipes/mnist_convnet.py                                   # one process (CPU or one GPU)
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/mnist_convnet.py  # 2 CPU processes
+    # all GPUs of one machine, bf16, BatchNorm statistics shared over them
+    accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/mnist_convnet.py --sync-bn
+    accelerate launch recipes/mnist_convnet.py --output-dir runs/mnist --resume-from latest   # resume, or start fresh
 Every knob: python recipes/mnist_convnet.py --help
 """
 
@@ -37,7 +34,7 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.augment import BatchTransform, channel_stats
-from common.config import DATASET_HELP, CommonConfig, LRRule, knob, parse_config
+from common.config import CommonConfig, LRRule, knob, parse_config
 from common.metrics import evaluate
 from common.models import ConvNet, LeanConvNet, convert_sync_batchnorm, parse_floats
 from common.run import TrainingRun
@@ -48,15 +45,15 @@ RECIPE = "mnist_convnet"
 
 @dataclass
 class Config(CommonConfig):
-    dataset: str = knob("ylecun/mnist", DATASET_HELP)
-    epochs: int = knob(3, "number of passes over the training split")
-    batch_size: int = knob(256, "GLOBAL batch size per optimizer step, split over processes and accumulation steps")
+    dataset: str = "ylecun/mnist"
+    epochs: int = 3
+    batch_size: int = 256
     lr: float = knob(1e-2, "peak learning rate (AdamW)")
     lr_rule = LRRule("sqrt", 256)  # AdamW: the LR follows the square root of the batch
     betas: str = knob("0.7,0.9", "AdamW betas, comma-separated (short memories suit a 3-epoch run)")
     weight_decay: float = knob(1e-4, "AdamW weight decay")
-    warmup_fraction: float = knob(0.2, "fraction of optimizer steps spent warming the LR up linearly from 0")
-    label_smoothing: float = knob(0.1, "label smoothing for the cross-entropy loss")
+    warmup_fraction: float = 0.2
+    label_smoothing: float = 0.1
     translate: int = knob(0, "random translation of each training image by up to N pixels (reflection padding)")
     model: str = knob("lean", "lean: 5x5 conv, pool, 3x3 conv, pool, hidden linear layer; deep: blocks of --depth 3x3 "
                       "conv-BN-ReLU layers, each block ending in a pool", choices=["lean", "deep"])
