@@ -80,7 +80,8 @@ class TrainingRun:
         self.accelerator, self.stop, self.dir, self.note = None, None, None, ""
         self.summary = Summary(recipe, None)  # the clock starts now; the accelerator comes with execute()
         self.data = self.model = self.optimizer = self.scheduler = self.train_loader = self.after_step = None
-        # the parts start() assembles; ckpt (the position) is set last, once a resume (if any) has succeeded
+        # the parts start() assembles; ckpt (the position) is set once a resume (if any) has succeeded: from then
+        # on the run has started, and every ending is recorded in summary.json
         self.ckpt = self.evaluator = self.checks = self.log = self.progress = self.profiler = self.meter = None
         self.phase = None  # the loop: None, "epoch" (inside run.epochs()), "batches" (inside run.batches())
         self.eval_only = None
