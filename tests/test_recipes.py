@@ -147,6 +147,27 @@ def test_help_lists_every_knob(recipe, env):
     assert "(default:" in proc.stdout
 
 
+def test_a_field_given_only_a_new_default_keeps_its_help_and_choices(tmp_path):
+    """A recipe states its own defaults (``epochs: int = 3``); --help and --config still describe and check them."""
+    from dataclasses import dataclass
+
+    from common.config import CommonConfig, build_parser, parse_config
+
+    @dataclass
+    class Mine(CommonConfig):
+        epochs: int = 7
+        schedule: str = "linear"
+
+    text = build_parser(Mine).format_help()
+    assert "number of passes over the training split (default: 7)" in " ".join(text.split())
+    assert "LR schedule after warm-up" in " ".join(text.split("--schedule STR")[-1].split())
+    for argv in (["--schedule", "sideways"], ["--config", str(tmp_path / "bad.json")]):  # choices: flag and file
+        (tmp_path / "bad.json").write_text('{"schedule": "sideways"}')
+        with pytest.raises(SystemExit) as ended:
+            parse_config(Mine, argv)
+        assert ended.value.code == 2
+
+
 def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, env):
     """No network and no offline flags set: a clear error, not minutes of retries (a hang times out here)."""
     env = {**env}
