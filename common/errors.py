@@ -84,13 +84,14 @@ def report(err: RecipeError) -> int:
     process."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     message = "\n".join(printable(line) for line in str(err).split("\n"))
-    store = _job_store() if world > 1 and err.exit_code == EXIT_BAD_INPUT else None
+    said_once = world > 1 and err.exit_code == EXIT_BAD_INPUT
     key = f"accelerate-recipes/said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if store is not None and rank != 0 and _said_by_main(store, key) == message:
+    if said_once and rank != 0 and _said_by_main(_job_store(), key) == message:
         return err.exit_code
     sys.stderr.write(f"{f'[rank {rank}] ' if world > 1 else ''}error: {message}\n")
     sys.stderr.flush()
-    if store is not None and rank == 0:
+    store = _job_store() if said_once and rank == 0 else None  # after printing: a store out of reach costs no delay
+    if store is not None:
         with contextlib.suppress(Exception):  # the others then print theirs
             store.set(key, message)
     return err.exit_code
@@ -110,6 +111,8 @@ def _job_store():
 
 
 def _said_by_main(store, key: str) -> str | None:
+    if store is None:
+        return None
     try:
         store.wait([key], timedelta(seconds=SAID_ONCE_WAIT_S))
         return store.get(key).decode()
