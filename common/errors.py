@@ -22,12 +22,6 @@ EXIT_TARGET_MISSED = 4   # --target-accuracy was not reached
 EXIT_PREEMPTED = 75      # stopped by a signal (or a lost launcher) after writing a checkpoint; rerun to resume
 
 
-# how a run ended (summary.json's ``status``) -> its exit code
-EXIT_CODES = {"running": EXIT_OK, "completed": EXIT_OK, "target_missed": EXIT_TARGET_MISSED,
-              "bad_input": EXIT_BAD_INPUT, "nonfinite_loss": EXIT_NONFINITE, "storage_error": 1,
-              "preempted": EXIT_PREEMPTED, "crashed": 1}
-
-
 class RecipeError(Exception):
     """Bad input the user can fix."""
 
@@ -135,3 +129,8 @@ class Preempted(Exception):
 
     exit_code = EXIT_PREEMPTED
     status = "preempted"
+
+
+# how a run ended (summary.json's ``status``) -> its exit code: the endings that are no error, then each error's own
+EXIT_CODES = {"running": EXIT_OK, "completed": EXIT_OK, "target_missed": EXIT_TARGET_MISSED, "crashed": 1,
+              **{end.status: end.exit_code for end in (RecipeError, StorageError, NonFiniteLoss, Preempted)}}
