@@ -1,4 +1,12 @@
-"""Weight averaging: Lookahead as airbench94 uses it (arXiv 2404.00498).
+"""Weight averaging, two ways a recipe picks from, each a class whose ``step()``/``update()`` the loop calls under
+``if run.step_taken():`` (so a step fp16 loss scaling skipped moves neither) and whose state goes into every
+checkpoint as safetensors through Accelerate's save/load hooks (tensors only: loading a checkpoint someone sent you
+runs no pickle).
+
+``EMA``: an exponential moving average of the weights, evaluated and saved instead of them
+(``torch.optim.swa_utils.AveragedModel``).
+
+``Lookahead``, as airbench94 uses it (arXiv 2404.00498).
 
 Every ``every`` optimizer steps the slow copy moves toward the trained weights,
 ``slow <- decay * slow + (1 - decay) * weights``, and the trained weights are reset to it
@@ -27,6 +35,49 @@ from torch import nn
 from common.errors import RecipeError
 
 STATE_FILE = "lookahead.safetensors"
+EMA_FILE = "ema.safetensors"
+
+
+class EMA:
+    """An exponential moving average of ``model``'s weights and buffers with ``decay`` per update (off when 0).
+    ``module``: the averaged copy, which the recipe evaluates and saves; ``update()`` after each update taken."""
+
+    def __init__(self, accelerator, model: nn.Module, decay: float):
+        self.accelerator, self.model, self.decay, self.module = accelerator, model, decay, None
+        if not decay:
+            return
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.averaged = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay),
+                                      use_buffers=True)
+        self.module = self.averaged.module  # the model's copy that holds the average
+        accelerator.register_save_state_pre_hook(lambda models, weights, out_dir: self.save(Path(out_dir)))
+        accelerator.register_load_state_pre_hook(lambda models, in_dir: self.load(Path(in_dir)))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """After each optimizer step that was taken."""
+        if self.module is not None:
+            self.averaged.update_parameters(self.accelerator.unwrap_model(self.model))
+
+    def save(self, checkpoint_dir: Path) -> None:
+        """Rank 0's copy, as every rank starts from rank 0's model."""
+        from safetensors.torch import save_file
+
+        if self.accelerator.is_main_process:
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.averaged.state_dict().items()},
+                      str(checkpoint_dir / EMA_FILE))
+
+    def load(self, checkpoint_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        path = checkpoint_dir / EMA_FILE
+        if not path.is_file():
+            raise RecipeError(f"The checkpoint {checkpoint_dir} has no {EMA_FILE} (the weight average): it was "
+                              "written without --ema-decay. Resume it with --ema-decay 0, or start a new run with a "
+                              "new --output-dir.")
+        device = self.averaged.n_averaged.device
+        self.averaged.load_state_dict({k: v.to(device) for k, v in load_file(str(path)).items()})
 
 
 class Lookahead:

@@ -45,6 +45,33 @@ class Checkpointer:
         """The batch running is not the epoch's last."""
         return self.batch + 1 < self.batches_per_epoch
 
+    # --- moving the position: only through these ---------------------------------------------------
+
+    def begin_epoch(self) -> None:
+        """An epoch's body starts: at the resumed batch in a resumed epoch (augmentation draws are seeded by it)."""
+        self.batch = self.start_batch
+
+    def begin_batches(self) -> int:
+        """The epoch's batch loop starts: at the resumed batch in a resumed epoch, else at 0. Returns it."""
+        first, self.start_batch = self.start_batch, 0
+        self.batch = first
+        return first
+
+    def batch_done(self) -> None:
+        """The loop went past the batch running (trained on it, or skipped it)."""
+        self.batch += 1
+
+    def step_done(self) -> None:
+        """An optimizer step was taken."""
+        self.global_step += 1
+
+    def end_epoch(self, counted: bool) -> None:
+        """The epoch ended; ``counted``: it ended as an epoch (all its batches, or as the loop chose), not cut by
+        --max-steps or a stop, so the next one begins."""
+        if counted:
+            self.epoch += 1
+            self.batch = 0
+
     # --- resume or fresh start -------------------------------------------------------------------
 
     def start(self, model, optimizer, scheduler) -> dict:

@@ -50,6 +50,14 @@ class NonFiniteLoss(RecipeError):
     status = "nonfinite_loss"
 
 
+class Unfinished(RecipeError):
+    """The recipe's train() returned without run.finish(): a loop edit, not bad input; the position is
+    checkpointed."""
+
+    exit_code = 1
+    status = "unfinished"
+
+
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # C0, DEL and C1: what a terminal acts on instead of showing
 
 
@@ -133,4 +141,5 @@ class Preempted(Exception):
 
 # how a run ended (summary.json's ``status``) -> its exit code: the endings that are no error, then each error's own
 EXIT_CODES = {"running": EXIT_OK, "completed": EXIT_OK, "target_missed": EXIT_TARGET_MISSED, "crashed": 1,
-              **{end.status: end.exit_code for end in (RecipeError, StorageError, NonFiniteLoss, Preempted)}}
+              **{end.status: end.exit_code for end in (RecipeError, StorageError, NonFiniteLoss, Unfinished,
+                                                             Preempted)}}

@@ -141,13 +141,32 @@ class LossScaleWatch:
 
 class StepChecks:
     """The run's side of the guard: the flags acted on when they arrive (a non-finite loss ends the run naming
-    the checkpoint to resume; a stop request is kept for the next step boundary), fp16 skips counted."""
+    the checkpoint to resume; a stop request is kept for the next step boundary), fp16 skips counted, and what
+    the loop did with the batch it was given (run.step called, the optimizer stepped, the update taken)."""
 
     def __init__(self, accelerator, optimizer, run_dir, skipped_before: int = 0):
         self.guard, self.scale_watch = StepGuard(accelerator, optimizer), LossScaleWatch(accelerator.scaler)
         self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
         self.skipped_before, self.stopping = skipped_before, False
-        self.tracked = False  # a loss was tracked since the last batch ended (the loop called run.step)
+        self.tracked = False   # this batch's loss was tracked (the loop called run.step)
+        self.stepped = False   # ... and the optimizer's step ran
+        self.taken = None      # ... and updated the weights (decided once per batch: reading the fp16 scale)
+        self.hook = None
+
+    def watch_updates(self, optimizer) -> None:
+        """Stop at once, before the update, when the loop steps ``optimizer`` without run.step(loss) first: nothing
+        would be logged, checkpointed or guarded. (A batch with neither is a batch the loop skipped.)"""
+        from common.errors import RecipeError
+
+        def before_update(opt, args, kwargs):
+            if not self.tracked:
+                raise RecipeError("The recipe's loop did not call run.step(loss) before optimizer.step(): nothing "
+                                  "would be logged, checkpointed or guarded (a NaN loss or a stop signal would go "
+                                  "unseen). Call run.step(loss) between accelerator.backward(loss) and "
+                                  "optimizer.step().")
+            self.stepped = True
+
+        self.hook = getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(before_update)
 
     def track(self, loss: torch.Tensor) -> None:
         """A micro-step's loss into the step's sums, on the device (no sync)."""
@@ -155,9 +174,35 @@ class StepChecks:
         self.tracked = True
 
     def batch_tracked(self) -> bool:
-        """Whether this batch's loss was tracked; the next batch starts untracked."""
-        tracked, self.tracked = self.tracked, False
-        return tracked
+        """Whether this batch's loss was tracked (run.step was called for it)."""
+        return self.tracked
+
+    def step_taken(self, sync_gradients: bool) -> bool:
+        """Whether this batch's optimizer step updated the weights: an optimizer step (not a --grad-accum
+        micro-batch) after run.step, not skipped by fp16 loss scaling. Decided once per batch (reading the fp16
+        scale is a sync and counts a skip)."""
+        if self.taken is None:
+            step = sync_gradients and self.tracked
+            # fp16 without a fused optimizer: GradScaler skips the optimizer's step() itself (no hook call)
+            self.taken = step and self.scale_watch.step_taken() and (self.stepped or self.fp16)
+        return self.taken
+
+    def next_batch(self) -> None:
+        """The loop is past this batch; the next starts untracked."""
+        self.tracked, self.stepped, self.taken = False, False, None
+
+    def window_loss(self) -> tuple[float, float]:
+        """(loss sum, count) since the last log step, then zeroed (a sync)."""
+        return self.guard.read(self.guard.window)
+
+    def epoch_loss(self) -> tuple[float, float]:
+        """(loss sum, count) of the epoch, then zeroed (a sync)."""
+        return self.guard.read(self.guard.epoch)
+
+    def close(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
 
     def check(self, stop_requested: bool, step: int, epoch: int) -> None:
         """Before ``optimizer.step()``: the all-reduce, no sync; acts on the previous step's flags."""

@@ -8,16 +8,26 @@ A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
         run.start(model, optimizer, scheduler, train_loader, data, transform,   # fresh or resumed
                   evaluate=lambda: validate(val_loader))                          # called when due
         for epoch in run.epochs():                 # each epoch's end: evaluation, epoch line, checkpoint
-            for images, labels in run.batches(train_loader):   # after each step: scheduler, log, checkpoint,
-                ...forward, loss...                            # stop, --eval-every-steps evaluation
-                accelerator.backward(loss)
-                run.step(loss)                     # loss sums, clipping, the guard's all-reduce; no sync
-                optimizer.step(); optimizer.zero_grad()
+            for images, labels in run.batches(train_loader):   # after each batch: log, checkpoint, stop,
+                with accelerator.accumulate(model):            # --eval-every-steps evaluation
+                    ...forward, loss...
+                    accelerator.backward(loss)
+                    run.step(loss)                 # loss sums, the guard's all-reduce; no sync
+                    ...clipping...
+                    optimizer.step(); optimizer.zero_grad()
+                if run.step_taken():               # an update, not a micro-batch or an fp16 skip
+                    scheduler.step()               # ...and weight averages (EMA, Lookahead)
         run.finish(validate(final_loader))         # final/ weights, summary.json, target check
 
-The loop holds the training math and five calls; when to evaluate, checkpoint-after-evaluation, best/ and the
-epoch end are the run's, so none can be forgotten or misordered. Leaving out ``run.step`` stops the run at its
-first batch, saying so.
+The loop holds the training math, with every line that changes the weights or the LR in sight; when to evaluate,
+checkpoint-after-evaluation, best/ and the epoch end are the run's, so none can be forgotten or misordered. The
+edits users make read as they do: ``break`` from the batch loop ends that epoch after the batches trained (counted,
+evaluated when due, checkpointed, said so on its line); ``break`` from the epoch loop ends the run (run.finish still
+evaluates and saves); ``continue`` before run.step skips a batch (no step, nothing logged); ``return`` without
+run.finish and an error in the loop are recorded in summary.json. Whatever the loop leaves open, the next call into
+the run finishes: nothing that must follow a batch or an epoch lives only after a ``yield``. Calling
+``optimizer.step()`` without ``run.step(loss)`` stops the run before the update; a second pass over run.batches()
+in one epoch is refused.
 
 The run assembles parts that each own their state: ``common.rundir.RunDir`` (the folder, its lock, what it
 resumes), ``common.checkpointer.Checkpointer`` (the position: epoch, batch, step; checkpoints and resuming),
@@ -64,7 +74,7 @@ from common.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
 from common.console import say
 from common.data import data_fingerprint, load_image_data, place_on_device, split_loader
-from common.errors import EXIT_CODES, Preempted, RecipeError, report
+from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, report
 from common.evalonly import EvalOnly
 from common.guard import StepChecks, unclipped_grad_norm
 from common.profiler import StepProfiler
@@ -72,7 +82,38 @@ from common.rundir import RunDir, storage_error
 from common.stopping import StopFlag
 from common.summary import Summary
 from common.tracking import MetricsLog, Progress, Throughput
-from common.validation import Evaluator
+from common.validation import Evaluator, evaluation_due
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the recipe's loop is, so that leaving it any way (``break``, ``continue``, ``return``, an error) is
+    noticed by the next call into the run instead of being skipped with the code after a ``yield``."""
+
+    phase: str | None = None     # None; "epochs" (between epochs); "epoch" (in an epoch's body); "batches"
+    pass_id: int = 0             # which batch loop is current (one left behind and resumed later is refused)
+    batches_begun: bool = False  # run.batches() was called in this epoch
+    first: int = 0               # the batch it started at (a resumed epoch starts past 0)
+    pending: bool = False        # a batch was handed to the loop's body and is not closed yet
+    left_at: int | None = None   # the loop left run.batches() (break) after this many batches of the epoch
+    skipped: int = 0             # batches of this epoch the loop went past without run.step (continue)
+    ended_early: str = ""        # the loop left run.epochs() before --epochs (break): said in summary.json
+    finished: bool = False       # run.finish() ran
+
+    def begin_epoch(self) -> None:
+        self.phase, self.batches_begun, self.left_at, self.skipped, self.pending = "epoch", False, None, 0, False
+
+    def begin_batches(self, first: int) -> int:
+        self.phase, self.batches_begun, self.first = "batches", True, first
+        self.pass_id += 1
+        return self.pass_id
+
+    def end_batches(self, left_at: int | None = None) -> None:
+        self.phase, self.left_at, self.pending = "epoch", left_at, False
+        self.pass_id += 1  # the generator, if resumed later, refuses
+
+    def end_epoch(self) -> None:
+        self.phase, self.batches_begun = "epochs", False
 
 
 class TrainingRun:
@@ -80,11 +121,11 @@ class TrainingRun:
         self.cfg, self.recipe, self.recipe_file, self.status = cfg, recipe, None, "running"
         self.accelerator, self.stop, self.dir, self.note = None, None, None, ""
         self.summary = Summary(recipe, None)  # the clock starts now; the accelerator comes with execute()
-        self.data = self.model = self.optimizer = self.scheduler = self.train_loader = self.after_step = None
+        self.data = self.model = self.optimizer = self.scheduler = self.train_loader = None
         # the parts start() assembles; ckpt (the position) is set once a resume (if any) has succeeded: from then
         # on the run has started, and every ending is recorded in summary.json
         self.ckpt = self.evaluator = self.checks = self.log = self.progress = self.profiler = self.meter = None
-        self.phase = None  # the loop: None, "epoch" (inside run.epochs()), "batches" (inside run.batches())
+        self.loop = LoopState()  # where the recipe's loop is
         self.eval_only = None
 
     # --- start and end ---------------------------------------------------------------------------
@@ -104,6 +145,8 @@ class TrainingRun:
                 self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator)
                 self.summary.path = self.dir.path
             train(self.cfg, self)
+            if self.ckpt is not None and not self.loop.finished:
+                self._unfinished()
         except (RecipeError, Preempted) as caught:
             err, self.status = caught, caught.status
             if isinstance(caught, Preempted):
@@ -123,7 +166,8 @@ class TrainingRun:
             self.summary.write_ending(self.status, err, self._position(), started=self.ckpt is not None)
         if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
             report(err)                   # for the main one to say it (common.errors.report)
-        for part in (self.stop, self.profiler):  # signal handlers and the launcher watch; a --profile trace
+        # signal handlers and the launcher watch; a --profile trace; the hook on the optimizer
+        for part in (self.stop, self.profiler, self.checks):
             if part is not None:
                 part.close()
         if self.progress is not None:
@@ -145,10 +189,32 @@ class TrainingRun:
             self.accelerator.state.destroy_process_group()
 
     def _position(self) -> dict:
-        """summary.json's record of how far the run got."""
+        """summary.json's record of how far the run got (an update the loop applied just before an error counts)."""
         c = self.ckpt
-        return {"best": {self.cfg.monitor: self.best}, "epochs_completed": c.epoch if c else 0,
-                "global_step": c.global_step if c else 0, "skipped_steps": self.checks.skipped if self.checks else 0}
+        applied = int(self.loop.pending and self.checks is not None and self.checks.stepped)
+        position = {"best": {self.cfg.monitor: self.best}, "epochs_completed": c.epoch if c else 0,
+                    "global_step": c.global_step + applied if c else 0,
+                    "skipped_steps": self.checks.skipped if self.checks else 0}
+        if self.loop.ended_early:
+            position["ended_early"] = self.loop.ended_early
+        return position
+
+    def _unfinished(self) -> None:
+        """train() returned without run.finish(): the batch it was in is closed and the position checkpointed (as a
+        stop would leave it, so a resume continues exactly), then the run ends saying so."""
+        c, loop = self.ckpt, self.loop
+        if loop.phase == "batches" and loop.pending and self.checks.tracked:
+            self._close_batch()
+        self.checks.settle(c.epoch)
+        where = f"{self.dir.path / 'checkpoints'}"
+        if c.saved_step != c.global_step:
+            where = str(self._save(batches_in_epoch=c.batch))
+        loop.phase = None
+        raise Unfinished(f"train() returned without calling run.finish(...) at optimizer step {c.global_step} "
+                         f"(epoch {c.epoch + 1}): no final evaluation and no final/ weights. The position is "
+                         f"checkpointed ({where}): rerun with --resume-from latest to continue. To end a run early, "
+                         "`break` out of `for epoch in run.epochs():` instead; run.finish(...) then evaluates and "
+                         "saves it.")
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -174,16 +240,14 @@ class TrainingRun:
 
     # --- resume or fresh start -------------------------------------------------------------------
 
-    def start(self, model, optimizer, scheduler, train_loader, data, transform, *, evaluate, after_step=None,
-              scored=None) -> None:
+    def start(self, model, optimizer, scheduler, train_loader, data, transform, *, evaluate, scored=None) -> None:
         """Fresh, or resumed exactly from the newest complete checkpoint. ``evaluate``: a function returning the
         validation metrics (``common.metrics.evaluate``), called by the run when an evaluation is due (at
-        --eval-every-steps, at the epoch ends --eval-every chooses, at the last); ``after_step``: called after each
-        optimizer step that was taken, after the scheduler's step (a weight average's update); ``scored``: the
-        module evaluated and saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
+        --eval-every-steps, at the epoch ends --eval-every chooses, at the last); ``scored``: the module evaluated and
+        saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
         cfg, acc = self.cfg, self.accelerator
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
-        self.data, self.after_step = data, after_step
+        self.data = data
         position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader),
                                 data_fingerprint(data))
         state = position.start(model, optimizer, scheduler)  # the newest readable checkpoint's, or a fresh start's
@@ -195,9 +259,9 @@ class TrainingRun:
         self.evaluator = Evaluator(cfg, acc, evaluate, model if scored is None else scored, data, self.log, card,
                                    self.dir.path, state["best"])
         self.checks = StepChecks(acc, optimizer, self.dir.path, state["skipped_steps"])  # the guard (common.guard)
+        self.checks.watch_updates(optimizer)  # optimizer.step() without run.step(loss) stops at once
         self.profiler = StepProfiler(acc, cfg.profile, self.dir.path)
-        self.progress = Progress(acc, position.total_steps, cfg.epochs, cfg.progress_every_s, cfg.eval_every,
-                                 cfg.eval_every_steps)
+        self.progress = Progress(acc, cfg, position.total_steps)
         self.meter = Throughput(acc.device)
         say(startup_line(acc, cfg, position.steps_per_epoch, self.note))
         sizes = {"train": data.train, "val": data.val, "test": data.test}
@@ -224,64 +288,89 @@ class TrainingRun:
         return self.evaluator.best if self.evaluator is not None else None
 
     # --- the loop --------------------------------------------------------------------------------
+    # Where the loop is lives in self.loop (LoopState). Work that must follow a batch or an epoch never lives only
+    # after a generator's `yield`: a loop left early (`break`, `return`, an error) skips that code, so the next call
+    # into the run (the epoch loop's next round, run.finish, or train() returning) finishes whatever was left open,
+    # as the loop reads: a `break` from the batch loop ends that epoch, a `break` from the epoch loop ends the run.
 
     def epochs(self):
-        """Epoch numbers from the resumed one to --epochs; stops early at --max-steps. After each epoch's body:
-        its evaluation when due, its line and a checkpoint."""
+        """Epoch numbers from the resumed one to --epochs; stops early at --max-steps. After each epoch's body: its
+        evaluation when due, its line and a checkpoint (also when the body left its batch loop early)."""
         c = self.ckpt
+        self._close_open_epoch()  # an earlier epoch loop left by `break`
         self.progress.begin(c.global_step)
         # A run stopped on an epoch's last step resumes into that epoch with no batches left: its evaluation
         # and epoch end still run (also when that was the run's last step).
         while c.epoch < self.cfg.epochs and (not c.done or c.start_batch == c.batches_per_epoch):
-            self.phase = "epoch"
+            self.loop.begin_epoch()
+            c.begin_epoch()
             self.train_loader.set_epoch(c.epoch)  # a new shuffle every epoch, the same on every rank
             if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
                 self.train_loader.dataset.set_epoch(c.epoch)
             self.progress.begin_epoch()
-            c.batch = c.start_batch  # run.batches() moves it
             yield c.epoch
-            self._evaluate_if_due()
             self._end_epoch()
-        self.phase = None
-        # the final evaluation follows; the last checkpoint holds everything trained, so a stop ends it at once
-        self.stop.interruptible("running the final evaluation")
+        self._leave_epochs()
 
     def batches(self, loader):
-        """This epoch's batches, resuming mid-epoch where the checkpoint left off; after each batch's body: the
-        scheduler, logging, checkpoints, stopping and an --eval-every-steps evaluation when due."""
-        if self.phase != "epoch":
+        """This epoch's batches, resuming mid-epoch where the checkpoint left off. After each batch's body: logging,
+        checkpoints, stopping and an --eval-every-steps evaluation when due. Leaving it early (``break``) ends the
+        epoch after the batches trained; a batch the body skips (``continue`` before ``run.step``) is no step."""
+        loop = self.loop
+        if loop.phase not in ("epoch", "batches"):
             raise RecipeError("run.batches() was called outside `for epoch in run.epochs():`: run.epochs() sets each "
                               "epoch's shuffle and resume position, so every epoch would repeat the first one's data "
                               "order. Loop over run.epochs() and call run.batches() inside it.")
+        if loop.batches_begun:
+            raise RecipeError("run.batches() was called a second time in one epoch: an epoch is one pass over the "
+                              "training data (the position, the shuffle and a resume count its batches once). Loop "
+                              "over run.batches(train_loader) once per epoch; to train longer, raise --epochs.")
         c, cfg = self.ckpt, self.cfg
-        first, c.start_batch = c.start_batch, 0
+        first = c.begin_batches()
         total = len(loader)
         if cfg.max_steps:  # the bar's total and ETA respect --max-steps
             total = min(total, first + (cfg.max_steps - c.global_step) * cfg.grad_accum)
         batches = self.accelerator.skip_first_batches(loader, first) if first else loader
-        c.batch, self.phase = first, "batches"
+        this_pass = loop.begin_batches(first)
         t_wait = time.perf_counter()
         for images, labels in self.progress.wrap(batches, c.epoch, first, total):
             self.meter.add(labels.shape[0] * self.accelerator.num_processes, time.perf_counter() - t_wait)
+            loop.pending = True
             yield images, labels
-            self._after_batch()
-            c.batch += 1
+            if loop.pass_id != this_pass:
+                raise RecipeError("A batch loop that was left (its epoch has ended since) was resumed: keep no "
+                                  "reference to run.batches(...) past its loop; call it once per epoch inside "
+                                  "`for epoch in run.epochs():`.")
+            self._close_batch()
             if c.done:
                 break
             t_wait = time.perf_counter()
+        loop.end_batches()
         self.progress.close_bar()
-        self.phase = "epoch"
+
+    @property
+    def batch(self) -> int:
+        """The batch of the epoch the loop is in (0-based; a resumed epoch continues its count, where enumerate()
+        restarts at 0): ``if run.batch == k: break`` ends every epoch after k batches, resumed or not."""
+        return self.ckpt.batch
 
     def step(self, loss: torch.Tensor) -> None:
-        """After ``accelerator.backward(loss)``, before ``optimizer.step()``: the loss added to the step's sums,
-        and at an optimizer step (``accelerator.sync_gradients``) the gradients clipped (--max-grad-norm) and the
-        guard's one small all-reduce (``guard_step``). No device sync. What follows the optimizer step (scheduler,
-        logging, checkpoints, evaluation) the run does when the loop asks for the next batch."""
+        """After ``accelerator.backward(loss)``, before ``optimizer.step()``: the loss added to the step's sums and,
+        at an optimizer step (``accelerator.sync_gradients``), the guard's one small all-reduce (``guard_step``).
+        No device sync. A batch whose body never calls it is a skipped batch: no step, nothing logged."""
+        if self.loop.phase != "batches":
+            raise RecipeError("run.step(loss) was called outside `for ... in run.batches(train_loader):`: the run "
+                              "counts, logs and checkpoints the batches that loop hands out. Iterate over "
+                              "run.batches(train_loader) inside `for epoch in run.epochs():`.")
         self.checks.track(loss)
         if self.accelerator.sync_gradients:
-            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm) \
-                if self.cfg.max_grad_norm else None
-            self.guard_step(grad_norm)
+            self.guard_step()
+
+    def step_taken(self) -> bool:
+        """After ``optimizer.step()``: True when it updated the weights; False on a --grad-accum micro-batch, a
+        batch the loop skipped, and a step fp16 loss scaling skipped. The loop steps the scheduler and the weight
+        averages under it, so a skipped update moves neither."""
+        return self.checks.step_taken(self.accelerator.sync_gradients)
 
     def augment_generator(self) -> torch.Generator:
         """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
@@ -291,8 +380,8 @@ class TrainingRun:
     def guard_step(self, grad_norm=None) -> None:
         """Once per optimizer step, before it: one small all-reduce, no sync (``common.guard``). A non-finite loss
         on any rank is masked out of this update and stops every rank at the next step; a stop request is honoured
-        at a step boundary every rank agrees on. ``grad_norm``: clip_grad_norm_'s result when the recipe clips;
-        otherwise the norm is measured at log steps only (two passes over the gradients)."""
+        at a step boundary every rank agrees on. The gradient norm (before any clipping the loop does after
+        ``run.step``) is measured at log steps only (two passes over the gradients)."""
         step = self.ckpt.global_step + 1
         if grad_norm is None and (step % self.cfg.log_every == 0 or step >= self.ckpt.total_steps):
             grad_norm = unclipped_grad_norm(self.accelerator, self.model)
@@ -301,25 +390,24 @@ class TrainingRun:
         self.checks.check(bool(self.stop), step, self.ckpt.epoch)
         self.meter.lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
 
-    def _after_batch(self) -> None:
-        """After the loop's body for a batch: the scheduler and ``after_step`` (when the step was taken), logging,
-        checkpoints and stopping (``end_step``), and an evaluation when one is due."""
-        if not self.checks.batch_tracked():
-            raise RecipeError("The recipe's loop did not call run.step(loss) after accelerator.backward(loss): nothing "
-                              "would be logged, checkpointed or guarded (a NaN loss or a stop signal would go unseen). "
-                              "Call run.step(loss) between accelerator.backward(loss) and optimizer.step().")
-        if self.accelerator.sync_gradients:
-            if self.checks.scale_watch.step_taken():  # False when fp16 loss scaling skipped the step (common.guard)
-                self.scheduler.step()
-                if self.after_step is not None:
-                    self.after_step()
-            self.end_step()
-        self._evaluate_if_due()  # at --eval-every-steps
+    def _close_batch(self) -> None:
+        """The loop is past the batch it was given: its step counted, logged, checkpointed and evaluated when due
+        (``end_step``), or, when the body never called run.step (``continue``), counted as skipped."""
+        self.loop.pending = False
+        if self.checks.batch_tracked():
+            if self.accelerator.sync_gradients:
+                self.checks.step_taken(True)  # the fp16 skip check, once per step (the loop may not have asked)
+                self.end_step()
+            self._evaluate_if_due()  # at --eval-every-steps
+        else:
+            self.loop.skipped += 1
+        self.checks.next_batch()
+        self.ckpt.batch_done()
 
     def end_step(self) -> None:
         """After each optimizer step: log, progress, checkpoint, stop (the evaluator says whether to evaluate)."""
         c, cfg = self.ckpt, self.cfg
-        c.global_step += 1
+        c.step_done()
         self.profiler.step()
         log_now = c.global_step % cfg.log_every == 0 or c.done
         checkpoint_now = c.due()
@@ -342,7 +430,7 @@ class TrainingRun:
         return self.ckpt.save(self.model, self.best, self.checks.skipped, **position)
 
     def _log_window(self) -> None:
-        loss_sum, count = self.checks.guard.read(self.checks.guard.window)
+        loss_sum, count = self.checks.window_loss()
         if not count:
             return
         values = {"train/loss": loss_sum / count, "train/lr": self.meter.lr, **self.meter.read_and_reset()}
@@ -351,43 +439,96 @@ class TrainingRun:
                              values["train/samples_per_sec"])
 
     def _evaluate_if_due(self) -> None:
-        """Evaluate when due, decided in one place (``common.validation``): inside the batch loop at every
-        --eval-every-steps step; after it at every --eval-every epochs, the last epoch and where --max-steps
-        stops. Never twice for the same weights. A checkpoint that waited for the result is written after it."""
+        """Evaluate when ``common.validation.evaluation_due`` says so: inside the batch loop at every
+        --eval-every-steps step; after it at every --eval-every epochs, the last epoch and where --max-steps stops.
+        Never twice for the same weights. A checkpoint that waited for the result is written after it."""
         c = self.ckpt
 
         def epoch_end_due():
             self.checks.settle(c.epoch)  # a sync, once per epoch
-            return (c.epoch + 1) % self.cfg.eval_every == 0 or c.epoch + 1 == self.cfg.epochs or c.done
+            return evaluation_due(self.cfg, epochs_done=c.epoch + 1, last=c.done)
 
-        if self.evaluator.due(c.global_step, self.phase == "batches", epoch_end_due):
+        if self.evaluator.due(c.global_step, self.loop.phase == "batches", epoch_end_due):
             if self.evaluator.run(c.global_step, c.epoch, c.mid_epoch()):
                 self._save()
             self.progress.note_eval(self.evaluator.seconds)
 
+    def _leave_batches(self) -> None:
+        """The loop left run.batches() before its end (``break``): the batch it was in is finished if its body got
+        as far as run.step (a ``break`` after the step), and the epoch ends after the batches the loop went past."""
+        loop = self.loop
+        if loop.pending:
+            if self.checks.tracked:
+                self._close_batch()
+            else:  # left at the top of its body: not trained on, not counted
+                loop.pending = False
+                self.checks.next_batch()
+        loop.end_batches(left_at=self.ckpt.batch)
+        self.progress.close_bar()
+
     def _end_epoch(self) -> None:
-        """Print the epoch line; checkpoint at the epoch end (or where --max-steps stopped)."""
-        c = self.ckpt
+        """Its evaluation when due, its line, and a checkpoint at its end (or where --max-steps stopped it)."""
+        c, loop = self.ckpt, self.loop
+        if loop.phase == "batches":
+            self._leave_batches()
+        if not loop.batches_begun:
+            raise RecipeError(f"Epoch {c.epoch + 1}'s body ended without looping over run.batches(train_loader): the "
+                              "run counts, logs and checkpoints the batches that loop hands out. Inside `for epoch in "
+                              "run.epochs():`, iterate `for images, labels in run.batches(train_loader):`.")
         self.checks.settle(c.epoch)
-        finished = c.batch == c.batches_per_epoch
-        line = f"epoch {c.epoch + 1}/{self.cfg.epochs}:"
-        if not finished:  # --max-steps (or a stop) ended it part-way: not an epoch's figures
-            line = (f"epoch {c.epoch + 1}/{self.cfg.epochs}, stopped at batch {c.batch}/{c.batches_per_epoch} "
-                    "(--max-steps):")
-        loss_sum, count = self.checks.guard.read(self.checks.guard.epoch)
+        if loop.skipped and loop.skipped == c.batch - loop.first:
+            raise RecipeError(f"The loop went past all {loop.skipped} batches of epoch {c.epoch + 1} without "
+                              "calling run.step(loss) (every batch skipped): nothing trained. Call run.step(loss) "
+                              "after accelerator.backward(loss) for each batch that trains.")
+        self._evaluate_if_due()
+        full = c.batch == c.batches_per_epoch
+        ended_by_loop = not full and loop.left_at is not None
+        line = f"epoch {c.epoch + 1}/{self.cfg.epochs}"
+        if ended_by_loop:
+            line += f", ended by the loop after {c.batch} of {c.batches_per_epoch} batches"
+        elif not full:  # --max-steps (or a stop) ended it part-way: not an epoch's figures
+            line += f", stopped at batch {c.batch}/{c.batches_per_epoch} (--max-steps)"
+        if loop.skipped:
+            line += f" ({loop.skipped} skipped by the loop)"
+        loss_sum, count = self.checks.epoch_loss()
         if count:
-            line += f" train loss {loss_sum / count:.4f}"
+            line += f": train loss {loss_sum / count:.4f}"
+        else:
+            line += ":"
         say(f"{line}{self.evaluator.epoch_line()} | {self.progress.epoch_seconds():.1f} s")
-        if finished:
-            c.epoch += 1
+        c.end_epoch(counted=full or ended_by_loop)
+        loop.end_epoch()
         if c.saved_step != c.global_step:  # an epoch end right after a --checkpoint-every save: same state
-            self._save(batches_in_epoch=0 if finished else c.batch)
+            self._save(batches_in_epoch=c.batch)
+
+    def _close_open_epoch(self) -> None:
+        """An epoch the loop left open (a ``break`` out of run.epochs()) ends as if its body had run to its end;
+        one left before its batch loop began trained nothing and is dropped."""
+        loop = self.loop
+        if loop.phase == "batches" or (loop.phase == "epoch" and loop.batches_begun):
+            self._end_epoch()
+        loop.phase = "epochs" if loop.phase is not None else None
+
+    def _leave_epochs(self) -> None:
+        """The epoch loop is over (done, or left by a ``break``): the final evaluation follows; the last checkpoint
+        holds everything trained, so a stop request ends it at once."""
+        c, loop = self.ckpt, self.loop
+        if loop.phase is None:
+            return
+        self._close_open_epoch()
+        loop.phase = None
+        if c.epoch < self.cfg.epochs and not c.done:
+            loop.ended_early = f"the loop left run.epochs() after epoch {c.epoch} of {self.cfg.epochs}"
+            say(f"NOTE: {loop.ended_early}; the run ends there (final evaluation, final/, summary.json).")
+        self.stop.interruptible("running the final evaluation")
 
     # --- the end ---------------------------------------------------------------------------------
 
     def finish(self, metrics: dict | None) -> None:
         """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
         curves.png and confusion_matrix.png, and the --target-accuracy check."""
+        self._leave_epochs()  # a `break` out of run.epochs(): its last epoch ends first
+        self.loop.finished = True
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.checks.settle(self.ckpt.epoch)
         self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too

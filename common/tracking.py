@@ -15,6 +15,7 @@ import torch
 
 from common import console
 from common.errors import ConfigError
+from common.validation import evaluation_due
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
 
@@ -224,10 +225,8 @@ class Progress:
     ``step 120/1407 (epoch 1/3) loss 0.2345 1,234 samples/s ETA 3m12s``. While a bar is shown,
     ``common.console.say`` prints through it, so messages never land on top of it. Main process only."""
 
-    def __init__(self, accelerator, total_steps: int, epochs: int, every_s: float, eval_every: int = 1,
-                 eval_every_steps: int = 0):
-        self.accelerator, self.total, self.epochs, self.every_s = accelerator, total_steps, epochs, every_s
-        self.eval_every, self.eval_every_steps = max(1, eval_every), eval_every_steps
+    def __init__(self, accelerator, cfg, total_steps: int):
+        self.accelerator, self.cfg, self.total, self.every_s = accelerator, cfg, total_steps, cfg.progress_every_s
         self.tty, self.bar = on_terminal(accelerator), None
         self.t_start, self.step_start, self.last_line, self.epoch_t0 = time.time(), None, time.time(), time.time()
         self.eval_s, self.last_eval_s = 0.0, None  # evaluation time so far, and the last one's
@@ -247,10 +246,11 @@ class Progress:
         left = (self.total - step) / rate
         if self.last_eval_s is None:
             return f"{format_duration(left)} + evaluations"
-        ends = range(epoch + 1, self.epochs + 1)  # this epoch's end and the later ones (1-based), then the final one
-        evals = 1 + sum(1 for e in ends if e % self.eval_every == 0 or e == self.epochs)
-        if self.eval_every_steps:
-            evals += (self.total - step) // self.eval_every_steps
+        # the evaluation rule the run follows (common.validation): this epoch's end and the later ones (1-based),
+        # the --eval-every-steps steps left, then the final evaluation
+        ends = range(epoch + 1, self.cfg.epochs + 1)
+        evals = 1 + sum(evaluation_due(self.cfg, epochs_done=e) for e in ends)
+        evals += sum(evaluation_due(self.cfg, step=s) for s in range(step + 1, self.total + 1))
         return format_duration(left + evals * self.last_eval_s)
 
     def wrap(self, iterable, epoch: int, initial: int, total: int):
@@ -258,7 +258,7 @@ class Progress:
             return iterable
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.epochs}", initial=initial, total=total, leave=False)
+        self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", initial=initial, total=total, leave=False)
         console.show_bar(self.bar)  # messages go through it meanwhile
         return self.bar
 
@@ -292,4 +292,4 @@ class Progress:
         self.last_line = now
         eta = self.eta(step, epoch, now)
         speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
-        console.say(f"step {step}/{self.total} (epoch {epoch + 1}/{self.epochs}) loss {loss:.4f}{speed} ETA {eta}")
+        console.say(f"step {step}/{self.total} (epoch {epoch + 1}/{self.cfg.epochs}) loss {loss:.4f}{speed} ETA {eta}")

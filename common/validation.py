@@ -17,6 +17,15 @@ from common import checkpoint as ckpt
 from common.console import say
 
 
+def evaluation_due(cfg, step: int | None = None, epochs_done: int | None = None, last: bool = False) -> bool:
+    """The one rule for when an evaluation is due, asked by the run and by the ETA: after optimizer step ``step``,
+    at every --eval-every-steps step; at the end of epoch ``epochs_done`` (1-based), every --eval-every epochs and
+    the last epoch; and at the run's last step (``last``: --max-steps stops it)."""
+    if step is not None:
+        return bool(cfg.eval_every_steps) and step % cfg.eval_every_steps == 0
+    return last or epochs_done % max(1, cfg.eval_every) == 0 or epochs_done == cfg.epochs
+
+
 class Evaluator:
     """Owns the evaluation schedule, the best --monitor value and best/, and the epoch's evaluation result.
     ``evaluate``: the recipe's function returning validation metrics (``common.metrics.evaluate``); ``model``: the
@@ -34,8 +43,7 @@ class Evaluator:
     def at_step(self, step: int, checkpoint_now: bool, mid_epoch: bool) -> bool:
         """After an optimizer step: is an --eval-every-steps evaluation due? True when the step's checkpoint must
         wait for it."""
-        every = self.cfg.eval_every_steps
-        self.now = bool(every and step % every == 0) and self.data.val is not None  # else nothing to evaluate
+        self.now = evaluation_due(self.cfg, step=step) and self.data.val is not None  # else nothing to evaluate
         self.checkpoint_after = self.now and checkpoint_now and mid_epoch
         return self.checkpoint_after
 

@@ -154,41 +154,6 @@ def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: 
     return [{"params": body, "lr": lr * backbone_scale}, {"params": head_params, "lr": lr}]
 
 
-EMA_FILE = "ema.safetensors"
-
-
-def ema(accelerator, model: nn.Module, decay: float):
-    """An exponential moving average of ``model``'s weights and buffers (``torch.optim.swa_utils.AveragedModel``);
-    None when ``decay`` is 0. It goes into every checkpoint as ``ema.safetensors`` through Accelerate's save/load
-    hooks: tensors only, so a checkpoint someone sent you runs no pickle (Accelerate's own custom-object files
-    would be pickles, which resuming refuses)."""
-    if not decay:
-        return None
-    from safetensors.torch import load_file, save_file
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-    from common.errors import RecipeError
-
-    averaged = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay),
-                             use_buffers=True)
-
-    def save(models, weights, out_dir):
-        if accelerator.is_main_process:  # rank 0's copy, as every rank starts from rank 0's model
-            save_file({k: v.detach().cpu().contiguous() for k, v in averaged.state_dict().items()},
-                      str(Path(out_dir) / EMA_FILE))
-
-    def load(models, in_dir):
-        path = Path(in_dir) / EMA_FILE
-        if not path.is_file():
-            raise RecipeError(f"The checkpoint {in_dir} has no {EMA_FILE} (the weight average): it was written without "
-                              "--ema-decay. Resume it with --ema-decay 0, or start a new run with a new --output-dir.")
-        averaged.load_state_dict({k: v.to(averaged.n_averaged.device) for k, v in load_file(str(path)).items()})
-
-    accelerator.register_save_state_pre_hook(save)
-    accelerator.register_load_state_pre_hook(load)
-    return averaged
-
-
 def batch_mix(mixup: float, cutmix: float, num_classes: int):
     """torchvision's MixUp and/or CutMix (one of the two per batch when both are on); None when both are off."""
     from torchvision.transforms import v2

@@ -30,6 +30,7 @@ from accelerate.utils import set_seed
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common import vision
 from common.augment import BatchTransform
+from common.averaging import EMA
 from common.config import CommonConfig, LRRule, knob, parse_config
 from common.console import say
 from common.metrics import evaluate
@@ -108,13 +109,9 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader)
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
-    ema = vision.ema(accelerator, model, cfg.ema_decay)  # None when off; in every checkpoint when on
+    ema = EMA(accelerator, model, cfg.ema_decay)  # a no-op when off; in every checkpoint when on
     mix = vision.batch_mix(cfg.mixup, cfg.cutmix, data.num_classes)  # None when both are off
-    scored = ema.module if ema is not None else model  # the weights that are evaluated and saved
-
-    def ema_update():  # after each optimizer step that was taken
-        if ema is not None:
-            ema.update_parameters(accelerator.unwrap_model(model))
+    scored = ema.module if ema.module is not None else model  # the weights that are evaluated and saved
 
     def validate(loader):
         return evaluate(accelerator, scored, loader, transform, data.num_classes)
@@ -123,13 +120,13 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(scored)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train: the loop is yours to change (forward, loss, backward, optimizer step); the run does the rest ---
+    # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
     run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
               evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
-              after_step=ema_update, scored=scored)  # the EMA's update; the weights evaluated and saved
-    for epoch in run.epochs():  # each epoch's end: its evaluation, its line, a checkpoint
+              scored=scored)  # the weights evaluated and saved
+    for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
-        for images, labels in run.batches(train_loader):  # after each step: schedule, log, checkpoint, stop, eval
+        for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due
             with accelerator.accumulate(model):
                 x = transform.train(images, run.augment_generator())  # crops and flips: drawn in the workers
                 if mix is not None:  # MixUp / CutMix: mixed images, soft targets
@@ -137,9 +134,14 @@ def train(cfg: Config, run: TrainingRun) -> None:
                 logits = model(x)
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.step(loss)  # loss sums, --max-grad-norm, the NaN/stop guard: one all-reduce, no sync
+                run.step(loss)  # loss sums, the NaN/stop guard: one all-reduce, no sync
+                if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            if run.step_taken():  # the weights were updated: not a --grad-accum micro-batch, nor an fp16 skip
+                scheduler.step()
+                ema.update()
 
     run.finish(validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
 

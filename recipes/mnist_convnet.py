@@ -114,19 +114,23 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(model)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train: the loop is yours to change (forward, loss, backward, optimizer step); the run does the rest ---
+    # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
     run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
               evaluate=lambda: validate(val_loader))  # called when due; best/ and checkpoints follow
-    for epoch in run.epochs():  # each epoch's end: its evaluation, its line, a checkpoint
+    for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
-        for images, labels in run.batches(train_loader):  # after each step: schedule, log, checkpoint, stop, eval
+        for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due
             with accelerator.accumulate(model):
                 logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.step(loss)  # loss sums, --max-grad-norm, the NaN/stop guard: one all-reduce, no sync
+                run.step(loss)  # loss sums, the NaN/stop guard: one all-reduce, no sync
+                if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm
+                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            if run.step_taken():  # the weights were updated: not a --grad-accum micro-batch, nor an fp16 skip
+                scheduler.step()
 
     run.finish(validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
 
