@@ -191,6 +191,11 @@ class CommonConfig:
     profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
     timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
+    def settle(self) -> None:
+        """Settings that follow from others, decided once when the command line is parsed (a recipe overrides this;
+        ``self.explicit`` names the flags given). After it, and a resume's adoption of the run's own settings,
+        nothing writes the config."""
+
 
 _BOOL_TRUE = {"1", "true", "yes", "on"}
 _BOOL_FALSE = {"0", "false", "no", "off"}
@@ -368,6 +373,10 @@ def parse_config(cls, argv=None, description: str = ""):
     # NOTE: a run started before recipes had a rule, at another batch and without --lr, resumes with the rule's
     # lr (applied over the checkpoint's, and printed so); give its old --lr to keep it.
     cfg.lr_note = follow_batch(cfg, lr_source)  # not a field either: the startup line shows it
+    try:
+        cfg.settle()
+    except ConfigError as err:
+        raise SystemExit(report(err)) from None
     return cfg
 
 

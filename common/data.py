@@ -166,7 +166,8 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True, *, mmap: bo
     if val_split is None and cfg.val_fraction > 0:
         train_split, val_split = hold_out(train_split, cfg.val_fraction, cfg.seed)
     notes = [n for n in [skipped] + [s.note for s in splits.values()] if n]
-    return ImageData(train_split, val_split, splits.get("test"), class_names, name, "; ".join(notes))
+    return ImageData(train_split, val_split, splits.get("test"), class_names, name, "; ".join(notes),
+                     make_loader=split_loader, on_device=cfg.data_on_device)
 
 
 # --- batching ------------------------------------------------------------------------------------
@@ -238,28 +239,32 @@ DEVICE_SHARE = 0.25  # the decoded data may take this share of the GPU's free me
 
 
 def place_on_device(cfg, accelerator, data: ImageData) -> str:
-    """On a GPU, without an explicit --data-on-device: put the decoded data on the GPU when it takes under a quarter
-    of the free memory (a batch is then one on-device gather, no host-to-device copy per step). Returns the note
-    for the startup line ('' on a CPU, where host memory is the device's). CPU runs are unchanged."""
-    if accelerator.device.type != "cuda" or "data_on_device" in getattr(cfg, "explicit", ()):
+    """On a GPU, without an explicit --data-on-device: the decoded data goes on the GPU when it takes under a quarter
+    of the free memory (a batch is then one on-device gather, no host-to-device copy per step), recorded in
+    ``data.on_device``. Returns the note for the startup line ('' on a CPU, where host memory is the device's, and
+    for photos, decoded per batch). CPU runs are unchanged."""
+    shared = {id(s.source_images): s.source_images for s in (data.train, data.val, data.test)
+              if s is not None and hasattr(s, "source_images")}  # decoded splits (photos hold file names)
+    if accelerator.device.type != "cuda" or "data_on_device" in getattr(cfg, "explicit", ()) or not shared:
         return ""
-    shared = {id(s.source_images): s.source_images for s in (data.train, data.val, data.test) if s is not None}
     need = sum(t.numel() * t.element_size() for t in shared.values())  # train and held-out share one source
     free, _ = torch.cuda.mem_get_info(accelerator.device)
-    cfg.data_on_device = need < DEVICE_SHARE * free
-    where = "on the GPU" if cfg.data_on_device else "in host memory (over a quarter of the GPU's free memory)"
+    data.on_device = need < DEVICE_SHARE * free
+    where = "on the GPU" if data.on_device else "in host memory (over a quarter of the GPU's free memory)"
     return f"data {where}: {need / 2**20:,.0f} MB of {free / 2**20:,.0f} MB free; --data-on-device false|true decides"
 
 
-def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False, alternating_flip: bool = False):
+def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False, on_device: bool = False,
+                 alternating_flip: bool = False):
     """A recipe's DataLoader over a decoded split (None for none): the global --batch-size split over processes
     and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator
-    with --data-on-device. ``alternating_flip``: airbench's flip, seeded by --seed (``TensorImages``)."""
+    when ``on_device`` (--data-on-device, or ``place_on_device``'s choice). ``alternating_flip``: airbench's flip,
+    seeded by --seed (``TensorImages``)."""
     from common.accelerator import loader_batch
 
     if split is None:
         return None
     n = accelerator.num_processes
     batch = loader_batch(cfg, n, train)
-    return make_loader(split, batch, train, device=accelerator.device if cfg.data_on_device else None,
+    return make_loader(split, batch, train, device=accelerator.device if on_device else None,
                        pin=accelerator.device.type == "cuda", flip_seed=cfg.seed if alternating_flip else None)

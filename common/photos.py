@@ -5,9 +5,10 @@ Why not the decoded cache of ``common.data``: it stores every image at one size,
 (aspect ratio lost) and a cache many times the JPEGs' size (ImageNet at 224 px: ~190 GB). Here a split is a list of
 files and labels; memory grows with the number of file names, not pixels, and nothing is written to disk.
 
-- Training: ``RandomResizedCrop`` (torchvision's, the Inception-style crop every ImageNet recipe uses) to
-  ``--image-size`` and a horizontal flip, per image, in the worker. Each image's draw is seeded by (seed, epoch,
-  image), so a run resumed mid-epoch, or run with another number of workers, sees exactly the same pixels.
+- Training: the recipe's own per-image transform (``train_view``: recipes/finetune_folder.py's random resized
+  crop and flip, and what else it adds), run on uint8 tensors in the worker. Each image's draws are seeded by
+  (seed, epoch, image), so a run resumed mid-epoch, or run with another number of workers, sees exactly the same
+  pixels.
 - Evaluation and ``predict``: the shorter side resized to ``image_size / 0.875`` and a centre crop of
   ``image_size`` (torchvision's 256 -> 224), never a squash.
 - JPEGs are decoded at a reduced scale when the photo is much larger than needed (Pillow's ``draft``: the DCT
@@ -96,8 +97,8 @@ class PhotoSplit(Rows):
 class PhotoDataset(torch.utils.data.Dataset):
     """Per-image decoding and augmentation, run in the DataLoader's workers."""
 
-    def __init__(self, split: PhotoSplit, train: bool, seed: int, min_scale: float):
-        self.split, self.train, self.seed, self.min_scale, self.epoch = split, train, seed, min_scale, 0
+    def __init__(self, split: PhotoSplit, seed: int, train_view=None):
+        self.split, self.seed, self.train_view, self.epoch = split, seed, train_view, 0
 
     def set_epoch(self, epoch: int) -> None:  # called before each epoch's iterator (and its workers) starts
         self.epoch = epoch
@@ -106,8 +107,6 @@ class PhotoDataset(torch.utils.data.Dataset):
         return len(self.split)
 
     def __getitem__(self, i):
-        from torchvision.transforms import v2
-
         size = self.split.image_size
         path = self.split.file_at(i)
         try:
@@ -115,14 +114,17 @@ class PhotoDataset(torch.utils.data.Dataset):
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
             raise DataError(f"Could not read {path} ({type(err).__name__}: {err}); it was readable when the run "
                             "started. Replace or remove it and resume (--resume-from latest).") from None
-        if not self.train:
+        if self.train_view is None:
             return eval_view(image, size), self.split.label_at(i)
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
         # main process's own stream (dropout, the shuffle) is untouched when there are no workers
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
-            image = v2.RandomResizedCrop(size, scale=(self.min_scale, 1.0), antialias=True)(image)
-            image = v2.RandomHorizontalFlip()(image)
+            image = self.train_view(image)
+        if image.shape != (3, size, size):
+            raise DataError(f"The recipe's training view made a {tuple(image.shape)} image of {path}; the model takes "
+                            f"(3, {size}, {size}) (--image-size {size}). End train_view with a crop or resize to "
+                            "--image-size.")
         return image, self.split.label_at(i)
 
 
@@ -175,19 +177,25 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
-    return ImageData(train, val, splits.get("test"), scan.class_names, name, scan.skipped_line())
+    return ImageData(train, val, splits.get("test"), scan.class_names, name, scan.skipped_line(),
+                     make_loader=photo_loader)
 
 
-def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False):
+def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False, on_device: bool = False,
+                 train_view=None):
     """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
-    accumulation steps for training, --eval-batch-size over processes for evaluation."""
+    accumulation steps for training, --eval-batch-size over processes for evaluation. ``train_view``: the recipe's
+    per-image training transform (uint8 (3, H, W) in, (3, --image-size, --image-size) out), required for training;
+    evaluation resizes the shorter side and centre-crops. ``on_device``: unused (photos are decoded on the host)."""
     from common.accelerator import loader_batch
 
     if split is None:
         return None
+    if train and train_view is None:
+        raise TypeError("a training photo loader needs the recipe's train_view (its per-image augmentation)")
     n = accelerator.num_processes
     batch = loader_batch(cfg, n, train)
-    dataset = PhotoDataset(split, train, cfg.seed, cfg.min_crop_scale)
+    dataset = PhotoDataset(split, cfg.seed, train_view if train else None)
     workers = cfg.workers
     if workers < 0:  # this process's share of the node's cores, less the one the training loop runs on
         local = int(os.environ.get("LOCAL_WORLD_SIZE", n))

@@ -52,7 +52,7 @@ What each call promises:
 - **Crash-safe, one writer**: checkpoints through ``common.checkpoint``; the run directory is locked
   for the run's life (``common.rundir``).
 - **How it ended** is written to ``summary.json`` (``status``) for every ending after the start:
-  completed, target_missed, preempted, nonfinite_loss, bad_input, crashed. Through
+  completed, target_missed, preempted, nonfinite_loss, bad_input, storage_error, unfinished, crashed. Through
   ``accelerate launch`` every failure exits 1, so scripts should read that field.
 """
 
@@ -73,7 +73,7 @@ from common.augment import batch_generator
 from common.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
 from common.console import say
-from common.data import data_fingerprint, load_image_data, place_on_device, split_loader
+from common.data import data_fingerprint, load_image_data, place_on_device
 from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, report
 from common.evalonly import EvalOnly
 from common.guard import StepChecks, unclipped_grad_norm
@@ -227,16 +227,17 @@ class TrainingRun:
         self.stop.interruptible(None)
         if data.note:
             say(f"data {data.source}: {data.note}")
-        if reader is load_image_data:
-            placed = place_on_device(self.cfg, self.accelerator, data)
-            self.note = "; ".join(n for n in (self.note, placed) if n)
+        placed = place_on_device(self.cfg, self.accelerator, data)
+        self.note = "; ".join(n for n in (self.note, placed) if n)
         self.data = data
         return data
 
-    def loader(self, split, train: bool = False, alternating_flip: bool = False):
-        """A DataLoader over a decoded split (``common.data.split_loader``): the global --batch-size split over
-        processes and accumulation steps for training, --eval-batch-size over processes for evaluation."""
-        return split_loader(self.cfg, self.accelerator, split, train, alternating_flip)
+    def loader(self, split, train: bool = False, **options):
+        """A DataLoader over a split of the data run.load_data read (None for none), made the way its reader says
+        (``common.data.split_loader`` for decoded images, ``common.photos.photo_loader`` for photos): the global
+        --batch-size split over processes and accumulation steps for training, --eval-batch-size over processes for
+        evaluation. ``options``: the loader's own (``alternating_flip=``, a photo recipe's ``train_view=``)."""
+        return self.data.make_loader(self.cfg, self.accelerator, split, train, self.data.on_device, **options)
 
     # --- resume or fresh start -------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,10 @@ class ImageData:
     class_names: list[str]
     source: str
     note: str = ""  # files skipped and conversions made while reading the data, for the startup line
+    # how a loader over one of its splits is made (common.data.split_loader, common.photos.photo_loader): the reader
+    # that made the data says, so every recipe gets its loaders from run.loader(...) alike
+    make_loader: Callable | None = None
+    on_device: bool = False  # the decoded images were placed on the accelerator (common.data.place_on_device)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -258,7 +258,8 @@ class Progress:
             return iterable
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", initial=initial, total=total, leave=False)
+        self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", initial=initial, total=total,
+                        leave=False)
         console.show_bar(self.bar)  # messages go through it meanwhile
         return self.bar
 

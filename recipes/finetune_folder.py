@@ -34,7 +34,7 @@ from common.averaging import EMA
 from common.config import CommonConfig, LRRule, knob, parse_config
 from common.console import say
 from common.metrics import evaluate
-from common.photos import load_photos, photo_loader, photo_stats
+from common.photos import load_photos, photo_stats
 from common.run import TrainingRun
 from common.schedule import build_scheduler
 
@@ -60,6 +60,9 @@ class Config(CommonConfig):
     warmup_fraction: float = knob(0.1, "fraction of optimizer steps spent warming the LR up linearly")
     label_smoothing: float = 0.1
     min_crop_scale: float = knob(0.25, "smallest area share of a random resized crop (torchvision's default: 0.08)")
+    auto_augment: bool = knob(False, "TrivialAugmentWide on each training photo (torchvision's --auto-augment ta_wide)")
+    random_erase: float = knob(0.0, "probability of erasing a random rectangle of each training photo "
+                               "(torchvision's --random-erase; 0 = off)")
     mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
     cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")
     ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
@@ -67,6 +70,24 @@ class Config(CommonConfig):
     workers: int = knob(-1, "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
                         "cores less one, at most 8: none on a 2-core machine running 2 processes)")
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
+
+    def settle(self):
+        if "image_size" not in self.explicit:  # pretrained weights: their own crop (224 for torchvision's ImageNet)
+            self.image_size = vision.resolve(self.model, self.weights).crop or self.image_size
+
+
+def train_view(cfg: Config, mean: list[float]):
+    """Each training photo's augmentation: uint8 (3, H, W) in, (3, --image-size, --image-size) out, run in the
+    loader's workers with its draws seeded per image (exact resume). Yours to change: any torchvision v2 transform."""
+    from torchvision.transforms import v2
+
+    steps = [v2.RandomResizedCrop(cfg.image_size, scale=(cfg.min_crop_scale, 1.0), antialias=True),
+             v2.RandomHorizontalFlip()]
+    if cfg.auto_augment:
+        steps.append(v2.TrivialAugmentWide())
+    if cfg.random_erase:  # filled with the mean colour, as erasing after normalisation fills with 0
+        steps.append(v2.RandomErasing(cfg.random_erase, value=[round(255 * m) for m in mean]))
+    return v2.Compose(steps)
 
 
 def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
@@ -88,16 +109,14 @@ def main(argv=None) -> int:
 
 def train(cfg: Config, run: TrainingRun) -> None:
     accelerator = run.accelerator
-    pretrained = vision.resolve(cfg.model, cfg.weights)
-    if pretrained.crop and "image_size" not in cfg.explicit:
-        cfg.image_size = pretrained.crop  # the weights' own crop (224 for torchvision's ImageNet weights)
+    pretrained = vision.resolve(cfg.model, cfg.weights)  # the weights' normalisation (their crop: Config.settle)
     # --- data ---
     data = run.load_data(load_photos)  # file lists; decoded per batch in the loader's workers
     mean, std = (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train)
     transform = BatchTransform(mean, std, channels_last=cfg.channels_last)  # normalises on the device
-    train_loader = photo_loader(cfg, accelerator, data.train, train=True)
-    val_loader = photo_loader(cfg, accelerator, data.val)
-    final_loader = photo_loader(cfg, accelerator, data.test) or val_loader
+    train_loader = run.loader(data.train, train=True, train_view=train_view(cfg, mean))
+    val_loader = run.loader(data.val)
+    final_loader = run.loader(data.test) or val_loader
 
     # --- model ---
     set_seed(cfg.seed)
@@ -128,7 +147,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due
             with accelerator.accumulate(model):
-                x = transform.train(images, run.augment_generator())  # crops and flips: drawn in the workers
+                x = transform.train(images, run.augment_generator())  # normalised (train_view ran in the workers)
                 if mix is not None:  # MixUp / CutMix: mixed images, soft targets
                     x, labels = vision.mixed(mix, x, labels, run.augment_generator())
                 logits = model(x)

@@ -355,10 +355,13 @@ def test_on_a_gpu_the_decoded_data_goes_to_the_device_when_it_fits(small, tmp_pa
     for free, expect in ((need * 5, True), (need * 3, False)):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, 2 * f))
         cfg = config(small, tmp_path / "c")
+        data.on_device = False
         note = place_on_device(cfg, gpu, data)
-        assert cfg.data_on_device is expect and ("data on the GPU" in note) is expect, note
+        assert cfg.data_on_device is False  # the setting stays as parsed; the decision is the data's
+        assert data.on_device is expect and ("data on the GPU" in note) is expect, note
     cfg = config(small, tmp_path / "c")
     cfg.explicit = {"data_on_device"}
-    assert place_on_device(cfg, gpu, data) == "" and cfg.data_on_device is False
+    data.on_device = False
+    assert place_on_device(cfg, gpu, data) == "" and data.on_device is False
     cfg = config(small, tmp_path / "c")
-    assert place_on_device(cfg, SimpleNamespace(device=torch.device("cpu")), data) == "" and not cfg.data_on_device
+    assert place_on_device(cfg, SimpleNamespace(device=torch.device("cpu")), data) == "" and not data.on_device

@@ -155,3 +155,23 @@ def test_an_unreadable_photo_is_named_before_training_at_every_launch(tmp_path, 
                                                   "--output-dir", tmp_path / "run"], env)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "1 of the 19 images" in proc.stderr and "broken.jpg" in proc.stderr
+
+
+def test_the_recipes_own_augmentation_trains_and_resumes_exactly(tmp_path, photos_like, env):
+    """--auto-augment (TrivialAugmentWide) and --random-erase run in the recipe's train_view, in the loader's workers:
+    they change what trains (other losses than the plain crop and flip), and a run stopped at step 3 and resumed with
+    a worker process instead of none draws the same pixels (same losses and weights, bit for bit)."""
+    base = ["--dataset", photos_like, "--image-size", 32, "--batch-size", 32, "--epochs", 2, "--log-every", 1,
+            "--checkpoint-every", 3, "--keep-checkpoints", 10]
+    plain, full = tmp_path / "plain", tmp_path / "full"
+    check_ok(run_in_process("finetune_folder", [*base, "--workers", 0, "--output-dir", plain], env))
+    augmented = [*base, "--auto-augment", "true", "--random-erase", 0.5]
+    check_ok(run_in_process("finetune_folder", [*augmented, "--workers", 0, "--output-dir", full], env))
+    losses = lambda r: [(x["step"], x["train/loss"]) for x in read_jsonl(r / "metrics.jsonl") if "train/loss" in x]
+    assert losses(full)[0] != losses(plain)[0]  # the first batch already sees other pixels
+    run = stopped_at(full, 3, tmp_path / "run")
+    proc = check_ok(run_in_process("finetune_folder", [*augmented, "--workers", 1, "--output-dir", run,
+                                                       "--resume-from", "latest"], env))
+    assert "resumed from" in proc.stdout and losses(run) == losses(full)
+    a, b = load_file(str(run / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

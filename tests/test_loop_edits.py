@@ -197,7 +197,8 @@ def test_return_without_finish_is_recorded_and_resumes_exactly(tmp_path, env, mn
     position is checkpointed, and the unedited recipe resumes from it to the uninterrupted run's weights. Before:
     exit 0 with summary.json still saying "running" and the steps since the last checkpoint lost."""
     ref = reference_run("fashion_mnist_mlp", 1)
-    copy = edited(tmp_path, "fashion_mnist_mlp", (TOP, f"            if run.global_step == 5:\n                return\n{TOP}"))
+    early = (TOP, f"            if run.global_step == 5:\n                return\n{TOP}")
+    copy = edited(tmp_path, "fashion_mnist_mlp", early)
     run = tmp_path / "run"
     proc = run_in_process(copy, [*ref.train_args, "--output-dir", run], env)
     assert proc.returncode == 1 and "returned without calling run.finish" in proc.stderr, proc.stderr[-2000:]
@@ -239,7 +240,8 @@ def test_a_second_pass_over_the_batches_in_one_epoch_is_refused(tmp_path, env, m
 
 # --- what follows a step -------------------------------------------------------------------------------------
 
-PRINT_NORM = ("                norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))\n"
+PRINT_NORM = ("                norm = torch.linalg.vector_norm(\n"
+              "                    torch.stack([p.grad.norm() for p in model.parameters()]))\n"
               "                print(f'norm before the update {float(norm):.6f}', flush=True)\n")
 
 
