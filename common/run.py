@@ -95,6 +95,7 @@ class LoopState:
     batches_begun: bool = False  # run.batches() was called in this epoch
     first: int = 0               # the batch it started at (a resumed epoch starts past 0)
     pending: bool = False        # a batch was handed to the loop's body and is not closed yet
+    loader: object = None        # the loader the batch loop iterates
     left_at: int | None = None   # the loop left run.batches() (break) after this many batches of the epoch
     skipped: int = 0             # batches of this epoch the loop went past without run.step (continue)
     ended_early: str = ""        # the loop left run.epochs() before --epochs (break): said in summary.json
@@ -103,13 +104,13 @@ class LoopState:
     def begin_epoch(self) -> None:
         self.phase, self.batches_begun, self.left_at, self.skipped, self.pending = "epoch", False, None, 0, False
 
-    def begin_batches(self, first: int) -> int:
-        self.phase, self.batches_begun, self.first = "batches", True, first
+    def begin_batches(self, first: int, loader) -> int:
+        self.phase, self.batches_begun, self.first, self.loader = "batches", True, first, loader
         self.pass_id += 1
         return self.pass_id
 
     def end_batches(self, left_at: int | None = None) -> None:
-        self.phase, self.left_at, self.pending = "epoch", left_at, False
+        self.phase, self.left_at, self.pending, self.loader = "epoch", left_at, False, None
         self.pass_id += 1  # the generator, if resumed later, refuses
 
     def end_epoch(self) -> None:
@@ -332,7 +333,7 @@ class TrainingRun:
         if cfg.max_steps:  # the bar's total and ETA respect --max-steps
             total = min(total, first + (cfg.max_steps - c.global_step) * cfg.grad_accum)
         batches = self.accelerator.skip_first_batches(loader, first) if first else loader
-        this_pass = loop.begin_batches(first)
+        this_pass = loop.begin_batches(first, batches)
         t_wait = time.perf_counter()
         for images, labels in self.progress.wrap(batches, c.epoch, first, total):
             self.meter.add(labels.shape[0] * self.accelerator.num_processes, time.perf_counter() - t_wait)
@@ -464,6 +465,10 @@ class TrainingRun:
             else:  # left at the top of its body: not trained on, not counted
                 loop.pending = False
                 self.checks.next_batch()
+        # A prepared loader left mid-iteration never reaches its own end(), which takes it off Accelerate's list of
+        # active loaders (gather_for_metrics and --grad-accum read the newest one): take it off now.
+        with contextlib.suppress(AttributeError, ValueError):
+            loop.loader.end()
         loop.end_batches(left_at=self.ckpt.batch)
         self.progress.close_bar()
 
