@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.schedule import lr_multiplier
-from conftest import SMALL, check_ok, read_jsonl, run_in_process
+from conftest import SMALL, check_ok, launch, read_jsonl, run_in_process
 
 RECIPES = {"fashion_mnist_mlp": "mnist_like", "mnist_convnet": "mnist_like", "cifar_cnn": "cifar_like",
            "finetune_folder": "photos_like"}
@@ -135,6 +135,26 @@ def test_break_from_the_batch_loop_ends_that_epoch(recipe, where, tmp_path, env,
     assert checkpoint_steps(run)[-2:] == [3, 6] and (run / "final" / "model.safetensors").is_file()
     assert [step for step, _ in rows(run, "train/loss")] == [1, 2, 3, 4, 5, 6]
     lr_follows_the_schedule(run, per_epoch)
+
+
+def test_break_and_continue_on_two_processes_through_the_launcher(tmp_path, env, awkward):
+    """2 gloo processes under `accelerate launch`: a copy that skips every third batch and leaves each epoch after 5
+    batches counts the same steps on both ranks, and its evaluations count the 99 validation images exactly once."""
+    copy = edited(tmp_path, "fashion_mnist_mlp", (TOP, "            if run.batch == 5:\n                break\n"
+                                                       "            if run.batch % 3 == 1:\n                continue\n"
+                                                       f"{TOP}"))
+    run = tmp_path / "run"
+    proc = check_ok(launch(copy, ["--dataset", awkward, "--epochs", 2, "--batch-size", 32, *SMALL["fashion_mnist_mlp"],
+                                  "--output-dir", run], env, nproc=2))
+    assert "processes=2" in proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2 and all("ended by the loop after 5 of 8 batches (2 skipped by the loop)" in line
+                                   for line in lines), proc.stdout
+    s = summary(run)
+    assert (s["status"], s["epochs_completed"], s["global_step"], s["processes"]) == ("completed", 2, 6, 2), s
+    assert [r["eval/accuracy"] is not None for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r] == \
+        [True, True]
+    assert "99 images" in lines[0] and s["final"]["test/count"] == 82
 
 
 def test_break_by_the_run_position_resumes_exactly(tmp_path, env, mnist_like, monkeypatch):
