@@ -131,7 +131,11 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) ->
     head_keys = {k for k in own if k.startswith(head_name + ".")}
     skipped = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
     unexpected = sorted(k for k in state if k not in own)
-    missing = sorted(k for k in own if k not in state)
+    # BatchNorm's step counters: files saved before torch kept them (torchvision's older ImageNet weights among them)
+    # lack them, and torch's own load_state_dict starts them at 0, as it does here
+    counters = {name + ".num_batches_tracked" for name, m in model.named_modules()
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats}
+    missing = sorted(k for k in own if k not in state and k not in counters)
     wrong = [k for k in skipped if k not in head_keys]
     if unexpected or wrong or set(missing) - head_keys:
         shown = (unexpected + wrong + missing)[:4]
@@ -141,8 +145,10 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) ->
                           "(torchvision's own file for it, or one saved from this model).")
     model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
     shapes = ", ".join(f"{k} {tuple(state[k].shape)} -> {tuple(own[k].shape)}" for k in skipped)
+    absent = [k for k in missing if k in head_keys]
     return (f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
-            + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else ""))
+            + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else "")
+            + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else ""))
 
 
 def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: float) -> list[dict]:

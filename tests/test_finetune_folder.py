@@ -175,3 +175,27 @@ def test_the_recipes_own_augmentation_trains_and_resumes_exactly(tmp_path, photo
     assert "resumed from" in proc.stdout and losses(run) == losses(full)
     a, b = load_file(str(run / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it(tmp_path):
+    """torchvision's older ImageNet files (resnet18's among them) were saved before BatchNorm had num_batches_tracked:
+    no counters, BatchNorm version 1 in the metadata. They load, as torch's own load_state_dict loads them."""
+    import collections
+
+    import torchvision
+
+    source = torchvision.models.resnet18(num_classes=1000)
+    old = collections.OrderedDict((k, v) for k, v in source.state_dict().items()
+                                  if not k.endswith("num_batches_tracked"))
+    old._metadata = {name: {"version": 1} for name, _ in source.named_modules()}
+    torch.save(old, tmp_path / "resnet18-old.pth")
+    model = vision.build("resnet18", 1000)
+    line = vision.load_pretrained(model, str(tmp_path / "resnet18-old.pth"), "resnet18", 1000)
+    assert f"{len(old)} tensors loaded" in line and "skipped" not in line
+    reference = torchvision.models.resnet18(num_classes=1000)
+    reference.load_state_dict(torch.load(tmp_path / "resnet18-old.pth", weights_only=True))  # torch's own, strict
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
+    headless = {k: v for k, v in old.items() if not k.startswith("fc.")}
+    torch.save(headless, tmp_path / "backbone.pth")
+    line = vision.load_pretrained(vision.build("resnet18", 3), str(tmp_path / "backbone.pth"), "resnet18", 3)
+    assert "the file holds no head (fc.bias, fc.weight): it starts fresh" in line, line
