@@ -102,8 +102,13 @@ class FolderScan:
 def is_image_folder(root: Path) -> bool:
     """True when ``root`` holds images and no parquet/arrow files (a dataset repository, read by ``datasets``)."""
     endings = image_endings()
-    found = False
+    found, visited = False, set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in visited:  # a link back up the tree: each folder once (scan names the link)
+            dirnames[:] = []
+            continue
+        visited.add((st.st_dev, st.st_ino))
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for f in filenames:
             ext = os.path.splitext(f)[1].lower()
@@ -120,10 +125,15 @@ def _walk_error(err: OSError):
 
 def _images_below(top: Path, endings: set[str], skipped: Counter) -> list[str]:
     """Every image file at any depth below ``top``, sorted; hidden entries and other files counted."""
-    found, visited = [], set()
+    found, visited, top_real = [], set(), os.path.realpath(top)
     for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if dirpath != str(top) and (real == top_real or top_real.startswith(real + os.sep)):
+            raise DataError(f"{dirpath} is a link back up the tree (to {real}), which holds the class folder {top}: "
+                            f"every image below {real} would also be read as class {Path(top).name}. Remove the "
+                            "link, or replace it with a copy of the images that belong to that class.")
         st = os.stat(dirpath)
-        if (st.st_dev, st.st_ino) in visited:  # a symbolic link back up the tree: walk it once
+        if (st.st_dev, st.st_ino) in visited:  # a second link to a folder already walked: once
             dirnames[:] = []
             continue
         visited.add((st.st_dev, st.st_ino))
@@ -157,6 +167,33 @@ def _entries(folder: Path, endings: set[str], skipped: Counter):
         else:
             skipped[os.path.splitext(e.name)[1].lower() or "(no ending)"] += 1
     return dirs, images
+
+
+def _refuse_shared_files(found: dict, name: str) -> None:
+    """One file reached through links from two classes or two splits would train as both, or be scored on
+    after training on it: refused, naming it. Within one class a file reached twice (a link to a folder of the
+    same class) is read once."""
+    owner, clashes = {}, []
+    for split, classes in found.items():
+        for c, paths in classes.items():
+            kept = []
+            for path in paths:
+                try:
+                    st = os.stat(path)
+                except OSError:  # a dangling link: the decode names it among the unreadable files
+                    kept.append(path)
+                    continue
+                key = (st.st_dev, st.st_ino)
+                if key not in owner:
+                    owner[key] = (split, c, path)
+                    kept.append(path)
+                elif owner[key][:2] != (split, c):
+                    clashes.append(f"{path} (also {owner[key][2]})")
+            paths[:] = kept
+    if clashes:
+        raise DataError(f"{len(clashes)} file(s) of {name} are reached from two classes or splits through links, e.g. "
+                        f"{'; '.join(clashes[:3])}: each would be trained on as two classes, or scored on after "
+                        "being trained on. Remove the links, or keep one copy of each file in its own class.")
 
 
 def _stat(path: str) -> tuple[int, int, int]:
@@ -232,7 +269,14 @@ def scan(root: Path, name: str) -> FolderScan:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
                 _images_below(split_root / d, endings, skipped))
         found[split] = classes
+    _refuse_shared_files(found, name)
     train = found["train"]
+    folded = Counter(c.casefold() for c in train)
+    twins = sorted(c for c in train if folded[c.casefold()] > 1)
+    if twins:
+        raise DataError(f"The class folders {_listing(twins)} of {name} differ only in letter case: here they are "
+                        "separate classes, on a case-insensitive filesystem (macOS, Windows) one folder. Merge them "
+                        "into one folder, or rename one if they really are different classes.")
     empty = [c for c, files in train.items() if not files]
     if not any(train.values()):
         raise DataError(

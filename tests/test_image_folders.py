@@ -85,6 +85,43 @@ def test_every_image_below_a_class_folder_belongs_to_it_at_any_depth(tmp_path):
     assert sorted(data.train.labels.tolist()) == sorted(labels.tolist())
 
 
+def test_links_back_up_the_tree_and_files_in_two_classes_are_refused_naming_them(tmp_path):
+    """ants/up -> .. made every bee an ant too; two such links made the folder check walk forever. A link to a folder
+    of the same class reads its images once; one into another class (or split) is refused."""
+    import threading
+
+    root = write_image_folder(tmp_path / "insects", n_per_class=4, classes=("ants", "bees"))
+    os.symlink("..", root / "ants" / "up")
+    with pytest.raises(DataError, match=r"ants/up is a link back up the tree"):
+        load(root, tmp_path)
+    os.symlink("..", root / "bees" / "up")  # two of them: before, os.walk went round forever
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(DataError, load, root, tmp_path)),
+                              daemon=True)
+    worker.start()
+    worker.join(60)
+    assert outcome and "link back up the tree" in str(outcome[0].value)
+    for link in (root / "ants" / "up", root / "bees" / "up"):
+        link.unlink()
+    os.symlink(root / "bees", root / "ants" / "more")  # every bee reached as an ant
+    with pytest.raises(DataError, match=r"reached from two classes or splits through links") as err:
+        load(root, tmp_path)
+    assert "ants/more/" in str(err.value)
+    (root / "ants" / "more").unlink()
+    (root / "ants" / "sub").mkdir()
+    os.symlink(root / "ants" / "sub", root / "ants" / "again")  # the same class twice: read once
+    Image.fromarray(learnable_images(1, 2, (3, 32, 32))[0][0]).save(root / "ants" / "sub" / "x.png")
+    data = load(root, tmp_path, val_fraction=0)
+    assert np.bincount(data.train.labels.numpy()).tolist() == [5, 4]
+
+
+def test_class_folders_that_differ_only_in_letter_case_are_refused(tmp_path):
+    root = write_image_folder(tmp_path / "pets", n_per_class=3, classes=("Cat", "cat", "dog"))
+    with pytest.raises(DataError, match=r"differ only in letter case") as err:
+        load(root, tmp_path)
+    assert "Cat" in str(err.value) and "cat" in str(err.value)
+
+
 def test_any_folder_name_is_a_class_name(tmp_path):
     names = ("__background__", "with space", "猫", "café", "valid")
     root = write_image_folder(tmp_path / "named", n_per_class=3, classes=names)
