@@ -4,6 +4,8 @@
 - EXIF orientation is applied (a phone photo stored sideways is seen upright, as every viewer shows it).
 - 16-bit images (microscopy, medical, depth: Pillow's ``I;16`` and ``I`` modes) are scaled from 0-65535
   to 0-255. Pillow's own ``convert("L")`` clips them instead, which turns nearly every pixel white.
+- Floating-point images (32-bit TIFF, Pillow's ``F``) are scaled from 0-1 to 0-255 when they lie in 0-1, kept when
+  they lie in 0-255, and refused otherwise (no range to read them by). ``convert("L")`` reads 0-1 as black.
 - Transparency (RGBA, LA, a palette with a transparent colour) is flattened over black, so what a transparent
   pixel hides never reaches the model; palette images become RGB.
 - The result is ``L`` (grey) or ``RGB``: a grey file stays grey, so the caller can decide the channel count
@@ -30,6 +32,14 @@ def natural(img):
     if mode in SIXTEEN_BIT_MODES:
         wide = np.asarray(img).astype(np.int64).clip(0, 65535)
         return Image.fromarray(((wide * 255 + 32767) // 65535).astype(np.uint8), "L")
+    if mode == "F":
+        values = np.asarray(img, dtype=np.float64)
+        lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+        if not (np.isfinite(lo) and np.isfinite(hi)) or lo < 0 or hi > 255:
+            raise DataError(f"a floating-point image with values from {lo:g} to {hi:g}: neither 0-1 nor 0-255, so "
+                            "there is no one way to read it as pixels; save it scaled to 8 or 16 bits")
+        scale = 255.0 if hi <= 1.0 else 1.0
+        return Image.fromarray(np.rint(values * scale).astype(np.uint8), "L")
     if mode == "P":
         img = img.convert("RGBA" if "transparency" in img.info else "RGB")
     elif mode == "L" and "transparency" in img.info:
@@ -61,7 +71,7 @@ def unreadable_reason(err: Exception) -> str:
                 "`mogrify -resize 4096x4096\\> FILE`, or remove it")
     if isinstance(err, UnidentifiedImageError):
         return "not an image file Pillow can read"
-    return str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+    return str(err) if isinstance(err, (OSError, DataError)) else f"{type(err).__name__}: {err}"
 
 
 def unreadable_error(bad: list[tuple[str, str]], total: int, what: str) -> DataError:

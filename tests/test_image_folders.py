@@ -199,6 +199,23 @@ def test_16_bit_images_are_scaled_to_8_bits_not_clipped(tmp_path):
     assert torch.equal(data.train.images[0, 0], torch.arange(256, dtype=torch.uint8).view(16, 16))
 
 
+def test_float_images_are_read_by_their_range_not_as_black(tmp_path):
+    """A 32-bit float TIFF holding 0-1 reads as 0-255 (Pillow's convert('L') made it black); one in 0-255 as it is;
+    any other range is named as unreadable."""
+    root = tmp_path / "floats"
+    ramp = np.linspace(0, 1, 16 * 16, dtype=np.float32).reshape(16, 16)
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        Image.fromarray(ramp, "F").save(root / cls / "unit.tif")
+        Image.fromarray(ramp * 255, "F").save(root / cls / "bytes.tif")
+    data = load(root, tmp_path, val_fraction=0)
+    expected = np.rint(ramp.astype(np.float64) * 255).astype(np.uint8)
+    assert all(np.array_equal(img[0].numpy(), expected) for img in data.train.images)
+    Image.fromarray(ramp * 1000, "F").save(root / "a" / "wide.tif")
+    with pytest.raises(DataError, match=r"wide.tif \(a floating-point image with values from 0 to 1000"):
+        load(root, tmp_path / "again", val_fraction=0)
+
+
 def test_transparency_is_flattened_and_exif_orientation_applied(tmp_path):
     root = tmp_path / "d"
     for cls in ("a", "b"):
