@@ -49,11 +49,44 @@ def is_complete(path: Path) -> bool:
     return path.is_dir() and (path / MARKER).is_file() and (path / STATE_FILE).is_file()
 
 
+POSITION_FIELDS = ("epoch", "batches_in_epoch", "global_step")
+
+
 def read_state(path: Path) -> dict:
+    """The checkpoint's position and record, checked field by field (a file someone sends you is data: a wrong type
+    would surface later as a crash far from its cause); DamagedCheckpoint names what is wrong."""
+    file = Path(path) / STATE_FILE
     try:
-        return json.loads((Path(path) / STATE_FILE).read_text())
+        state = json.loads(file.read_text())
     except (OSError, ValueError) as err:
-        raise DamagedCheckpoint(f"{Path(path) / STATE_FILE} is unreadable ({type(err).__name__}: {err})") from None
+        raise DamagedCheckpoint(f"{file} is unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict):
+        raise DamagedCheckpoint(f"{file} holds {type(state).__name__}, not the checkpoint's record")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    bad = [f"{k} = {state.get(k)!r}" for k in POSITION_FIELDS if not count(state.get(k))]
+    if "skipped_steps" in state and not count(state["skipped_steps"]):
+        bad.append(f"skipped_steps = {state['skipped_steps']!r}")
+    if not isinstance(state.get("config", {}), dict):
+        bad.append("config is not a mapping")
+    best = state.get("best")
+    if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
+        bad.append(f"best = {best!r}")
+    if bad:
+        raise DamagedCheckpoint(f"{file} holds values a run never writes ({'; '.join(bad)}): not counts of epochs, "
+                                "batches and steps")
+    return state
+
+
+def step_of(path: Path) -> int:
+    """The optimizer step a checkpoint records; for one marked complete but unreadable, its folder name's (so a
+    resume that meets it says so and falls back past it)."""
+    try:
+        return read_state(path)["global_step"]
+    except DamagedCheckpoint:
+        return int(Path(path).name.split("-")[1])
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -65,10 +98,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     for child in root.iterdir():
         if not STEP_DIR.match(child.name) or not is_complete(child):
             continue
-        try:
-            found.append((read_state(child)["global_step"], child))
-        except (OSError, ValueError, KeyError):
-            continue  # unreadable state: treat as incomplete
+        found.append((step_of(child), child))
     return [p for _, p in sorted(found)]
 
 
@@ -127,7 +157,7 @@ def supersede_newer(run_dir: Path, step: int) -> list[str]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     moved = []
     for path in complete_checkpoints(run_dir):
-        if read_state(path)["global_step"] > step:
+        if step_of(path) > step:
             # never over an earlier superseded copy of this step (two such resumes within one second)
             moved.append(move_aside(path, f"superseded-{stamp}-{path.name}").name)
     return moved

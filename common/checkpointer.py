@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common import checkpoint as ckpt
 from common.accelerator import on_main
-from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH
+from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, validate_received
 from common.console import say
 from common.errors import RecipeError
 from common.files import move_aside
@@ -208,12 +208,14 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
         if key in explicit:
             refused.append(f"{flag} {getattr(cfg, key)!r} (the run used {saved[key]!r}: {why})")
         else:
-            setattr(cfg, key, saved[key])
+            setattr(cfg, key, received(type(cfg), key, saved[key], f"the checkpoint {path}"))
             taken.append(f"{flag} {saved[key]!r}")
     if refused:
         raise RecipeError(f"Refusing to resume from {path} with {'; '.join(refused)}. Resume without "
                           f"{'that flag' if len(refused) == 1 else 'those flags'} (the run's own values are then "
                           "used), or start a new run with a new --output-dir. Nothing was changed.")
+    if taken:
+        validate_received(cfg, f"the checkpoint {path}")
     return [f"resuming with the run's own {', '.join(taken)} (from the checkpoint)"] if taken else []
 
 

@@ -315,33 +315,48 @@ def _from_file(cls, path: str) -> dict:
     if unknown:
         raise ConfigError(f"--config {path} has settings this recipe does not know: {', '.join(unknown)}. Remove "
                           "them (python <recipe> --help lists every setting).")
-    values = {}
-    for key, value in loaded.items():
-        name, typ = names[key], hints[names[key]]
-        # what the command line would turn into this type turns into it here too; anything else is refused
-        wanted = TYPE_WORDS.get(typ, f"a {getattr(typ, '__name__', typ)}")
-        fix = (f"Give it {wanted} (e.g. `{key}: {json.dumps(fields[name].default)}`, the recipe's default) "
-               "or delete the line to keep the default.")
-        if value is None:  # `lr:` with nothing after it, or `lr: null`
-            raise ConfigError(f"--config {path}: {key} has no value (`{key}:` with nothing after it, or null). {fix}")
-        try:
-            if isinstance(value, (list, dict)) or (isinstance(value, bool) and typ in (int, float)):
-                raise TypeError(value)
-            if typ is bool:
-                value = value if isinstance(value, bool) else _parse_bool(str(value))
-            elif not isinstance(value, typ):
-                if typ is int and isinstance(value, float) and not value.is_integer():
-                    raise ValueError(value)
-                value = typ(value)
-        except (ValueError, TypeError, argparse.ArgumentTypeError):
-            raise ConfigError(f"--config {path}: {key} = {value!r} is not {wanted}. {fix}") from None
-        choices = described(cls, name).get("choices")
-        if choices is not None and value not in choices:
-            raise ConfigError(f"--config {path}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it "
-                              "to one of them in the file (one written by an older version may hold a value this "
-                              "setting no longer takes).")
-        values[name] = value
-    return values
+    return {names[key]: received(cls, names[key], value, f"--config {path}", key) for key, value in loaded.items()}
+
+
+def received(cls, name: str, value, where: str, key: str | None = None):
+    """A setting's value read from a file (--config, a run's config.json, a checkpoint): converted to the field's
+    type as the command line would convert it, checked against its choices; anything else is a ConfigError naming
+    ``where``. A file someone sends you is data: nothing it holds is trusted to have the right type."""
+    key = key or name
+    typ, default = typing.get_type_hints(cls)[name], {f.name: f.default for f in dataclasses.fields(cls)}[name]
+    wanted = TYPE_WORDS.get(typ, f"a {getattr(typ, '__name__', typ)}")
+    fix = (f"Give it {wanted} (e.g. `{key}: {json.dumps(default)}`, the recipe's default) or delete the line to "
+           "keep the default.")
+    if value is None:  # `lr:` with nothing after it, or `lr: null`
+        raise ConfigError(f"{where}: {key} has no value (`{key}:` with nothing after it, or null). {fix}")
+    try:
+        if isinstance(value, (list, dict)) or (isinstance(value, bool) and typ in (int, float)):
+            raise TypeError(value)
+        if typ is bool:
+            value = value if isinstance(value, bool) else _parse_bool(str(value))
+        elif not isinstance(value, typ):
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            value = typ(value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ConfigError(f"{where}: {key} = {value!r} is not {wanted}. {fix}") from None
+    choices = described(cls, name).get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{where}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it to one "
+                          "of them in the file (one written by an older version may hold a value this setting no "
+                          "longer takes).")
+    return value
+
+
+def validate_received(cfg, where: str) -> None:
+    """After settings were taken from a run's files (a resume, --eval-only): the same checks as the command line's,
+    said as the file's fault."""
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"The settings recorded in {where} are not valid: {err} The file was changed or damaged "
+                          "since the run wrote it; start a new run with a new --output-dir, or restore the file.") \
+            from None
 
 
 def parse_config(cls, argv=None, description: str = ""):

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from common import checkpoint as ckpt
-from common.config import DECIDES_SPLIT, EVAL_OWN
+from common.config import DECIDES_SPLIT, EVAL_OWN, received, validate_received
 from common.console import say
 from common.errors import RecipeError, printable
 
@@ -52,7 +52,8 @@ def adopt_run_config(cfg) -> str:
             if key == "dataset":
                 note = f"dataset {mine!r} (the run trained on {value!r})"
             continue
-        setattr(cfg, key, value)
+        setattr(cfg, key, received(type(cfg), key, value, str(found)))
+    validate_received(cfg, str(found))
     return note
 
 

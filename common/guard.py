@@ -234,9 +234,9 @@ def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
 
 def nonfinite_advice(run_dir, step: int, epoch: int) -> str:
     """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
-    from common.checkpoint import complete_checkpoints, read_state
+    from common.checkpoint import complete_checkpoints, step_of
 
-    usable = [p for p in complete_checkpoints(run_dir) if read_state(p)["global_step"] < step - 1]
+    usable = [p for p in complete_checkpoints(run_dir) if step_of(p) < step - 1]
     where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
              f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
              if usable else "No checkpoint predates the update that led here: start a new run with a lower --lr "

@@ -43,6 +43,42 @@ def test_config_file_value_of_the_wrong_type_is_one_paragraph(line, needles, tmp
     assert not (tmp_path / "r").exists()
 
 
+# --- a received run folder whose recorded values have the wrong type or range --------------------------------
+
+@pytest.mark.parametrize("file,edit,needles", [
+    ("state", {"config.grad_accum": 0}, ["settings recorded in the checkpoint", "--grad-accum must be at least 1"]),
+    ("state", {"config.seed": "one"}, ["seed = 'one' is not a whole number"]),
+    ("state", {"epoch": "1"}, ["holds values a run never writes", "epoch = '1'"]),
+    ("config", {"grad_accum": 0}, ["settings recorded in", "--grad-accum must be at least 1"]),
+])
+def test_received_run_values_of_the_wrong_type_are_one_paragraph(file, edit, needles, tmp_path, env, mnist_like):
+    """A run folder someone sent: its checkpoint's trainer_state.json (resumed) or its config.json (--eval-only)
+    holds a value a run never writes. Before: grad_accum 0 was a ZeroDivisionError mid-start; now one paragraph
+    naming the file and the value, exit 2."""
+    run = tmp_path / "run"
+    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP,
+                                                  "--output-dir", run], env))
+    if file == "state":
+        target = next((run / "checkpoints").glob("step-*")) / "trainer_state.json"
+        command = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run,
+                   "--resume-from", "latest"]
+    else:
+        target = run / "config.json"
+        command = ["--eval-only", "--checkpoint", run]
+    data = json.loads(target.read_text())
+    for key, value in edit.items():
+        holder = data
+        *parents, last = key.split(".")
+        for p in parents:
+            holder = holder[p]
+        holder[last] = value
+    target.write_text(json.dumps(data))
+    proc = run_in_process("fashion_mnist_mlp", command, env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr
+
+
 # --- the same checkpoint damaged twice ----------------------------------------------------------------------
 
 def damage(checkpoint):
