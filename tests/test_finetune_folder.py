@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -64,6 +65,11 @@ def test_predict_export_and_eval_only_take_photos_of_any_size(reference_run, tmp
 
     view, _ = predict.load_image(photos / "wide.jpg", (3, 32, 32), {"resize_shorter": 37, "center_crop": 32})
     assert torch.equal(view, eval_view(read_rgb(str(photos / "wide.jpg"), 37), 32))
+    # a photo far larger than the crop: training and evaluation decode it at 1/8 scale (JPEG draft); predict too
+    big = np.random.default_rng(0).integers(0, 255, (600, 800, 3), dtype=np.uint8)
+    Image.fromarray(big).resize((800, 600)).save(tmp_path / "big.jpg", quality=90)
+    view, _ = predict.load_image(tmp_path / "big.jpg", (3, 32, 32), {"resize_shorter": 37, "center_crop": 32})
+    assert torch.equal(view, eval_view(read_rgb(str(tmp_path / "big.jpg"), 37), 32))
     assert export.main([str(ref.run / "final"), "--onnx", str(tmp_path / "m.onnx")]) == 0  # checked against torch
     out, _ = capsys.readouterr()
     assert "resize the shorter side to 37" in out

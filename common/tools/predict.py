@@ -219,6 +219,11 @@ def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch
     from common.pixels import unreadable_reason
 
     try:
+        if preprocess:  # a photo run: the very reading its training and evaluation did (JPEG draft decoding too)
+            from common.photos import eval_view, read_rgb
+
+            view = eval_view(read_rgb(str(path), int(preprocess["resize_shorter"])), int(preprocess["center_crop"]))
+            return view.contiguous(), False
         with Image.open(path) as img:
             img.load()
             return preprocess_image(img, input_shape, preprocess)
