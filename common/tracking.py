@@ -137,9 +137,12 @@ class MetricsLog:
         from common.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
 
         title = f"{confusion_matrix_title(split, metrics['count'])}, step {step}"
-        confusion = confusion_matrix_image(metrics["confusion"], class_names, title=title)
-        if writer is not None:
+        confusion = None
+        if metrics["confusion"] is not None:  # not drawn past common.metrics.CONFUSION_MAX_CLASSES classes
+            confusion = confusion_matrix_image(metrics["confusion"], class_names, title=title)
+        if writer is not None and confusion is not None:
             writer.add_image(f"{split}/confusion_matrix", confusion, step, dataformats="HWC")
+        if writer is not None:
             preds, labels = metrics["preds"], metrics["labels"]
             wrong = (preds != labels).nonzero().flatten()[:36]
             grid = misclassified_grid(data_split.images_at(wrong), labels[wrong], preds[wrong], class_names)

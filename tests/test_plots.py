@@ -131,3 +131,21 @@ def test_single_train_point_has_a_marker():
     fig = curves_figure([{"step": 1, "train/loss": 1.0}])
     (line,) = fig.axes[0].get_lines()
     assert line.get_marker() not in (None, "None", "", " ")
+
+
+def test_many_classes_cost_an_evaluation_time_and_memory_linear_in_the_classes():
+    """100,000 classes: per-class accuracy from two bincounts, no confusion matrix (it would be 10^10 counts, 80 GB;
+    not drawn past CONFUSION_MAX_CLASSES, where a heatmap stops being readable); a few classes keep theirs."""
+    import time
+
+    from common.metrics import CONFUSION_MAX_CLASSES, summarize
+
+    preds, labels = torch.tensor([0, 5, 99_999, 7]), torch.tensor([0, 6, 99_999, 7])
+    t0 = time.perf_counter()
+    m = summarize(preds, labels, torch.zeros(4), 100_000)
+    assert time.perf_counter() - t0 < 5 and m["confusion"] is None
+    acc = m["per_class_accuracy"]
+    assert len(acc) == 100_000 and (acc[0], acc[6], acc[7], acc[99_999]) == (1.0, 0.0, 1.0, 1.0)
+    small = summarize(torch.tensor([0, 1, 1]), torch.tensor([0, 1, 2]), torch.zeros(3), 3)
+    assert small["confusion"].tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 0]] and small["per_class_accuracy"] == [1, 1, 0]
+    assert CONFUSION_MAX_CLASSES >= 10
