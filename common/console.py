@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+from common.errors import printable
+
 _bar = None  # the tqdm bar shown now (common.tracking.Progress sets it), or None
 
 
@@ -25,9 +27,12 @@ def is_main() -> bool:
 
 
 def say(text: str) -> None:
-    """Print ``text`` on the main process (through the progress bar when one is shown)."""
+    """Print ``text`` on the main process (through the progress bar when one is shown). Control characters are
+    written as text (``common.errors.printable``): a message may quote a file or class name from the user's
+    data, and an escape sequence in it must not retitle, clear or rewrite the terminal."""
     if not is_main():
         return
+    text = "\n".join(printable(line) for line in str(text).split("\n"))
     if _bar is not None:
         from tqdm.auto import tqdm
 

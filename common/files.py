@@ -72,9 +72,14 @@ def write_fsynced(path: Path, text: str) -> None:
 def write_atomic(path: Path, text: str) -> None:
     """Temp file, fsync, rename, fsync the folder: readers see the old file or the new one, even after a crash."""
     tmp = temp_name(path)
-    with os.fdopen(create_exclusive(tmp), "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(create_exclusive(tmp), "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a kill: no half-written temp file is left beside the old one
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)

@@ -119,12 +119,18 @@ def is_image_folder(root: Path) -> bool:
 
 
 def _walk_error(err: OSError):
+    if isinstance(err, FileNotFoundError):
+        raise DataError(f"The folder {err.filename} vanished while the dataset was read (moved or deleted meanwhile): "
+                        "its images would be left out. Run again once the dataset folder is settled.")
     raise DataError(f"Could not read the folder {err.filename} ({err.strerror}): its images would be left out "
                     "without a word. Fix its permissions (e.g. chmod -R u+rX) or move it out of the dataset.")
 
 
-def _images_below(top: Path, endings: set[str], skipped: Counter) -> list[str]:
-    """Every image file at any depth below ``top``, sorted; hidden entries and other files counted."""
+def images_below(top: Path, endings: set[str] | None = None, skipped: Counter | None = None) -> list[str]:
+    """Every image file at any depth below ``top`` (links followed, each folder once; a link back up the tree
+    refused), sorted; hidden entries and other files counted in ``skipped``. The walk predict shares."""
+    endings = image_endings() if endings is None else endings
+    skipped = Counter() if skipped is None else skipped
     found, visited, top_real = [], set(), os.path.realpath(top)
     for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error, followlinks=True):
         real = os.path.realpath(dirpath)
@@ -132,7 +138,10 @@ def _images_below(top: Path, endings: set[str], skipped: Counter) -> list[str]:
             raise DataError(f"{dirpath} is a link back up the tree (to {real}), which holds the class folder {top}: "
                             f"every image below {real} would also be read as class {Path(top).name}. Remove the "
                             "link, or replace it with a copy of the images that belong to that class.")
-        st = os.stat(dirpath)
+        try:
+            st = os.stat(dirpath)
+        except OSError as err:  # it vanished (moved or deleted) while the folder was read
+            _walk_error(err)
         if (st.st_dev, st.st_ino) in visited:  # a second link to a folder already walked: once
             dirnames[:] = []
             continue
@@ -267,7 +276,7 @@ def scan(root: Path, name: str) -> FolderScan:
         classes: dict[str, list[str]] = {}
         for d in class_dirs:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
-                _images_below(split_root / d, endings, skipped))
+                images_below(split_root / d, endings, skipped))
         found[split] = classes
     _refuse_shared_files(found, name)
     train = found["train"]

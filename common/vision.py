@@ -21,15 +21,24 @@ def model_names() -> list[str]:
     return models.list_models(module=models)  # the classification models (not detection, video, ...)
 
 
+def check_name(name: str) -> None:
+    """An unknown --model is said as such (before any weights are looked up for it)."""
+    if name not in model_names():
+        import difflib
+
+        close = difflib.get_close_matches(name, model_names(), n=3)
+        raise ConfigError(f"--model {name!r} is not a torchvision classification model"
+                          + (f" (did you mean {', '.join(close)}?)" if close else "") + ". Pick one of "
+                          f"{', '.join(model_names())} (e.g. resnet18, resnet50, convnext_tiny, efficientnet_b0, "
+                          "mobilenet_v3_large, vit_b_16).")
+
+
 def build(name: str, num_classes: int) -> nn.Module:
     """``torchvision.models.get_model(name)`` from scratch, its classifier sized for ``num_classes``; ResNets with
     their residual branches' last BatchNorm at zero."""
     from torchvision import models
 
-    if name not in model_names():
-        raise ConfigError(f"--model {name!r} is not a torchvision classification model. Pick one of "
-                          f"{', '.join(model_names())} (e.g. resnet18, resnet50, convnext_tiny, efficientnet_b0, "
-                          "mobilenet_v3_large, vit_b_16).")
+    check_name(name)
     try:  # ResNets: each residual branch starts at zero, so the untrained network is shallow and stable (Goyal et
         # al. 2017); the large early losses of a from-scratch start are gone. Other families have no such switch.
         return models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True)
@@ -67,6 +76,7 @@ def resolve(name: str, spec: str) -> Pretrained:
 
     if not spec:
         return Pretrained("", None, None, None)
+    check_name(name)
     try:
         enum = models.get_model_weights(name)
     except (ValueError, KeyError):

@@ -205,3 +205,10 @@ def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it
     torch.save(headless, tmp_path / "backbone.pth")
     line = vision.load_pretrained(vision.build("resnet18", 3), str(tmp_path / "backbone.pth"), "resnet18", 3)
     assert "the file holds no head (fc.bias, fc.weight): it starts fresh" in line, line
+
+
+def test_an_unknown_model_with_weights_is_said_to_be_an_unknown_model():
+    """--model resnet81 --weights DEFAULT blamed the weights ("neither a file nor one of torchvision's weights")."""
+    with pytest.raises(ConfigError, match=r"--model 'resnet81' is not a torchvision classification model \(did you "
+                                          r"mean resnet18"):
+        vision.resolve("resnet81", "DEFAULT")

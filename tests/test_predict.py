@@ -258,6 +258,29 @@ def test_cli_folder_table_csv_and_output_file(tmp_path):
     assert len(rows) == 4
 
 
+def test_a_folder_is_walked_as_training_walks_it(tmp_path):
+    """predict finds what an image folder holds as training reads it (common.folders): a linked sub-folder is
+    followed (it was skipped), any ending Pillow opens counts (.jfif was left out), hidden entries are skipped, and
+    a link back up the tree is named instead of walked forever."""
+    import os
+
+    from common.tools.predict import collect_images
+
+    folder = tmp_path / "images"
+    write_images(folder / "a", 2, (12, 12), "L")
+    write_images(tmp_path / "elsewhere", 1, (12, 12), "L", seed=3)
+    os.symlink(tmp_path / "elsewhere", folder / "linked")
+    (folder / "a" / "img_0.png").rename(folder / "a" / "img_0.jfif")  # an ending Pillow knows (the bytes: PNG)
+    write_images(folder / ".hidden", 1, (12, 12), "L")
+    names = sorted(p.relative_to(folder).as_posix() for p in collect_images([folder]))
+    assert names == ["a/img_0.jfif", "a/img_1.png", "linked/img_0.png"], names
+    os.symlink("..", folder / "a" / "up")
+    from common.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="link back up the tree"):
+        collect_images([folder])
+
+
 def test_predict_files_in_process_tta(tmp_path):
     run_dir, card, model = make_model_dir(tmp_path, "CifarCNN", tta=2)
     paths = write_images(tmp_path / "imgs", 3, (32, 32), "RGB")

@@ -141,6 +141,18 @@ def test_printable_escapes_control_characters_only(capsys):
     assert capsys.readouterr().err == "error: model.json names the recipe \\x1b[2K\\x0dcat.\n"
 
 
+def test_a_dataset_folder_named_with_an_escape_sequence_reaches_the_terminal_as_text(tmp_path, env):
+    """The startup lines quote the dataset's path and what was skipped in it: a name holding an escape sequence is
+    printed as text (it retitled the terminal)."""
+    from conftest import write_image_folder
+
+    root = write_image_folder(tmp_path / "pets\x1b]0;pwned\x07", n_per_class=6, classes=("cat", "dog"), shape=(3, 8, 8))
+    (root / "cat" / "notes\x1b[2K.txt").write_text("skipped, and counted")
+    proc = check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", root, "--epochs", 1, "--batch-size", 4, *MLP,
+                                                         "--output-dir", tmp_path / "run"], env))
+    assert "\x1b" not in proc.stdout and "pets\\x1b]0;pwned\\x07" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("fmt", ["table", "csv"])
 def test_predict_prints_class_names_of_a_received_model_escaped(fmt, tmp_path):
     """A received model.json whose class names (and model name) hold terminal escape sequences: predict's

@@ -73,3 +73,23 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
         again = check_ok(run_in_process("fashion_mnist_mlp", args, env))
         assert "resumed from" in again.stdout and "step 3" in again.stdout
         assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):
+    """A full disk during write_atomic (summary.json, config.json, markers): the old file is kept whole and no 0-byte
+    temp file is left beside it (there was one)."""
+    import errno
+    import os
+
+    from common import files
+
+    target = tmp_path / "summary.json"
+    target.write_text("old\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError):
+        files.write_atomic(target, "new\n")
+    assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["summary.json"]

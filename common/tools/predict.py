@@ -34,9 +34,7 @@ from pathlib import Path
 import torch
 
 from common.errors import RecipeError, printable, run_command
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-
+from common.folders import images_below
 
 
 # --- model ---------------------------------------------------------------------------------------
@@ -169,12 +167,11 @@ def collect_images(inputs) -> list[Path]:
     found: list[Path] = []
     for item in inputs:
         p = Path(item).expanduser()
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        if p.is_dir():  # walked as training walks an image folder (common.folders): links followed, hidden skipped
+            files = [Path(f) for f in images_below(p)]
             if not files:
-                raise RecipeError(f"The folder {p} holds no image files ({', '.join(IMAGE_SUFFIXES)}). Pass "
-                                   "image files, or folders that contain some.")
+                raise RecipeError(f"The folder {p} holds no image files (files Pillow opens: .png, .jpg, .jpeg, "
+                                  ".bmp, .gif, .webp, .tif, ...). Pass image files, or folders that contain some.")
             found.extend(files)
         elif p.is_file():
             found.append(p)
