@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import NonFiniteLoss
+from common.errors import NonFiniteLoss, RecipeError
 
 MAX_CONSECUTIVE_SKIPS = 25  # 25 halvings take the loss scale from 65536 below 0.002
 
@@ -156,7 +156,6 @@ class StepChecks:
     def watch_updates(self, optimizer) -> None:
         """Stop at once, before the update, when the loop steps ``optimizer`` without run.step(loss) first: nothing
         would be logged, checkpointed or guarded. (A batch with neither is a batch the loop skipped.)"""
-        from common.errors import RecipeError
 
         def before_update(opt, args, kwargs):
             if not self.tracked:

@@ -121,10 +121,10 @@ class PhotoDataset(torch.utils.data.Dataset):
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
             image = self.train_view(image)
-        if image.shape != (3, size, size):
-            raise DataError(f"The recipe's training view made a {tuple(image.shape)} image of {path}; the model takes "
-                            f"(3, {size}, {size}) (--image-size {size}). End train_view with a crop or resize to "
-                            "--image-size.")
+        if image.shape != (3, size, size) or image.dtype != torch.uint8:
+            raise DataError(f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of {path}; the "
+                            f"loader hands out (3, {size}, {size}) uint8 images (--image-size {size}), normalised on "
+                            "the device. End train_view with a crop or resize to --image-size and keep uint8 pixels.")
         return image, self.split.label_at(i)
 
 

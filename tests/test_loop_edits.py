@@ -26,11 +26,12 @@ END = "\n\n    run.finish("                                           # after th
 FOR_BATCHES = "        for images, labels in run.batches(train_loader):"
 
 
-def edited(tmp_path: Path, recipe: str, *edits) -> Path:
-    """A copy of ``recipe`` (as `python -m common.tools.copy_recipe` makes it) with each (old, new) applied once."""
+def edited(tmp_path: Path, recipe: str, *edits, name: str = "") -> Path:
+    """A copy of ``recipe`` (as `python -m common.tools.copy_recipe` makes it) with each (old, new) applied once;
+    ``name``: the copy's file name (one per edited text: a test process imports each file once)."""
     from common.tools.copy_recipe import copy_recipe
 
-    copy = copy_recipe(recipe, tmp_path / f"my_{recipe}.py")
+    copy = copy_recipe(recipe, tmp_path / (name or f"my_{recipe}.py"))
     text = copy.read_text()
     for old, new in edits:
         assert text.count(old) == 1, f"{old!r} is not once in {recipe}"
@@ -398,3 +399,20 @@ def test_optimizer_step_without_run_step_stops_before_the_update(tmp_path, env, 
     assert proc.returncode == 2 and "did not call run.step(loss) before optimizer.step()" in proc.stderr
     assert "Traceback" not in proc.stderr and not (run / "checkpoints").exists()
     assert summary(run)["global_step"] == 0
+
+
+def test_a_photo_augmentation_of_your_own_is_an_edit_of_the_copy(tmp_path, env, photos_like):
+    """The photo recipe's per-image augmentation is its train_view: adding torchvision's ColorJitter is one line in
+    the copy (no library edit), and it trains; a train_view that no longer ends at --image-size is named in one
+    paragraph at the first batch."""
+    crop = "    steps = [v2.RandomResizedCrop(cfg.image_size, scale=(cfg.min_crop_scale, 1.0), antialias=True),\n"
+    jitter = edited(tmp_path, "finetune_folder", (
+        "    if cfg.auto_augment:\n", "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n"))
+    run = tmp_path / "run"
+    check_ok(run_in_process(jitter, args("finetune_folder", photos_like, run), env))
+    assert summary(run)["status"] == "completed"
+    uncropped = edited(tmp_path, "finetune_folder", (crop, "    steps = [v2.RandomHorizontalFlip(),\n"),
+                       name="uncropped.py")
+    proc = run_in_process(uncropped, args("finetune_folder", photos_like, tmp_path / "run2"), env)
+    assert proc.returncode == 2 and "train_view made a (3," in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr[-2000:]
