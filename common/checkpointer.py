@@ -202,7 +202,7 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
     explicit = getattr(cfg, "explicit", set())
     refused, taken = [], []
     for key, why in RESUME_MUST_MATCH.items():
-        if key not in saved or getattr(cfg, key) == saved[key]:
+        if key not in saved or not hasattr(cfg, key) or getattr(cfg, key) == saved[key]:
             continue
         flag = "--" + key.replace("_", "-")
         if key in explicit:

@@ -23,6 +23,19 @@ class EvalOnly:
         self.weights = load_weights(self.cfg, accelerator, model)
         check_data(self.weights, data, other_data=bool(self.note))
 
+    def normalisation(self) -> tuple[list[float], list[float]] | None:
+        """The mean and std the scored run normalised its inputs with (its model.json: the folder given, its best/
+        or final/, or the run of a checkpoint folder), or None when no model.json records them."""
+        root = Path(self.cfg.checkpoint).expanduser()
+        for folder in (root, root / "best", root / "final", root.parent.parent / "best", root.parent.parent / "final"):
+            try:
+                card = json.loads((folder / ckpt.MODEL_CARD).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(card, dict) and isinstance(card.get("mean"), list) and isinstance(card.get("std"), list):
+                return [float(v) for v in card["mean"]], [float(v) for v in card["std"]]
+        return None
+
     def report(self, accelerator, data, metrics: dict | None) -> bool:
         """Printed and written beside the weights; True when --target-accuracy was missed."""
         return report(self.cfg, accelerator, self.weights, self.note, data, metrics)

@@ -233,6 +233,18 @@ class TrainingRun:
         self.data = data
         return data
 
+    def normalisation(self, compute) -> tuple[list[float], list[float]]:
+        """The per-channel mean and std the model's inputs are normalised with: ``compute()``, the recipe's rule (the
+        training split's statistics, or pretrained weights' own); under --eval-only the ones the scored run recorded
+        in model.json, so its weights are scored on the pixels they were trained on, whatever data is scored."""
+        recorded = self.eval_only.normalisation() if self.eval_only is not None else None
+        return recorded if recorded is not None else compute()
+
+    @property
+    def resuming(self) -> bool:
+        """This start continues a checkpoint (its weights come from there, not from --weights)."""
+        return self.dir is not None and self.dir.resume_path is not None
+
     def loader(self, split, train: bool = False, **options):
         """A DataLoader over a split of the data run.load_data read (None for none), made the way its reader says
         (``common.data.split_loader`` for decoded images, ``common.photos.photo_loader`` for photos): the global

@@ -87,7 +87,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     accelerator = run.accelerator
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
-    mean, std = channel_stats(data.train)
+    mean, std = run.normalisation(lambda: channel_stats(data.train))  # --eval-only: the scored run's
     transform = BatchTransform(mean, std, cfg.translate, cfg.flip == "random", channels_last=cfg.channels_last)
     train_loader = run.loader(data.train, train=True, alternating_flip=cfg.flip == "alternating")
     val_loader, final_loader = run.loader(data.val), run.loader(data.test) or run.loader(data.val)

@@ -83,7 +83,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
 
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
-    transform = BatchTransform(*channel_stats(data.train))  # normalisation only, on the device
+    # normalisation only, on the device (--eval-only: the scored run's)
+    transform = BatchTransform(*run.normalisation(lambda: channel_stats(data.train)))
     train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader
 

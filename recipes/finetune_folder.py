@@ -112,7 +112,9 @@ def train(cfg: Config, run: TrainingRun) -> None:
     pretrained = vision.resolve(cfg.model, cfg.weights)  # the weights' normalisation (their crop: Config.settle)
     # --- data ---
     data = run.load_data(load_photos)  # file lists; decoded per batch in the loader's workers
-    mean, std = (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train)
+    # the weights' own normalisation, else the photos' (--eval-only: the scored run's)
+    mean, std = run.normalisation(
+        lambda: (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train))
     transform = BatchTransform(mean, std, channels_last=cfg.channels_last)  # normalises on the device
     train_loader = run.loader(data.train, train=True, train_view=train_view(cfg, mean))
     val_loader = run.loader(data.val)
@@ -121,7 +123,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     # --- model ---
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
-    if cfg.weights and not cfg.eval_only:
+    if cfg.weights and not cfg.eval_only and not run.resuming:  # a resume takes every weight from its checkpoint
         say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes))
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
     optimizer = build_optimizer(cfg, model, data.num_classes)

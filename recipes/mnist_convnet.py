@@ -91,7 +91,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
 
     # --- data ---
     data = run.load_data()  # decoded once into uint8 tensors and cached; validation held out of train
-    mean, std = channel_stats(data.train)
+    mean, std = run.normalisation(lambda: channel_stats(data.train))  # --eval-only: the scored run's
     transform = BatchTransform(mean, std, translate=cfg.translate)  # on the device, whole batches
     train_loader, val_loader = run.loader(data.train, train=True), run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader

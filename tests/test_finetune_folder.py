@@ -212,3 +212,45 @@ def test_an_unknown_model_with_weights_is_said_to_be_an_unknown_model():
     with pytest.raises(ConfigError, match=r"--model 'resnet81' is not a torchvision classification model \(did you "
                                           r"mean resnet18"):
         vision.resolve("resnet81", "DEFAULT")
+
+
+def test_a_weights_run_resumes_without_its_file_and_keeps_its_normalisation(tmp_path, photos_like, env):
+    """Started from a weights file, stopped, the file then gone: the same command without --weights and
+    --image-size resumes with the run's own (taken from the checkpoint, said so), never reads the file (the checkpoint
+    holds every weight) and keeps the weights' normalisation. Before: the missing file stopped the resume, and
+    without the flag the photos' own statistics silently replaced ImageNet's."""
+    torch.save(vision.build("resnet18", 1000).state_dict(), tmp_path / "resnet18.pth")
+    run = tmp_path / "run"
+    base = ["--dataset", photos_like, "--batch-size", 16, "--epochs", 1, "--workers", 0, "--output-dir", run]
+    check_ok(run_in_process("finetune_folder", [*base, "--weights", tmp_path / "resnet18.pth", "--image-size", 32,
+                                                "--max-steps", 2, "--checkpoint-every", 2], env))
+    (tmp_path / "resnet18.pth").unlink()
+    proc = check_ok(run_in_process("finetune_folder", [*base, "--resume-from", "latest"], env))
+    assert "resumed from" in proc.stdout and "--weights" in proc.stdout and "--image-size 32" in proc.stdout
+    card = json.loads((run / "final" / "model.json").read_text())
+    assert card["mean"] == list(vision.IMAGENET_MEAN) and card["input_shape"] == [3, 32, 32]
+
+
+def test_eval_only_normalises_as_the_scored_run_did_on_any_data(tmp_path, photos_like, env, monkeypatch):
+    """--eval-only with --dataset naming other photos: the inputs are normalised with the mean and std the run
+    recorded in model.json, not with statistics of the data being scored (before, a brighter folder was
+    normalised back toward the training pixels and scored as if it were them)."""
+    from conftest import import_recipe, write_photo_folder
+
+    run = tmp_path / "run"
+    check_ok(run_in_process("finetune_folder", ["--dataset", photos_like, "--image-size", 32, "--batch-size", 16,
+                                                "--epochs", 1, "--workers", 0, "--output-dir", run], env))
+    other = write_photo_folder(tmp_path / "other" / "train", 6, seed=5)
+    for path in other.rglob("*.jpg"):  # brighter photos: other statistics
+        Image.open(path).point(lambda v: min(255, v + 90)).save(path)
+    recipe, used = import_recipe("finetune_folder"), []
+    real = recipe.BatchTransform
+
+    def recording(mean, std, **kw):
+        used.append((list(mean), list(std)))
+        return real(mean, std, **kw)
+
+    monkeypatch.setattr(recipe, "BatchTransform", recording)
+    check_ok(run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run, "--dataset", other.parent], env))
+    card = json.loads((run / "final" / "model.json").read_text())
+    assert used == [(card["mean"], card["std"])]
