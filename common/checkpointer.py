@@ -16,8 +16,9 @@ from common.accelerator import on_main
 from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, validate_received
 from common.console import say
 from common.errors import RecipeError
-from common.files import move_aside
+from common.files import move_aside, write_atomic
 from common.schedule import lr_multiplier
+from common.splits import DATA_FILES, data_fingerprint, files_fingerprint, files_listing, recorded_files_changed
 
 
 class Checkpointer:
@@ -26,13 +27,12 @@ class Checkpointer:
     starts) and ``saved_step`` (the step of the newest checkpoint written or resumed); the run's length
     (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a resume compares."""
 
-    def __init__(self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int,
-                 data_fingerprint: str):
+    def __init__(self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int, data):
         self.cfg, self.accelerator, self.run_dir, self.resume_path = cfg, accelerator, run_dir, resume_path
         self.batches_per_epoch = batches_per_epoch
         self.steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
         self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
-        self.data_fingerprint = data_fingerprint
+        self.data, self.data_fingerprint, self.files_fingerprint = data, data_fingerprint(data), files_fingerprint(data)
         self.epoch = self.batch = self.start_batch = self.global_step = 0
         self.saved_step = None
 
@@ -91,6 +91,9 @@ class Checkpointer:
         if self.accelerator.is_main_process and (self.resume_path is None
                                                  or not (self.run_dir / "config.json").exists()):
             save_config(self.cfg, self.run_dir / "config.json")
+            listing = files_listing(self.data)  # which file is at each row: a changed folder is named file by file
+            if listing is not None:
+                write_atomic(self.run_dir / DATA_FILES, json.dumps(listing))
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
         return state
 
@@ -120,11 +123,14 @@ class Checkpointer:
         cfg, acc = self.cfg, self.accelerator
         state = ckpt.read_state(path)
         notes = check_resumable(path, state, cfg, acc, model)
-        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint:
+        moved = state.get("files_fingerprint") not in (None, self.files_fingerprint)  # older checkpoints: not recorded
+        if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint or moved:
+            named = recorded_files_changed(self.run_dir, self.data)
             raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' "
-                              "labels or the images held out for validation are not the same (the dataset folder "
-                              "changed, or another dataset was given). Resuming would validate on other images than "
-                              "the run did. Resume on the run's own data, or start a new run with a new --output-dir.")
+                              "labels, the files at their places or the images held out for validation are not the "
+                              f"same (the dataset folder changed, or another dataset was given){f': {named}' if named else ''}. "
+                              "Resuming would train and validate on other images than the run did. Resume on the run's "
+                              "own data, or start a new run with a new --output-dir.")
         if state["config"].get("epochs", cfg.epochs) != cfg.epochs:
             notes.append(self._schedule_change_note(state))
         if cfg.resume_from != "latest":
@@ -172,7 +178,8 @@ class Checkpointer:
         state = {"epoch": self.epoch if epoch is None else epoch,
                  "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
                  "global_step": self.global_step, "best": best, "skipped_steps": skipped_steps,
-                 "data_fingerprint": self.data_fingerprint, **checkpoint_meta(self.cfg, self.accelerator, model)}
+                 "data_fingerprint": self.data_fingerprint, "files_fingerprint": self.files_fingerprint,
+                 **checkpoint_meta(self.cfg, self.accelerator, model)}
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
         self.saved_step = self.global_step
         return path

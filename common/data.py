@@ -82,6 +82,7 @@ def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, m
         splits[split_name] = cache.cached_split(cache.cache_path(cache_dir, split.fingerprint, settings), decode,
                                                  f"the {split_name} split of {name} ({len(split)} images)",
                                                  scan.class_names, is_main, mmap)
+        splits[split_name].provenance = split.provenance()
     return splits, scan.class_names, scan.skipped_line()
 
 
@@ -133,6 +134,7 @@ def _same_channels(splits: dict, cfg, is_main: bool) -> dict:
     for k in grey:
         s = splits[k]
         out[k] = ImageSplit(s.source_images.expand(-1, 3, -1, -1).contiguous(), s.source_labels, s.index, s.note)
+        out[k].provenance = s.provenance
     return out
 
 

@@ -94,14 +94,15 @@ def check_data(weights: Path, data, other_data: bool) -> None:
     image redraws the held-out split, which would then hold images the model trained on. The record is the
     model card's (best/, final/) or the checkpoint's. Skipped, with a note, when --dataset names other data
     than the run's (``other_data``: the command line's explicit word) or the weights carry no record."""
-    from common.splits import data_record
+    from common.splits import DATA_FILES, data_record, recorded_files_changed
 
     card, state = weights.parent / ckpt.MODEL_CARD, weights.parent / ckpt.STATE_FILE
     try:
         if card.is_file():
             recorded = json.loads(card.read_text()).get("data") or {}
         else:
-            recorded = {"fingerprint": json.loads(state.read_text()).get("data_fingerprint")} if state.is_file() else {}
+            saved = json.loads(state.read_text()) if state.is_file() else {}
+            recorded = {"fingerprint": saved.get("data_fingerprint"), "files": saved.get("files_fingerprint")}
     except (OSError, ValueError, AttributeError):
         recorded = {}
     if not recorded.get("fingerprint"):
@@ -109,14 +110,18 @@ def check_data(weights: Path, data, other_data: bool) -> None:
             "now are assumed to be the run's own.")
         return
     now = data_record(data)
-    if now["fingerprint"] == recorded["fingerprint"] or other_data:  # other data is noted by adopt_run_config
+    moved = recorded.get("files") not in (None, now.get("files"))  # older runs: not recorded
+    if (now["fingerprint"] == recorded["fingerprint"] and not moved) or other_data:  # other data: noted already
         return
+    run_dir = next((d for d in list(weights.parents)[:3] if (d / DATA_FILES).is_file()), None)  # best/, step-N
+    named = recorded_files_changed(run_dir, data) if run_dir is not None else ""
     sizes = ", ".join(f"{k} {recorded[k]} -> {now[k]}" for k in ("train", "val") if k in recorded
                       and recorded[k] != now[k])
     raise RecipeError(
         f"The data differs from what the weights in {weights.parent} were trained and validated on"
-        f"{f' ({sizes} images)' if sizes else ''}: the training images' labels or the images held out for "
-        f"validation are not the same (the dataset folder gained, lost or renamed images since). Scoring now "
+        f"{f' ({sizes} images)' if sizes else ''}: the training images' labels, the files at their places or the "
+        "images held out for validation are not the same (the dataset folder gained, lost, renamed or replaced "
+        f"images since{f': {named}' if named else ''}). Scoring now "
         "would count images the model trained on as held out. Evaluate on the folder as the run saw it, or on other "
         "data named by --dataset with a path of its own (e.g. a copy holding a test/ split).")
 

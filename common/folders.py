@@ -73,6 +73,10 @@ class FolderSplit:
     def __len__(self):
         return len(self.files)
 
+    def provenance(self) -> list[tuple[str, int, int]]:
+        """Each file's (path in the dataset folder, size, mtime_ns): which file is at each row (common.splits)."""
+        return [(f, st[0], st[1]) for f, st in zip(self.files, self.stats)]
+
     @property
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps([str(self.base.resolve()), self.name]).encode())

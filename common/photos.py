@@ -167,6 +167,7 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
     for split_name, fs in scan.splits.items():
         files = [str(fs.base / f) for f in fs.files]
         splits[split_name] = PhotoSplit(files, torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
+        splits[split_name].provenance = fs.provenance()
         # Checked once per state of the files (the fingerprint covers every file's size and times), not at every
         # launch on every process: a marker in the cache folder says these very files were checked.
         checked = cache_dir / f"photos-checked-{fs.fingerprint}"

@@ -73,7 +73,7 @@ from common.augment import batch_generator
 from common.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
 from common.console import say
-from common.data import data_fingerprint, load_image_data, place_on_device
+from common.data import load_image_data, place_on_device
 from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, report
 from common.evalonly import EvalOnly
 from common.guard import StepChecks, unclipped_grad_norm
@@ -262,8 +262,7 @@ class TrainingRun:
         cfg, acc = self.cfg, self.accelerator
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
         self.data = data
-        position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader),
-                                data_fingerprint(data))
+        position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader), data)
         state = position.start(model, optimizer, scheduler)  # the newest readable checkpoint's, or a fresh start's
         self.ckpt = position  # started: every ending from here on is recorded in summary.json
         unwrapped = acc.unwrap_model(model)

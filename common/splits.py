@@ -21,6 +21,9 @@ class Rows:
 
     source_labels: torch.Tensor
     index: torch.Tensor | None
+    # per source row, the file it was read from: (path in the dataset folder, size, mtime_ns); None for a table
+    # dataset's rows. The files fingerprint covers it, so a renamed or swapped file is noticed.
+    provenance: list | None = None
 
     def __len__(self):
         return (self.source_labels if self.index is None else self.index).numel()
@@ -40,7 +43,15 @@ class Rows:
     def select(self, positions):
         """The rows at ``positions`` of this split, as a split sharing the same source (no copy)."""
         positions = torch.as_tensor(positions, dtype=torch.int64)
-        return self.with_index(positions if self.index is None else self.index[positions])
+        out = self.with_index(positions if self.index is None else self.index[positions])
+        out.provenance = self.provenance
+        return out
+
+    def row_files(self) -> list | None:
+        """This split's rows' files, in order ((path, size, mtime_ns) each), or None."""
+        if self.provenance is None:
+            return None
+        return self.provenance if self.index is None else [self.provenance[i] for i in self.index.tolist()]
 
     def with_index(self, index: torch.Tensor):
         raise NotImplementedError
@@ -120,11 +131,59 @@ def data_fingerprint(data: "ImageData") -> str:
     return h.hexdigest()[:16]
 
 
+def files_listing(data: "ImageData") -> dict | None:
+    """Which file is at each row of training and validation, {"train": [[path, size, mtime_ns], ...], "val": ...}
+    (None for a table dataset): what a run records, so a changed folder can be named file by file. Size and
+    modification time are the identity a copy with ``cp -p`` or ``rsync -a`` keeps (the change time is not)."""
+    if data.train.provenance is None:
+        return None
+    return {k: [list(f) for f in s.row_files()] for k, s in (("train", data.train), ("val", data.val)) if s is not None}
+
+
+def files_fingerprint(data: "ImageData") -> str | None:
+    """A short hash of ``files_listing``: a renamed, swapped or replaced file changes it."""
+    listing = files_listing(data)
+    return None if listing is None else hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+
+
+DATA_FILES = "data_files.json"  # a run's files_listing, in its run directory
+
+
+def recorded_files_changed(run_dir, data: "ImageData") -> str:
+    """Where the data's files differ from the run's recorded listing (``DATA_FILES`` in ``run_dir``), or ''."""
+    from pathlib import Path
+
+    try:
+        recorded = json.loads((Path(run_dir) / DATA_FILES).read_text())
+    except (OSError, ValueError):
+        return ""
+    return files_changed(recorded, data) if isinstance(recorded, dict) else ""
+
+
+def files_changed(recorded: dict, data: "ImageData", shown: int = 5) -> str:
+    """'' or where the files differ from ``recorded`` (a ``files_listing``), first ``shown`` rows named."""
+    now, diffs = files_listing(data) or {}, []
+    for split in ("train", "val"):
+        old, new = recorded.get(split) or [], now.get(split) or []
+        for i in range(max(len(old), len(new))):
+            a, b = (old[i] if i < len(old) else None), (new[i] if i < len(new) else None)
+            if a == b:
+                continue
+            if a and b and a[0] == b[0]:
+                diffs.append(f"{split} row {i}: {b[0]} is another file now (its size or modification time changed)")
+            else:
+                diffs.append(f"{split} row {i}: {b[0] if b else '(no file)'} (was {a[0] if a else 'no file'})")
+    if not diffs:
+        return ""
+    return f"{len(diffs)} row(s) differ, e.g. {'; '.join(diffs[:shown])}"
+
+
 def data_record(data: "ImageData") -> dict:
-    """What a model card records of the data: the fingerprint and each split's size."""
+    """What a model card records of the data: the fingerprints and each split's size."""
     sizes = {k: len(v) if v is not None else 0 for k, v in (("train", data.train), ("val", data.val),
                                                             ("test", data.test))}
-    return {"fingerprint": data_fingerprint(data), **sizes}
+    files = files_fingerprint(data)
+    return {"fingerprint": data_fingerprint(data), **({"files": files} if files else {}), **sizes}
 
 
 def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit, ImageSplit]:

@@ -254,3 +254,26 @@ def test_eval_only_normalises_as_the_scored_run_did_on_any_data(tmp_path, photos
     check_ok(run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run, "--dataset", other.parent], env))
     card = json.loads((run / "final" / "model.json").read_text())
     assert used == [(card["mean"], card["std"])]
+
+
+def test_a_renamed_or_swapped_photo_is_refused_by_resume_and_eval_only_naming_it(tmp_path, env):
+    """Two photos of one class swap names (`mv a t; mv b a; mv t b`): labels, counts and held-out positions are
+    unchanged, so the old fingerprint matched and a held-out photo could be one the run trained on. Now a resume and
+    --eval-only refuse, naming the rows whose files changed."""
+    import os
+
+    root = write_photo_folder(tmp_path / "photos" / "train", 12)
+    run = tmp_path / "run"
+    base = ["--dataset", root.parent, "--image-size", 32, "--batch-size", 8, "--epochs", 2, "--workers", 0,
+            "--output-dir", run]
+    check_ok(run_in_process("finetune_folder", [*base, "--max-steps", 3], env))
+    a, b = root / "ant" / "0.jpg", root / "ant" / "5.jpg"
+    os.rename(a, tmp_path / "t.jpg")
+    os.rename(b, a)
+    os.rename(tmp_path / "t.jpg", b)
+    resumed = run_in_process("finetune_folder", [*base, "--resume-from", "latest"], env)
+    assert resumed.returncode == 2 and "The data differs" in resumed.stderr, resumed.stderr[-2000:]
+    assert "ant/0.jpg" in resumed.stderr and "Traceback" not in resumed.stderr
+    scored = run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run], env)
+    assert scored.returncode == 2 and "The data differs" in scored.stderr and "ant/0.jpg" in scored.stderr, \
+        scored.stderr[-2000:]

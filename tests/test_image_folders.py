@@ -338,6 +338,17 @@ def test_eval_only_refuses_a_folder_that_changed_since_the_run(tmp_path, env):
     assert "Traceback" not in changed.stderr
     assert "The data differs" in changed.stderr and "train 32 -> 33" in changed.stderr, changed.stderr
     assert not list((run / "final").glob("eval-*-*.json"))  # nothing scored, no second result written
+    (root / "a" / "new.png").unlink()
+    assert run_in_process("mnist_convnet", ["--eval-only", "--checkpoint", run / "final"], env,
+                          cwd=tmp_path).returncode == 0
+    # two files of one class swap names: counts and labels as before, but a held-out row now holds another image
+    first, second = sorted((root / "a").glob("*.png"))[:2]
+    first.rename(root / "a" / "swap")
+    second.rename(first)
+    (root / "a" / "swap").rename(second)
+    swapped = run_in_process("mnist_convnet", ["--eval-only", "--checkpoint", run / "final"], env, cwd=tmp_path)
+    assert swapped.returncode == 2 and "The data differs" in swapped.stderr, swapped.stderr[-3000:]
+    assert f"a/{first.name} is another file now" in swapped.stderr, swapped.stderr
 
 
 def test_a_bad_layout_through_a_recipe_is_one_paragraph_and_exit_2(tmp_path, env):
