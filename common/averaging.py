@@ -60,6 +60,19 @@ class EMA:
         if self.module is not None:
             self.averaged.update_parameters(self.accelerator.unwrap_model(self.model))
 
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Before the average is read (evaluated, saved): every rank takes rank 0's BatchNorm statistics. DDP keeps
+        the parameters equal on every rank, but each rank's forward updates its own running statistics, so each
+        rank's average of them drifts apart; rank 0's are the ones a checkpoint holds, so a resumed run evaluates
+        exactly what the uninterrupted one did. One broadcast of the buffers (kilobytes) per evaluation."""
+        if self.module is None or self.accelerator.num_processes == 1:
+            return
+        import torch.distributed as dist
+
+        for buffer in self.module.buffers():
+            dist.broadcast(buffer, src=0)
+
     def save(self, checkpoint_dir: Path) -> None:
         """Rank 0's copy, as every rank starts from rank 0's model."""
         from safetensors.torch import save_file

@@ -135,6 +135,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     scored = ema.module if ema.module is not None else model  # the weights that are evaluated and saved
 
     def validate(loader):
+        ema.sync()  # the average is one model on every rank (rank 0's BatchNorm statistics), the one saved
         return evaluate(accelerator, scored, loader, transform, data.num_classes)
 
     if cfg.eval_only:  # score the weights in --checkpoint on the test split (else validation)

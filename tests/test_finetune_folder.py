@@ -277,3 +277,25 @@ def test_a_renamed_or_swapped_photo_is_refused_by_resume_and_eval_only_naming_it
     scored = run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run], env)
     assert scored.returncode == 2 and "The data differs" in scored.stderr and "ant/0.jpg" in scored.stderr, \
         scored.stderr[-2000:]
+
+
+def test_the_ema_is_one_model_on_every_rank_and_resumes_exactly_at_2_processes(tmp_path, photos_like):
+    """--ema-decay on 2 gloo processes: each rank's forward updates its own BatchNorm statistics, so each rank's
+    average drifted apart and rank 1 scored its share of the images with a model never saved; a resume (every rank
+    from rank 0's checkpoint) then scored differently. Now the average takes rank 0's statistics before it is read:
+    stopped at step 4 and resumed, the evaluations and the final weights equal the uninterrupted run's."""
+    from conftest import launch, recipe_env
+
+    env = recipe_env(tmp_path)
+    base = ["--dataset", photos_like, "--image-size", 32, "--batch-size", 16, "--epochs", 1, "--workers", 0,
+            "--ema-decay", 0.8, "--log-every", 1, "--eval-every-steps", 3,
+            "--eval-batch-size", 4]  # several evaluation batches, shared between the ranks
+    full, part = tmp_path / "full", tmp_path / "part"
+    check_ok(launch("finetune_folder", [*base, "--output-dir", full], env, nproc=2))
+    check_ok(launch("finetune_folder", [*base, "--max-steps", 4, "--output-dir", part], env, nproc=2))
+    check_ok(launch("finetune_folder", [*base, "--output-dir", part, "--resume-from", "latest"], env, nproc=2))
+    evals = lambda r: {x["step"]: x["eval/loss"] for x in read_jsonl(r / "metrics.jsonl") if "eval/loss" in x}
+    assert list(evals(full)) == [3, 6, 9, 10]  # every 3 steps and the epoch's end; the stopped run also at 4
+    assert {k: v for k, v in evals(part).items() if k in evals(full)} == evals(full)
+    a, b = load_file(str(part / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
