@@ -33,17 +33,32 @@ def check_name(name: str) -> None:
                           "mobilenet_v3_large, vit_b_16).")
 
 
-def build(name: str, num_classes: int) -> nn.Module:
+AUX_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's and inception_v3's auxiliary classifiers
+
+
+def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
     """``torchvision.models.get_model(name)`` from scratch, its classifier sized for ``num_classes``; ResNets with
-    their residual branches' last BatchNorm at zero."""
+    their residual branches' last BatchNorm at zero. googlenet and inception_v3 without their auxiliary classifiers
+    (they return a tuple in training, which no loss takes; torchvision's reference script drops them too); a vision
+    transformer built for ``image_size`` (its patch grid, and the position embedding, follow the image size)."""
     from torchvision import models
 
     check_name(name)
+    kwargs = {}
+    if name in ("googlenet", "inception_v3"):
+        kwargs.update(aux_logits=False, init_weights=True)
+    if name.startswith("vit_") and image_size:
+        patch = int(name.rsplit("_", 1)[1])
+        if image_size % patch:
+            raise ConfigError(f"--model {name} cuts each image into {patch}x{patch} patches, so --image-size must be "
+                              f"a multiple of {patch} (got {image_size}); pass e.g. --image-size "
+                              f"{max(patch, round(image_size / patch) * patch)}.")
+        kwargs["image_size"] = image_size
     try:  # ResNets: each residual branch starts at zero, so the untrained network is shallow and stable (Goyal et
         # al. 2017); the large early losses of a from-scratch start are gone. Other families have no such switch.
-        return models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True)
+        return models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True, **kwargs)
     except TypeError:
-        return models.get_model(name, weights=None, num_classes=num_classes)
+        return models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
 
 
 def head(model: nn.Module, num_classes: int) -> tuple[str, nn.Module]:
@@ -139,6 +154,8 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) ->
     own = model.state_dict()
     head_name, _ = head(model, num_classes)
     head_keys = {k for k in own if k.startswith(head_name + ".")}
+    aux = sorted(k for k in state if k.startswith(AUX_HEADS) and k not in own)  # heads the model is built without
+    state = {k: v for k, v in state.items() if k not in aux}
     skipped = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
     unexpected = sorted(k for k in state if k not in own)
     # BatchNorm's step counters: files saved before torch kept them (torchvision's older ImageNet weights among them)
@@ -158,7 +175,9 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) ->
     absent = [k for k in missing if k in head_keys]
     return (f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
             + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else "")
-            + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else ""))
+            + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else "")
+            + (f"; left out the auxiliary classifiers ({len(aux)} tensors), which this model is built without"
+               if aux else ""))
 
 
 def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: float) -> list[dict]:

@@ -92,7 +92,7 @@ def train_view(cfg: Config, mean: list[float]):
 
 def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     """The model this recipe trains; predict, export and --eval-only rebuild it from here (weights from files)."""
-    return vision.build(cfg.model, num_classes)
+    return vision.build(cfg.model, num_classes, in_shape[-1])
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int) -> torch.optim.Optimizer:
