@@ -242,6 +242,40 @@ def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap
                             "Check the disk behind --cache-dir, or pass another --cache-dir.") from None
 
 
+def once(marker: Path, work, what: str, is_main: bool) -> None:
+    """Run ``work()`` once per ``marker`` across the processes sharing this cache folder (the node's ranks, other
+    jobs): the first takes the lock and works, the others wait, then find the marker; when the work fails with a
+    DataError, the waiting ones raise the same message instead of doing it again. The marker is written after the
+    work succeeds (a failed or killed check leaves none, so the next launch checks again)."""
+    if marker.exists():
+        return
+    say = console.say if is_main else (lambda *_: None)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"Could not create the cache directory {marker.parent} ({err.strerror or err}). Pass "
+                        "--cache-dir a directory this user can write.") from None
+    error_file = marker.with_suffix(".error")
+    before = _identity(error_file)
+    with _file_lock(marker.with_suffix(".lock"), lambda holder: say(f"waiting for {holder} to finish {what} ...")) \
+            as locked:
+        if marker.exists():  # a peer did it while this process waited
+            return
+        after = _identity(error_file)
+        if locked and after is not None and after != before:  # the peer that held the lock failed
+            raise DataError(error_file.read_text())
+        try:
+            work()
+        except DataError as err:
+            if locked:
+                with contextlib.suppress(OSError):
+                    write_atomic(error_file, str(err))
+            raise
+        with contextlib.suppress(OSError):
+            error_file.unlink()
+        write_atomic(marker, "")
+
+
 def source_state(name: str) -> str | None:
     """For a local dataset folder: a hash of every file's path, size, modification and change times (a file
     replaced with its old mtime kept, by ``cp -p`` or ``rsync``, still has a new ctime). None for a Hub id (only

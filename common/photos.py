@@ -19,7 +19,6 @@ files and labels; memory grows with the number of file names, not pixels, and no
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from pathlib import Path
@@ -128,21 +127,27 @@ class PhotoDataset(torch.utils.data.Dataset):
         return image, self.split.label_at(i)
 
 
-def check_headers(split: PhotoSplit, what: str) -> None:
-    """Open every file's header (not its pixels: fast; Pillow refuses a decompression bomb there too) so an
-    unreadable file is named before training starts rather than in a DataLoader worker mid-epoch. All bad files
-    are listed in one message."""
-    from PIL import Image
+def check_photos(split: PhotoSplit, what: str) -> None:
+    """Decode every photo whole, as training reads it (JPEG draft scaling keeps it cheap), on all of this process's
+    cores, so a file whose header reads but whose data is cut short or damaged is named before training starts,
+    never met by a DataLoader worker mid-epoch (which ended the run without a checkpoint). All bad files are
+    listed in one message."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from common.pixels import unreadable_error, unreadable_reason
 
-    bad = []
-    for p in range(len(split)):
-        path = split.file_at(p)
+    side = resize_side(split.image_size)
+
+    def problem(position: int):
+        path = split.file_at(position)
         try:
-            Image.open(path).close()
+            read_rgb(path, side)  # Pillow decodes with the GIL released: threads share the cores
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
-            bad.append((path, unreadable_reason(err)))
+            return path, unreadable_reason(err)
+        return None
+
+    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
+        bad = [p for p in pool.map(problem, range(len(split)), chunksize=64) if p is not None]
     if bad:
         raise unreadable_error(bad, len(split), what)
 
@@ -150,9 +155,8 @@ def check_headers(split: PhotoSplit, what: str) -> None:
 def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageData:
     """An image folder (``common.folders`` rules) as PhotoSplits at ``cfg.image_size``; validation held out of
     train (``--val-fraction``, seeded) when the folder has no validation split."""
-    from common import folders, sources
+    from common import cache, folders, sources
     from common.cache import default_cache_dir
-    from common.files import write_atomic
     from common.splits import hold_out
 
     name = cfg.dataset or default_dataset
@@ -168,13 +172,11 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
         files = [str(fs.base / f) for f in fs.files]
         splits[split_name] = PhotoSplit(files, torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
         splits[split_name].provenance = fs.provenance()
-        # Checked once per state of the files (the fingerprint covers every file's size and times), not at every
-        # launch on every process: a marker in the cache folder says these very files were checked.
-        checked = cache_dir / f"photos-checked-{fs.fingerprint}"
-        if not checked.exists():
-            check_headers(splits[split_name], f"the {split_name} split of {name}")
-            with contextlib.suppress(OSError):  # only a shortcut: without it the next launch checks again
-                write_atomic(checked, "")
+        # Decoded whole once per state of the files (the fingerprint covers every file's size and times), by one
+        # process of those sharing the cache folder: a marker there says these very files were checked.
+        cache.once(cache_dir / f"photos-checked-{fs.fingerprint}",
+                   lambda s=splits[split_name], n=split_name: check_photos(s, f"the {n} split of {name}"),
+                   f"checking the {split_name} split's {len(fs)} photos", is_main)
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
