@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from common import console
 from common.errors import DataError
 from common.folders import FolderSplit, image_endings
 from common.splits import ImageSplit
@@ -123,9 +124,24 @@ def load_source(name: str, hf_cache: Path | None = None):
 
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
+    own_copy = hf_cache if hf_cache and path.exists() else None
+
+    def load():
+        return datasets.load_dataset(str(path) if path.exists() else name,
+                                     cache_dir=str(own_copy) if own_copy else None)
+
     try:
-        ds = datasets.load_dataset(str(path) if path.exists() else name,
-                                   cache_dir=str(hf_cache) if hf_cache and path.exists() else None)
+        try:
+            ds = load()
+        except Exception:  # noqa: BLE001 - our own arrow copy may be what is damaged (a kill or a full disk while
+            if own_copy is None or not own_copy.exists():  # it was written): rebuilt once from the user's files
+                raise
+            import shutil
+
+            shutil.rmtree(own_copy, ignore_errors=True)
+            ds = load()
+            console.say(f"NOTE: the arrow copy of {name} in {own_copy} could not be read (damaged by an interrupted "
+                        "write); it was rebuilt from the dataset's files.")
     except Exception as err:  # datasets raises many types; all mean "could not load"
         if "corresponds to no data" in str(err):  # datasets' wording for a split with no rows
             split = str(err).split('"')[1] if '"' in str(err) else "a"

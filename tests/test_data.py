@@ -79,6 +79,23 @@ def test_damaged_cache_is_reported_once_and_decoded_again(small, tmp_path, keep)
     assert not any("decoding" in line or "is damaged" in line for line in logs), logs
 
 
+def test_a_cache_folder_truncated_whole_recovers(small, tmp_path):
+    """A kill or a full disk can leave every file of the cache folder cut short, the datasets arrow copy kept there
+    too: the next load decodes again from the dataset's files (the arrow copy rebuilt, said so) instead of exiting 2
+    and telling the user to lay out their dataset like the Hub repo."""
+    first = load(small, tmp_path / "c")
+    ref = first.train.images.clone(), first.val.labels.clone()
+    del first
+    cut = [p for p in (tmp_path / "c").rglob("*") if p.is_file() and p.stat().st_size > 64]
+    assert any(p.suffix == ".arrow" for p in cut), cut
+    for p in cut:
+        with open(p, "r+b") as f:
+            f.truncate(p.stat().st_size // 3)
+    logs = []
+    again = load(small, tmp_path / "c", logs)
+    assert torch.equal(again.train.images, ref[0]) and torch.equal(again.val.labels, ref[1])
+
+
 def test_cache_is_fsynced_before_it_is_renamed_into_place(small, tmp_path, monkeypatch):
     events, real_fsync, real_replace = [], os.fsync, os.replace
 
