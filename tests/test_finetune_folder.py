@@ -336,3 +336,36 @@ def test_every_listed_family_trains_a_step_at_its_size(name, size, tmp_path):
         torch.save(full.state_dict(), tmp_path / f"{name}.pth")
         line = vision.load_pretrained(model, str(tmp_path / f"{name}.pth"), name, 3)
         assert "left out the auxiliary classifiers" in line and "skipped the head of another shape" in line
+
+
+def test_every_path_scores_large_photos_of_odd_sizes_alike(tmp_path, env):
+    """Photos far larger than the crop, of odd sizes (JPEG draft decoding takes them at 1/4 or 1/8 scale): the run's
+    own final evaluation, --eval-only and predict give the same test loss. Before, predict decoded them at full size
+    (other pixels after the resize), and so scored other images than the run did."""
+    import torch.nn.functional as F
+
+    from common.tools import predict
+
+    rng = np.random.default_rng(3)
+    sizes = [(301, 203), (257, 419), (640, 480), (333, 500), (210, 210)]
+    for split, n in (("train", 8), ("test", 3)):
+        for k, cls in enumerate(("ant", "bee", "wasp")):
+            (tmp_path / "big" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                w, h = sizes[(i + k) % len(sizes)]
+                small = rng.integers(0, 256, (h // 16 + 1, w // 16 + 1, 3), dtype=np.uint8)
+                small[:, :, k] = 220  # a class colour, smooth at full size
+                Image.fromarray(small).resize((w, h), Image.BICUBIC).save(tmp_path / "big" / split / cls / f"{i}.jpg")
+    run = tmp_path / "run"
+    check_ok(run_in_process("finetune_folder", ["--dataset", tmp_path / "big", "--image-size", 32, "--batch-size", 8,
+                                                "--epochs", 2, "--workers", 0, "--output-dir", run], env))
+    trained = json.loads((run / "summary.json").read_text())["final"]["test/loss"]
+    check_ok(run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run / "final"], env))
+    scored = json.loads((run / "final" / "eval-test.json").read_text())["loss"]
+    predictor = predict.load_predictor(run / "final")
+    files = sorted((tmp_path / "big" / "test").rglob("*.jpg"))
+    views = torch.stack([predict.load_image(f, predictor.input_shape, predictor.card["preprocess"])[0] for f in files])
+    labels = torch.tensor([("ant", "bee", "wasp").index(f.parent.name) for f in files])
+    predicted = F.cross_entropy(predictor.logits(views), labels).item()
+    assert scored == pytest.approx(trained, rel=1e-5) and predicted == pytest.approx(trained, rel=1e-4), \
+        (trained, scored, predicted)
