@@ -126,9 +126,10 @@ class Checkpointer:
         moved = state.get("files_fingerprint") not in (None, self.files_fingerprint)  # older checkpoints: not recorded
         if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint or moved:
             named = recorded_files_changed(self.run_dir, self.data)
+            named = f": {named}" if named else ""
             raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' "
                               "labels, the files at their places or the images held out for validation are not the "
-                              f"same (the dataset folder changed, or another dataset was given){f': {named}' if named else ''}. "
+                              f"same (the dataset folder changed, or another dataset was given){named}. "
                               "Resuming would train and validate on other images than the run did. Resume on the run's "
                               "own data, or start a new run with a new --output-dir.")
         if state["config"].get("epochs", cfg.epochs) != cfg.epochs:

@@ -311,7 +311,7 @@ def _from_file(cls, path: str) -> dict:
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path} must hold a mapping of setting names to values (like a run's "
                           "config.json), not {type(loaded).__name__}.")
-    hints, fields = typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls)}
     names = {k: k.replace("-", "_") for k in loaded}
     unknown = sorted(k for k, name in names.items() if name not in fields)
     if unknown:

@@ -173,9 +173,9 @@ def test_an_unreadable_photo_is_named_before_training_at_every_launch(tmp_path, 
     assert "cut.jpg" in proc.stderr and "truncated" in proc.stderr and not (tmp_path / "run2").exists()
     (root / "ant" / "cut.jpg").unlink()
     fresh_cache = tmp_path / "new-user" / "cache"  # a first launch: the cache folder does not exist yet
-    check_ok(run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--workers", 0, "--batch-size", 8,
-                                                "--max-steps", 1, "--cache-dir", fresh_cache, "--output-dir",
-                                                tmp_path / "run3"], env))
+    check_ok(run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--workers", 0,
+                                                "--batch-size", 8, "--max-steps", 1, "--cache-dir", fresh_cache,
+                                                "--output-dir", tmp_path / "run3"], env))
     assert list(fresh_cache.glob("photos-checked-*"))  # checked once; the next launch skips the check
 
 

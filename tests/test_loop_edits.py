@@ -407,7 +407,8 @@ def test_a_photo_augmentation_of_your_own_is_an_edit_of_the_copy(tmp_path, env, 
     paragraph at the first batch."""
     crop = "    steps = [v2.RandomResizedCrop(cfg.image_size, scale=(cfg.min_crop_scale, 1.0), antialias=True),\n"
     jitter = edited(tmp_path, "finetune_folder", (
-        "    if cfg.auto_augment:\n", "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n"))
+        "    if cfg.auto_augment:\n",
+        "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n"))
     run = tmp_path / "run"
     check_ok(run_in_process(jitter, args("finetune_folder", photos_like, run), env))
     assert summary(run)["status"] == "completed"
