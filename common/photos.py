@@ -111,8 +111,10 @@ class PhotoDataset(torch.utils.data.Dataset):
         try:
             image = read_rgb(path, resize_side(size))
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
-            raise DataError(f"Could not read {path} ({type(err).__name__}: {err}); it was readable when the run "
-                            "started. Replace or remove it and resume (--resume-from latest).") from None
+            raise DataError(f"Could not read {path} ({type(err).__name__}: {err}); every photo was decoded whole "
+                            "before training, so the file changed while the run went on. Put the original file back "
+                            "and resume (--resume-from latest): a resume refuses a folder whose files changed, as "
+                            "the held-out split would no longer be the run's.") from None
         if self.train_view is None:
             return eval_view(image, size), self.split.label_at(i)
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
