@@ -56,9 +56,34 @@ def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Modu
         kwargs["image_size"] = image_size
     try:  # ResNets: each residual branch starts at zero, so the untrained network is shallow and stable (Goyal et
         # al. 2017); the large early losses of a from-scratch start are gone. Other families have no such switch.
-        return models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True, **kwargs)
+        model = models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True, **kwargs)
     except TypeError:
-        return models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+        model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+    return guard_cpu_bf16_strided_convs(model)
+
+
+class GuardedConv2d(nn.Conv2d):
+    """A Conv2d that runs in fp32 on a 1x1 input under CPU autocast (``guard_cpu_bf16_strided_convs``: why)."""
+
+    def forward(self, x):
+        if x.device.type == "cpu" and x.shape[-2:] == (1, 1) and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return super().forward(x.float())
+        return super().forward(x)
+
+
+def guard_cpu_bf16_strided_convs(model: nn.Module) -> nn.Module:
+    """Work around a CPU defect (torch 2.14's oneDNN path): under bf16 autocast, the weight gradient of a strided,
+    padded Conv2d whose input is 1x1 is garbage in about one call of four (uninitialised memory; ResNet-18 below
+    17 px reaches it in layer4, and the run's loss turns NaN). Such a convolution runs in fp32 instead: its input is
+    a single pixel, so the cost is nothing; every other call is untouched. The class is swapped, not the instance's
+    forward: a copy of the model (an EMA's) must compute with its own weights."""
+    for conv in model.modules():
+        if type(conv) is not nn.Conv2d or isinstance(conv.padding, str):  # "same"/"valid": no strided case here
+            continue
+        if max(conv.stride) > 1 and max(conv.padding) > 0:
+            conv.__class__ = GuardedConv2d
+    return model
 
 
 def head(model: nn.Module, num_classes: int) -> tuple[str, nn.Module]:
