@@ -5,6 +5,7 @@ ending."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -15,6 +16,26 @@ import torch
 
 from common.console import say
 from common.files import write_atomic
+
+
+RESERVED_BYTES = 16384  # summary.json keeps this much allocated, so that an ending can be recorded on a full disk
+
+
+def write_summary(path, text: str) -> None:
+    """Atomically, padded with trailing spaces (still one JSON document) to ``RESERVED_BYTES``; when the disk is full,
+    written over the file's own blocks instead (no new space needed), so a run that filled the disk still records
+    how it ended (``storage_error``) instead of leaving ``running``."""
+    data = text.encode()
+    try:
+        write_atomic(path, (data + b" " * max(0, RESERVED_BYTES - len(data))).decode())
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT) or not path.is_file() or path.stat().st_size < len(data):
+            raise
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.write(data + b" " * (size - len(data)))
+            f.flush()
+            os.fsync(f.fileno())
 
 
 class Summary:
@@ -45,7 +66,7 @@ class Summary:
             **(extra or {}),
         }
         if acc.is_main_process:
-            write_atomic(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
+            write_summary(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     def write_ending(self, status: str, err, values: dict, started: bool) -> None:
