@@ -28,6 +28,20 @@ class RecipeError(Exception):
     exit_code = EXIT_BAD_INPUT
     status = "bad_input"
 
+    def __init__(self, message: str = ""):
+        super().__init__(_from_worker(str(message)))
+
+
+def _from_worker(message: str) -> str:
+    """A DataLoader worker's error reaches the training process re-raised with the worker's traceback as its message
+    ('Caught DataError in DataLoader worker process 0. Original Traceback ...'): keep its own paragraph, and say
+    where it came from."""
+    first, _, rest = message.partition("\n")
+    if not (first.startswith("Caught ") and " in DataLoader worker process " in first and rest):
+        return message
+    last = rest.rstrip().rsplit("\n", 1)[-1]
+    return f"{last.split(': ', 1)[1] if ': ' in last else last} (in a DataLoader worker)"
+
 
 class ConfigError(RecipeError):
     """A bad setting."""

@@ -401,3 +401,26 @@ def test_tiny_images_in_bf16_on_a_cpu_train_with_sound_gradients():
     x = torch.randn(2, 3, 16, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not torch.allclose(twin.eval()(x).float(), model.eval()(x).float())
+
+
+def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env):
+    """Every photo is decoded whole before training; one that changes during the run (here: overwritten after the
+    first step) is met by a DataLoader worker, whose error carried the worker's 12-line traceback as its message.
+    Now one paragraph naming the file and what works (put it back, resume), exit 2, the last checkpoint kept."""
+    from common.tools.copy_recipe import copy_recipe
+
+    root = write_photo_folder(tmp_path / "d" / "train", 8)
+    victim = sorted((root / "ant").glob("*.jpg"))[0]
+    copy = copy_recipe("finetune_folder", tmp_path / "breaks.py")
+    text = copy.read_text()
+    anchor = "            if run.step_taken():"
+    assert text.count(anchor) == 1
+    copy.write_text(text.replace(anchor, f"            if run.global_step == 1:\n"
+                                         f"                open({str(victim)!r}, 'wb').write(b'not a photo any more')\n"
+                                         f"{anchor}"))
+    proc = run_in_process(copy, ["--dataset", root.parent, "--image-size", 32, "--batch-size", 8, "--epochs", 3,
+                                 "--workers", 1, "--output-dir", tmp_path / "run"], env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert victim.name in paragraph and "Put the original file back" in paragraph and "DataLoader worker" in paragraph
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # epoch 1's end, before the worker met it
