@@ -340,7 +340,8 @@ def test_every_listed_family_trains_a_step_at_its_size(name, size, tmp_path):
 
 def test_every_path_scores_large_photos_of_odd_sizes_alike(tmp_path, env):
     """Photos far larger than the crop, of odd sizes (JPEG draft decoding takes them at 1/4 or 1/8 scale): the run's
-    own final evaluation, --eval-only and predict give the same test loss. Before, predict decoded them at full size
+    own final evaluation, --eval-only, predict and the exported ONNX model (fed the views predict makes) give the
+    same test loss. Before, predict decoded them at full size
     (other pixels after the resize), and so scored other images than the run did."""
     import torch.nn.functional as F
 
@@ -367,8 +368,16 @@ def test_every_path_scores_large_photos_of_odd_sizes_alike(tmp_path, env):
     views = torch.stack([predict.load_image(f, predictor.input_shape, predictor.card["preprocess"])[0] for f in files])
     labels = torch.tensor([("ant", "bee", "wasp").index(f.parent.name) for f in files])
     predicted = F.cross_entropy(predictor.logits(views), labels).item()
-    assert scored == pytest.approx(trained, rel=1e-5) and predicted == pytest.approx(trained, rel=1e-4), \
-        (trained, scored, predicted)
+    import onnxruntime
+
+    from common.tools import export
+
+    assert export.main([str(run / "final"), "--onnx", str(tmp_path / "m.onnx")]) == 0  # takes pixels / 255
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    exported = F.cross_entropy(torch.from_numpy(session.run(None, {"images": (views.float() / 255).numpy()})[0]),
+                               labels).item()
+    assert scored == pytest.approx(trained, rel=1e-5) and predicted == pytest.approx(trained, rel=1e-4) and \
+        exported == pytest.approx(trained, rel=1e-4), (trained, scored, predicted, exported)
 
 
 def test_tiny_images_in_bf16_on_a_cpu_train_with_sound_gradients():
