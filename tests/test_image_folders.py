@@ -115,6 +115,24 @@ def test_links_back_up_the_tree_and_files_in_two_classes_are_refused_naming_them
     assert np.bincount(data.train.labels.numpy()).tolist() == [5, 4]
 
 
+def test_a_folder_that_vanishes_while_it_is_read_is_one_paragraph(tmp_path, monkeypatch):
+    """A sub-folder moved away while the scan walks (a sync tool, a colleague): was a raw FileNotFoundError."""
+    from common import folders
+
+    root = write_image_folder(tmp_path / "pets", n_per_class=3, classes=("cat", "dog"))
+    (root / "cat" / "2023").mkdir()
+    real = os.stat
+
+    def gone(path, *a, **kw):
+        if str(path).endswith("2023"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(folders.os, "stat", gone)
+    with pytest.raises(DataError, match=r"cat/2023 vanished while the dataset was read"):
+        folders.scan(root, "pets")
+
+
 def test_class_folders_that_differ_only_in_letter_case_are_refused(tmp_path):
     root = write_image_folder(tmp_path / "pets", n_per_class=3, classes=("Cat", "cat", "dog"))
     with pytest.raises(DataError, match=r"differ only in letter case") as err:
