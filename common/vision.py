@@ -4,6 +4,7 @@ backbone that can learn at a lower rate."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,30 +118,48 @@ def resolve(name: str, spec: str) -> Pretrained:
     if not spec:
         return Pretrained("", None, None, None)
     check_name(name)
-    try:
-        enum = models.get_model_weights(name)
-    except (ValueError, KeyError):
-        enum = None
-    entry = None
-    if enum is not None:
-        entry = enum.DEFAULT if spec == "DEFAULT" or Path(spec).suffix else getattr(enum, spec, None)
-    if entry is None and not Path(spec).suffix:
-        raise ConfigError(f"--weights {spec!r} is neither a file (.pth, .pt or .safetensors) nor one of "
-                          f"torchvision's weights for {name} ({', '.join(e.name for e in enum) if enum else 'none'}, "
-                          "or DEFAULT).")
-    if entry is None:
-        return Pretrained(spec, IMAGENET_MEAN, IMAGENET_STD, None)
+    entry = weights_entry(name, spec)
+    if entry is None:  # a file: torchvision's own for the model when it has one (copied offline), else ImageNet's
+        try:
+            entry = models.get_model_weights(name).DEFAULT
+        except (ValueError, KeyError, AttributeError):
+            return Pretrained(spec, IMAGENET_MEAN, IMAGENET_STD, None)
     t = entry.transforms()
     return Pretrained(spec, list(t.mean), list(t.std), int(t.crop_size[0]))
 
 
-def _read_state(spec: str, name: str) -> dict:
+WEIGHTS_FILE_ENDINGS = (".pth", ".pt", ".safetensors", ".bin", ".ckpt")
+WEIGHTS_NAME = re.compile(r"^(?:(\w+)\.)?(\w+)$")  # torchvision's spellings: DEFAULT, IMAGENET1K_V1, X_Weights.MEMBER
+
+
+def weights_entry(name: str, spec: str):
+    """torchvision's weights entry that ``--weights`` names for ``--model name`` (``DEFAULT``, a member such as
+    ``IMAGENET1K_V1``, or the enum's own spelling ``ResNet18_Weights.IMAGENET1K_V1`` as its docs and reference script
+    write it), or None when ``spec`` is a file. Weights of another model, or no such member, are one paragraph."""
     from torchvision import models
 
+    match = WEIGHTS_NAME.match(spec)
+    if match is None or Path(spec).expanduser().is_file() or spec.lower().endswith(WEIGHTS_FILE_ENDINGS):
+        return None
+    prefix, member = match.groups()
+    try:
+        enum = models.get_model_weights(name)
+    except (ValueError, KeyError):
+        enum = None
+    names = ", ".join(e.name for e in enum) if enum else "none"
+    if enum is None or (prefix and prefix != enum.__name__) or (member != "DEFAULT" and member not in enum.__members__):
+        whose = f" (those are weights of another model: {name}'s are {enum.__name__})" if enum and prefix and \
+            prefix != enum.__name__ else ""
+        raise ConfigError(f"--weights {spec!r} is neither a file (.pth, .pt or .safetensors) nor one of torchvision's "
+                          f"weights for {name}{whose}: {names}, or DEFAULT"
+                          f"{f' (also spelled {enum.__name__}.DEFAULT)' if enum else ''}.")
+    return enum.DEFAULT if member == "DEFAULT" else enum[member]
+
+
+def _read_state(spec: str, name: str) -> dict:
     path = Path(spec).expanduser()
-    if not path.suffix:  # DEFAULT or an enum name: torchvision downloads it (once, into $TORCH_HOME)
-        weights = models.get_model_weights(name)
-        entry = weights.DEFAULT if spec == "DEFAULT" else getattr(weights, spec)
+    entry = weights_entry(name, spec)
+    if entry is not None:  # torchvision downloads it (once, into $TORCH_HOME)
         try:
             return entry.get_state_dict(progress=False, check_hash=True)
         except Exception as err:  # noqa: BLE001 - urllib, socket and hash errors alike mean "no weights"

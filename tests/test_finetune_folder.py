@@ -433,3 +433,21 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert victim.name in paragraph and "Put the original file back" in paragraph and "DataLoader worker" in paragraph
     assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # epoch 1's end, before the worker met it
+
+
+def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):
+    """`--weights ResNet18_Weights.IMAGENET1K_V1` (torchvision's docs and reference script) was taken for a file with
+    the ending '.IMAGENET1K_V1' ("no such file"). Every spelling names the entry; another model's weights or an
+    unknown member is one paragraph; a file is a file."""
+    from torchvision.models import ResNet18_Weights
+
+    for spec in ("ResNet18_Weights.IMAGENET1K_V1", "ResNet18_Weights.DEFAULT", "IMAGENET1K_V1", "DEFAULT"):
+        assert vision.weights_entry("resnet18", spec) is ResNet18_Weights.IMAGENET1K_V1, spec
+        assert vision.resolve("resnet18", spec).crop == 224
+    with pytest.raises(ConfigError, match="weights of another model: resnet18's are ResNet18_Weights"):
+        vision.weights_entry("resnet18", "ResNet50_Weights.IMAGENET1K_V2")
+    with pytest.raises(ConfigError, match="IMAGENET1K_V1, or DEFAULT"):
+        vision.weights_entry("resnet18", "ResNet18_Weights.IMAGENET1K_V9")
+    (tmp_path / "IMAGENET1K_V1").write_bytes(b"")  # a file of that name is the file
+    assert vision.weights_entry("resnet18", str(tmp_path / "IMAGENET1K_V1")) is None
+    assert vision.weights_entry("resnet18", "my_resnet.pth") is None
