@@ -226,13 +226,14 @@ def keep_batch(batch):
 
 
 def make_loader(split: ImageSplit, batch_size: int, train: bool, device=None, pin: bool = False,
-                flip_seed: int | None = None):
+                flip_seed: int | None = None, drop_last: bool | None = None):
     dataset = TensorImages(split, flip_seed)
     if device is not None:
         dataset.to(device)
     # Its own generator: creating an iterator must not draw from the global RNG (dropout's stream),
     # or a run resumed mid-epoch would diverge from the uninterrupted one.
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=train,
+    drop_last = train if drop_last is None else drop_last
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=drop_last,
                                        collate_fn=keep_batch, num_workers=0, pin_memory=pin and device is None,
                                        generator=torch.Generator().manual_seed(0))
 
@@ -257,7 +258,7 @@ def place_on_device(cfg, accelerator, data: ImageData) -> str:
 
 
 def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False, on_device: bool = False,
-                 alternating_flip: bool = False):
+                 alternating_flip: bool = False, drop_last: bool | None = None):
     """A recipe's DataLoader over a decoded split (None for none): the global --batch-size split over processes
     and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator
     when ``on_device`` (--data-on-device, or ``place_on_device``'s choice). ``alternating_flip``: airbench's flip,
@@ -269,4 +270,5 @@ def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False
     n = accelerator.num_processes
     batch = loader_batch(cfg, n, train)
     return make_loader(split, batch, train, device=accelerator.device if on_device else None,
-                       pin=accelerator.device.type == "cuda", flip_seed=cfg.seed if alternating_flip else None)
+                       pin=accelerator.device.type == "cuda", flip_seed=cfg.seed if alternating_flip else None,
+                       drop_last=drop_last)

@@ -187,7 +187,7 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
 
 
 def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False, on_device: bool = False,
-                 train_view=None):
+                 train_view=None, drop_last: bool | None = None):
     """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
     accumulation steps for training, --eval-batch-size over processes for evaluation. ``train_view``: the recipe's
     per-image training transform (uint8 (3, H, W) in, (3, --image-size, --image-size) out), required for training;
@@ -207,7 +207,8 @@ def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False
         workers = min(8, max(0, len(os.sched_getaffinity(0)) // max(1, local) - 1))
     # Workers start anew each epoch (not persistent): they copy the dataset after set_epoch, so every epoch
     # draws its own crops. The loader's own generator keeps the shuffle off the global RNG (exact resume).
-    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=train, drop_last=train,
+    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=train,
+                                       drop_last=train if drop_last is None else drop_last,
                                        num_workers=workers, pin_memory=accelerator.device.type == "cuda",
                                        generator=torch.Generator().manual_seed(0),
                                        prefetch_factor=4 if workers else None)

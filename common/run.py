@@ -68,7 +68,7 @@ from pathlib import Path
 import torch
 
 from common import checkpoint as ckpt
-from common.accelerator import make_accelerator, startup_line
+from common.accelerator import loader_batch, make_accelerator, startup_line
 from common.augment import batch_generator
 from common.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
@@ -83,6 +83,9 @@ from common.stopping import StopFlag
 from common.summary import Summary
 from common.tracking import MetricsLog, Progress, Throughput
 from common.validation import Evaluator, evaluation_due
+
+
+DROP_SHARE = 0.1  # training drops its last incomplete batch (equal batches) unless it holds more of the split
 
 
 @dataclasses.dataclass
@@ -250,6 +253,14 @@ class TrainingRun:
         (``common.data.split_loader`` for decoded images, ``common.photos.photo_loader`` for photos): the global
         --batch-size split over processes and accumulation steps for training, --eval-batch-size over processes for
         evaluation. ``options``: the loader's own (``alternating_flip=``, a photo recipe's ``train_view=``)."""
+        if train and split is not None:
+            batch = loader_batch(self.cfg, self.accelerator.num_processes, True)
+            left = len(split) % batch
+            if left > DROP_SHARE * len(split):  # a small split: dropping the last batch would lose much of each epoch
+                options.setdefault("drop_last", False)
+                self.note = "; ".join(n for n in (self.note, f"the last training batch of each epoch is kept ({left} "
+                                                  f"of {len(split)} images; dropping it would lose "
+                                                  f"{left / len(split):.0%} of every epoch)") if n)
         return self.data.make_loader(self.cfg, self.accelerator, split, train, self.data.on_device, **options)
 
     # --- resume or fresh start -------------------------------------------------------------------
