@@ -256,7 +256,9 @@ class TrainingRun:
         if train and split is not None:
             batch = loader_batch(self.cfg, self.accelerator.num_processes, True)
             left = len(split) % batch
-            if left > DROP_SHARE * len(split):  # a small split: dropping the last batch would lose much of each epoch
+            # a small split: dropping the last batch would lose much of each epoch (a batch larger than the whole
+            # split stays an error: build_scheduler says so, with the LR rule)
+            if len(split) >= batch and left > DROP_SHARE * len(split):
                 options.setdefault("drop_last", False)
                 self.note = "; ".join(n for n in (self.note, f"the last training batch of each epoch is kept ({left} "
                                                   f"of {len(split)} images; dropping it would lose "
