@@ -59,6 +59,38 @@ def lost_processes_note() -> str:
     return ""
 
 
+def _launcher_args() -> list[str]:
+    """The parent's command line when it is `accelerate launch`, else []."""
+    try:
+        args = open(f"/proc/{os.getppid()}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    except OSError:  # no /proc (macOS)
+        return []
+    return args if any(a.endswith("accelerate") for a in args[:2]) and "launch" in args else []
+
+
+def idle_cores_note(cpu: bool) -> str:
+    """On a machine without a GPU, a launch that leaves CPU cores idle, with what to run instead ('' otherwise):
+    `accelerate launch --num_processes N` starts one process there, and `accelerate launch` sets OMP_NUM_THREADS=1,
+    so a single process trains on one core of several."""
+    if not cpu or "WORLD_SIZE" in os.environ:  # a real multi-process job: its launcher chose processes and threads
+        return ""
+    args = _launcher_args()
+    if not args:
+        return ""
+    asked = next((a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args[:-1])
+                  if a.split("=", 1)[0] == "--num_processes"), "1")
+    cores = len(os.sched_getaffinity(0))
+    if asked.isdigit() and int(asked) > 1:
+        return (f"`accelerate launch --num_processes {asked}` starts one process on a machine without a GPU: this "
+                f"run has 1 process at {torch.get_num_threads()} thread(s). For {asked} CPU processes run "
+                f"`accelerate launch --config_file {CPU_2PROC_CONFIG} ...` (gloo)")
+    if torch.get_num_threads() < cores and os.environ.get("OMP_NUM_THREADS") == "1":
+        return (f"this process trains on 1 of the {cores} CPU cores (accelerate launch sets OMP_NUM_THREADS=1). To "
+                f"use them all: `accelerate launch --num_cpu_threads_per_process {cores} ...`, or 2 processes with "
+                f"`--config_file {CPU_2PROC_CONFIG}`")
+    return ""
+
+
 def make_accelerator(cfg):
     """Build the Accelerator. Returns (accelerator, note), the note being '' or a one-line warning."""
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
@@ -79,6 +111,7 @@ def make_accelerator(cfg):
     note = "; ".join(n for n in notes if n)
     if note:
         warnings.warn(note)
+    note = "; ".join(n for n in (note, idle_cores_note(cpu)) if n)  # the startup line says it (no warning)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,

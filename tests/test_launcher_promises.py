@@ -302,3 +302,27 @@ def test_step_guard_never_logs_a_nonfinite_loss_as_zero():
     assert StepGuard.read(guard.window) == (6.0, 2.0)  # the mean is 3.0: the NaN is left out
     flags = guard.check(stop_requested=False, step=2)
     assert (flags.step, flags.nonfinite, flags.stop) == (2, False, False)  # sums start again per step
+
+
+@pytest.mark.parametrize("launch_args,needle", [
+    (["--num_processes", "2"], "`accelerate launch --num_processes 2` starts one process on a machine without a GPU"),
+    ([], "this process trains on 1 of the"),
+])
+def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needle, tmp_path, mnist_like):
+    """Without a GPU, `accelerate launch --num_processes 2` starts one process and plain `accelerate launch` sets
+    OMP_NUM_THREADS=1: either trained on one core of two, unsaid. The startup line now says what to run instead.
+    (Through the real launcher, without a config file, as a user who never ran `accelerate config` launches.)"""
+    from common.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
+    from conftest import recipe_env
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing is left idle")
+    env = {k: v for k, v in recipe_env(tmp_path).items() if k != "OMP_NUM_THREADS"}
+    env["HOME"] = str(tmp_path / "home")  # no `accelerate config` default config
+    proc = subprocess.run([ACCELERATE, "launch", *launch_args, "--main_process_port", str(free_port()),
+                           str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), "--hidden",
+                           "8", "--max-steps", "1", "--batch-size", "32", "--output-dir", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    startup = next(line for line in proc.stdout.splitlines() if line.startswith("startup:"))
+    assert "processes=1" in startup and needle in startup and CPU_2PROC in startup, startup
