@@ -38,6 +38,25 @@ STATE_FILE = "lookahead.safetensors"
 EMA_FILE = "ema.safetensors"
 
 
+def save_tensors(is_main: bool, tensors: dict, path: Path) -> None:
+    """A weight average's state into a checkpoint, from the main process (every rank resumes from rank 0's)."""
+    from safetensors.torch import save_file
+
+    if is_main:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(path))
+
+
+def load_tensors(checkpoint_dir: Path, name: str, missing: str) -> dict:
+    """A weight average's state from a checkpoint; ``missing``: why the file may be absent and the flag that fits."""
+    from safetensors.torch import load_file
+
+    path = checkpoint_dir / name
+    if not path.is_file():
+        raise RecipeError(f"The checkpoint {checkpoint_dir} has no {name} {missing}, or start a new run with a new "
+                          "--output-dir.")
+    return load_file(str(path))
+
+
 class EMA:
     """An exponential moving average of ``model``'s weights and buffers with ``decay`` per update (off when 0).
     ``module``: the averaged copy, which the recipe evaluates and saves; ``update()`` after each update taken."""
@@ -75,22 +94,13 @@ class EMA:
 
     def save(self, checkpoint_dir: Path) -> None:
         """Rank 0's copy, as every rank starts from rank 0's model."""
-        from safetensors.torch import save_file
-
-        if self.accelerator.is_main_process:
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.averaged.state_dict().items()},
-                      str(checkpoint_dir / EMA_FILE))
+        save_tensors(self.accelerator.is_main_process, self.averaged.state_dict(), checkpoint_dir / EMA_FILE)
 
     def load(self, checkpoint_dir: Path) -> None:
-        from safetensors.torch import load_file
-
-        path = checkpoint_dir / EMA_FILE
-        if not path.is_file():
-            raise RecipeError(f"The checkpoint {checkpoint_dir} has no {EMA_FILE} (the weight average): it was "
-                              "written without --ema-decay. Resume it with --ema-decay 0, or start a new run with a "
-                              "new --output-dir.")
+        state = load_tensors(checkpoint_dir, EMA_FILE, "(the weight average): it was written without --ema-decay. "
+                             "Resume it with --ema-decay 0")
         device = self.averaged.n_averaged.device
-        self.averaged.load_state_dict({k: v.to(device) for k, v in load_file(str(path)).items()})
+        self.averaged.load_state_dict({k: v.to(device) for k, v in state.items()})
 
 
 class Lookahead:
@@ -121,21 +131,13 @@ class Lookahead:
 
     def save(self, checkpoint_dir: Path) -> None:
         """Rank 0's slow copy (every rank resumes from it, as every rank starts from rank 0's model)."""
-        from safetensors.torch import save_file
-
-        if self.is_main:
-            tensors = {f"slow.{i}": t.detach().cpu().contiguous() for i, t in enumerate(self.slow)}
-            save_file({**tensors, "steps": torch.tensor([self.steps])}, str(checkpoint_dir / STATE_FILE))
+        tensors = {f"slow.{i}": t for i, t in enumerate(self.slow)}
+        save_tensors(self.is_main, {**tensors, "steps": torch.tensor([self.steps])}, checkpoint_dir / STATE_FILE)
 
     def load(self, checkpoint_dir: Path) -> None:
-        from safetensors.torch import load_file
-
         path = checkpoint_dir / STATE_FILE
-        if not path.is_file():
-            raise RecipeError(f"The checkpoint {checkpoint_dir} has no {STATE_FILE} (the Lookahead weight average), "
-                              "so it was written without averaging or by an older version. Resume it with "
-                              "--lookahead-every 0, or start a new run with a new --output-dir.")
-        state = load_file(str(path))
+        state = load_tensors(checkpoint_dir, STATE_FILE, "(the Lookahead weight average), so it was written without "
+                             "averaging or by an older version. Resume it with --lookahead-every 0")
         if len(state) != len(self.slow) + 1:
             raise RecipeError(f"{path} holds {len(state) - 1} averaged tensors, this model has {len(self.slow)}: "
                               "the checkpoint belongs to another model. Resume with the run's own settings.")

@@ -142,7 +142,10 @@ def files_listing(data: "ImageData") -> dict | None:
 
 def files_fingerprint(data: "ImageData") -> str | None:
     """A short hash of ``files_listing``: a renamed, swapped or replaced file changes it."""
-    listing = files_listing(data)
+    return listing_fingerprint(files_listing(data))
+
+
+def listing_fingerprint(listing: dict | None) -> str | None:
     return None if listing is None else hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
 
 
