@@ -183,6 +183,18 @@ def _identity(path: Path):
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
+def _prepare(product: Path):
+    """Before taking the lock for ``product``: its folder exists, and the identity of the error file a peer that
+    fails on it would write ('.error' beside it; a new identity after the wait means that peer failed)."""
+    try:
+        product.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(f"Could not create the cache directory {product.parent} ({err.strerror or err}). Pass "
+                        "--cache-dir a directory this user can write.") from None
+    error_file = product.with_suffix(".error")
+    return error_file, _identity(error_file)
+
+
 def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap: bool) -> ImageSplit:
     """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
     say = console.say if is_main else (lambda *_: None)  # the process that decodes says what it does
@@ -198,13 +210,7 @@ def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap
     except _Damaged as err:
         damage = err
         say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"Could not create the cache directory {path.parent} ({err.strerror or err}). Pass "
-                        "--cache-dir a directory this user can write.") from None
-    error_file = path.with_suffix(".error")
-    before = _identity(error_file)
+    error_file, before = _prepare(path)
 
     def waiting(holder):
         say(f"waiting for {holder} to decode {what} into {path} ...")
@@ -250,13 +256,7 @@ def once(marker: Path, work, what: str, is_main: bool) -> None:
     if marker.exists():
         return
     say = console.say if is_main else (lambda *_: None)
-    try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(f"Could not create the cache directory {marker.parent} ({err.strerror or err}). Pass "
-                        "--cache-dir a directory this user can write.") from None
-    error_file = marker.with_suffix(".error")
-    before = _identity(error_file)
+    error_file, before = _prepare(marker)
     with _file_lock(marker.with_suffix(".lock"), lambda holder: say(f"waiting for {holder} to finish {what} ...")) \
             as locked:
         if marker.exists():  # a peer did it while this process waited
