@@ -4,6 +4,7 @@ backbone that can learn at a lower rate."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,18 +157,50 @@ def weights_entry(name: str, spec: str):
     return enum.DEFAULT if member == "DEFAULT" else enum[member]
 
 
+def hub_file(entry) -> Path:
+    """Where torch.hub keeps ``entry``'s download: torch.hub.get_dir()/checkpoints/<the URL's file name>."""
+    from urllib.parse import urlparse
+
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(entry.url).path).name
+
+
+def check_cached(entry) -> None:
+    """torch.hub checks a file's hash only when it downloads it; one already in its cache is loaded unchecked. Such a
+    file is checked here against the sha256 prefix its name records (resnet18-f37072fd.pth) before it is taken for
+    torchvision's weights. Hashing costs about a second per 500 MB."""
+    path = hub_file(entry)
+    match = torch.hub.HASH_REGEX.search(path.name)
+    if match is None or not path.is_file():
+        return
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    prefix, found = match.group(1), digest.hexdigest()
+    if not found.startswith(prefix):
+        raise ConfigError(
+            f"{path} is in torch's hub cache under the name of torchvision's {entry} weights, but its sha256 starts "
+            f"{found[:len(prefix)]}, not {prefix} as the name records ({entry.url}): it is another file or a damaged "
+            "copy, not those weights. Delete it (torchvision then downloads it again, checked), copy the right file "
+            "there, or pass the file you meant with --weights /path/to/file.pth.")
+
+
+def fetch_failed(entry, err: Exception) -> ConfigError:
+    return ConfigError(
+        f"torchvision could not fetch the {entry} weights ({type(err).__name__}: {err}); this machine is probably "
+        f"offline. Download {entry.url} on a machine with network access, copy it here, and pass --weights "
+        f"/path/to/{Path(entry.url).name} (or put it in {hub_file(entry).parent}/, where torchvision looks first).")
+
+
 def _read_state(spec: str, name: str) -> dict:
     path = Path(spec).expanduser()
     entry = weights_entry(name, spec)
-    if entry is not None:  # torchvision downloads it (once, into $TORCH_HOME)
+    if entry is not None:  # torchvision downloads it (once, into torch.hub.get_dir()/checkpoints)
+        check_cached(entry)
         try:
             return entry.get_state_dict(progress=False, check_hash=True)
         except Exception as err:  # noqa: BLE001 - urllib, socket and hash errors alike mean "no weights"
-            raise ConfigError(
-                f"torchvision could not fetch the {entry} weights ({type(err).__name__}: {err}); this machine is "
-                f"probably offline. Download {entry.url} on a machine with network access, copy it here, and pass "
-                f"--weights /path/to/{Path(entry.url).name} (or put it in $TORCH_HOME/hub/checkpoints/, where "
-                "torchvision looks first).") from None
+            raise fetch_failed(entry, err) from None
     if not path.is_file():
         raise ConfigError(f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
                           "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch.")
