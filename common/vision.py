@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from common.console import say
 from common.errors import ConfigError
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -169,14 +170,14 @@ def check_cached(entry) -> None:
     file is checked here against the sha256 prefix its name records (resnet18-f37072fd.pth) before it is taken for
     torchvision's weights. Hashing costs about a second per 500 MB."""
     path = hub_file(entry)
-    match = torch.hub.HASH_REGEX.search(path.name)
-    if match is None or not path.is_file():
+    prefix = _recorded_hash(path)
+    if prefix is None or not path.is_file():
         return
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    prefix, found = match.group(1), digest.hexdigest()
+    found = digest.hexdigest()
     if not found.startswith(prefix):
         raise ConfigError(
             f"{path} is in torch's hub cache under the name of torchvision's {entry} weights, but its sha256 starts "
@@ -192,18 +193,39 @@ def fetch_failed(entry, err: Exception) -> ConfigError:
         f"/path/to/{Path(entry.url).name} (or put it in {hub_file(entry).parent}/, where torchvision looks first).")
 
 
-def _read_state(spec: str, name: str) -> dict:
-    path = Path(spec).expanduser()
+def fetch(name: str, spec: str) -> None:
+    """Make ``--weights`` readable before anything else is read: torchvision's weights downloaded into torch's hub
+    cache (the download's hash checked by torch.hub) or the cached copy checked; a file must exist. An offline machine
+    or a wrong path fails here, at start, instead of after the data is scanned."""
     entry = weights_entry(name, spec)
-    if entry is not None:  # torchvision downloads it (once, into torch.hub.get_dir()/checkpoints)
-        check_cached(entry)
-        try:
-            return entry.get_state_dict(progress=False, check_hash=True)
-        except Exception as err:  # noqa: BLE001 - urllib, socket and hash errors alike mean "no weights"
-            raise fetch_failed(entry, err) from None
-    if not path.is_file():
-        raise ConfigError(f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
-                          "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch.")
+    if entry is None:
+        if not Path(spec).expanduser().is_file():
+            raise ConfigError(f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
+                              "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch.")
+        return
+    check_cached(entry)
+    path = hub_file(entry)
+    if path.is_file():
+        return
+    say(f"downloading {entry.url} to {path}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.hub.download_url_to_file(entry.url, str(path), hash_prefix=_recorded_hash(path), progress=False)
+    except Exception as err:  # noqa: BLE001 - urllib, socket and hash errors alike mean "no weights"
+        raise fetch_failed(entry, err) from None
+
+
+def _recorded_hash(path: Path) -> str | None:
+    match = torch.hub.HASH_REGEX.search(path.name)
+    return match.group(1) if match else None
+
+
+def _read_state(spec: str, name: str) -> dict:
+    fetch(name, spec)
+    entry = weights_entry(name, spec)
+    if entry is not None:  # in torch.hub.get_dir()/checkpoints now, checked
+        return entry.get_state_dict(progress=False, check_hash=True)
+    path = Path(spec).expanduser()
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -110,6 +110,8 @@ def main(argv=None) -> int:
 def train(cfg: Config, run: TrainingRun) -> None:
     accelerator = run.accelerator
     pretrained = vision.resolve(cfg.model, cfg.weights)  # the weights' normalisation (their crop: Config.settle)
+    if cfg.weights and not cfg.eval_only and not run.resuming:  # before the data: offline or missing fails at once
+        vision.fetch(cfg.model, cfg.weights)
     # --- data ---
     data = run.load_data(load_photos)  # file lists; decoded per batch in the loader's workers
     # the weights' own normalisation, else the photos' (--eval-only: the scored run's)

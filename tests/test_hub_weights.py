@@ -43,3 +43,28 @@ def test_a_cached_file_whose_hash_matches_its_name_loads_without_a_download(tmp_
     line = vision.load_pretrained(model, "ResNet18_Weights.IMAGENET1K_V1", "resnet18", 1000)
     assert f"{len(state)} tensors loaded" in line, line
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("weights", ["DEFAULT", "missing.pth"])
+def test_weights_that_cannot_be_had_fail_at_start_before_the_photos_are_read(tmp_path, env, weights):
+    """Offline (no machine here reaches download.pytorch.org), --weights DEFAULT failed only after the folder was
+    scanned, and its message said `$TORCH_HOME` instead of the folder torch looks in; a missing file, likewise late."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, write_photo_folder
+
+    root = write_photo_folder(tmp_path / "photos" / "train", 4)
+    env = {**env, "TORCH_HOME": str(tmp_path / "torch"), "ACCELERATE_RECIPES_CACHE": str(tmp_path / "cache")}
+    spec = weights if weights == "DEFAULT" else str(tmp_path / weights)
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "finetune_folder.py"), "--dataset", str(root.parent),
+                           "--weights", spec, "--workers", "0", "--output-dir", str(tmp_path / "run")],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if weights == "DEFAULT":
+        assert str(tmp_path / "torch" / "hub" / "checkpoints") in paragraph and "$TORCH_HOME" not in paragraph
+    else:
+        assert "no such file" in paragraph, paragraph
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # the folder was never checked
+    assert not (tmp_path / "run").exists()
