@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.errors import ConfigError, report
+from common.flag_hints import hint
 
 
 def knob(default, help: str, choices=None):
@@ -108,27 +109,6 @@ def follow_batch(cfg, lr_source: str = "") -> str:
 MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation produces, and which way is better
 
 
-def recipe_flags() -> dict[str, list[str]]:
-    """Flags of this repository's recipes that not every recipe has, and which recipes have them, read from
-    the recipes' source (parsed, never run): naming one where it does not exist gets a clear message
-    instead of argparse's bare "unrecognized arguments"."""
-    import ast
-
-    found: dict[str, list[str]] = {}
-    for path in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text())
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and node.name == "Config":
-                for item in node.body:
-                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                        found.setdefault("--" + item.target.id.replace("_", "-"), []).append(path.stem)
-    shared = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(CommonConfig)}
-    return {flag: names for flag, names in found.items() if flag not in shared}
-
-
 DATASET_HELP = ("Hub dataset id, a local clone of a Hub repo (parquet files), or an image folder read by "
                 "torchvision's ImageFolder rules: the class is the first folder under the split root and every "
                 "image below it belongs to it (any depth, any folder name); train/, val/|valid/|validation/ and "
@@ -216,39 +196,11 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Keep the recipe docstring's line breaks and show every default."""
 
 
-# Flags of Hugging Face example scripts (and HfArgumentParser) that mean something else here, or are spelled
-# differently: naming one gets this repository's flag instead of a bare "unrecognized arguments".
-HF_FLAGS = {
-    "learning_rate": "--lr", "num_train_epochs": "--epochs",
-    "per_device_train_batch_size": "--batch-size (the GLOBAL batch per optimizer step, split over processes)",
-    "per_device_eval_batch_size": "--eval-batch-size (global, split over processes)",
-    "train_batch_size": "--batch-size", "resume_from_checkpoint": "--resume-from (a checkpoint folder, or latest)",
-    "with_tracking": "--report-to (tensorboard by default)", "checkpointing_steps": "--checkpoint-every",
-    "gradient_accumulation_steps": "--grad-accum", "lr_scheduler_type": "--schedule",
-    "num_warmup_steps": "--warmup-fraction (a fraction of the run's optimizer steps)",
-    "warmup_ratio": "--warmup-fraction", "max_train_steps": "--max-steps", "logging_steps": "--log-every",
-    "dataset_name": "--dataset", "mixed_precision": "a launcher setting here: put it before the script, "
-    "`accelerate launch --mixed_precision bf16 recipes/<recipe>.py`, or set it in the launcher config",
-    "fp16": "a launcher setting here: `accelerate launch --mixed_precision fp16 recipes/<recipe>.py`",
-    "bf16": "a launcher setting here: `accelerate launch --mixed_precision bf16 recipes/<recipe>.py`",
-}
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear paragraph, exit code 2, no traceback
         self.print_usage(sys.stderr)
-        if message.startswith("unrecognized arguments"):
-            unknown = [flag.split("=")[0] for flag in message.split(":", 1)[1].split() if flag.startswith("--")]
-            technique = recipe_flags()
-            others = [f"{flag} (a knob of {', '.join(technique[flag.replace('_', '-')])})" for flag in unknown
-                      if flag.replace("_", "-") in technique]
-            hf = [f"{flag} -> {HF_FLAGS[flag[2:].replace('-', '_')]}" for flag in unknown
-                  if flag[2:].replace("-", "_") in HF_FLAGS]
-            if others:
-                message += (f"; {', '.join(others)}: this recipe does not use that technique. Copy its lines from "
-                            "the recipe that has it, or use that recipe")
-            if hf:
-                message += f"; in these recipes: {'; '.join(hf)}"
+        if message.startswith("unrecognized arguments"):  # another recipe's knob, another script's flag
+            message += hint(message, set(self._option_string_actions))
         self.exit(report(ConfigError(f"{message}. Run with --help to see every option and its default.")))
 
 
