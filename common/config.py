@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import typing
@@ -137,6 +138,9 @@ class CommonConfig:
     eval_batch_size: int = knob(1000, "global batch size for evaluation")
     lr: float = knob(1e-3, "peak learning rate")
     lr_rule = None  # how the default --lr follows --batch-size: a recipe's LRRule; None keeps it at every batch
+    # settings of this class a recipe does not read, and why ({"channels": "..."}): left out of its --help, and
+    # refused on its command line (a plain class attribute, not a field)
+    not_read: typing.ClassVar[dict[str, str]] = {}
     weight_decay: float = knob(0.0, "weight decay")
     warmup_fraction: float = knob(0.0, "fraction of optimizer steps spent warming the LR up linearly from 0")
     warmup_start: float = knob(0.0, "LR multiplier the warm-up starts from (it rises linearly to 1)")
@@ -204,6 +208,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(report(ConfigError(f"{message}. Run with --help to see every option and its default.")))
 
 
+class _NotRead(argparse.Action):
+    """A setting the recipe does not read (``CommonConfig.not_read``): given, it is refused, never ignored."""
+
+    def __init__(self, *args, why: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{parser.prog} does not read {option_string}: {self.why}. Drop it")
+
+
 def described(cls, name: str) -> dict:
     """A field's help and choices: its own knob's, or, when a recipe only gives it a new default (``epochs: int =
     12``), those of the nearest base class that describes it."""
@@ -221,6 +236,11 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
     for f in dataclasses.fields(cls):
         typ, meta = hints[f.name], described(cls, f.name)
         flag = "--" + f.name.replace("_", "-")
+        if f.name in cls.not_read:
+            names = {flag, "--" + f.name, "--no-" + f.name.replace("_", "-"), "--no_" + f.name}
+            parser.add_argument(*sorted(names), dest=f.name, default=f.default, nargs="?", help=argparse.SUPPRESS,
+                                action=functools.partial(_NotRead, why=cls.not_read[f.name]))
+            continue
         kwargs = {"default": f.default, "help": meta.get("help", ""), "dest": f.name}
         if f.name == "lr" and getattr(cls, "lr_rule", None):  # every recipe with a rule states it, in the same words
             kwargs["help"] += cls.lr_rule.help()

@@ -72,7 +72,8 @@ def recipe_flags() -> dict[str, list[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and node.name == "Config":
                 for item in node.body:
-                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) \
+                            and "ClassVar" not in ast.unparse(item.annotation):  # not a field, not a flag
                         found.setdefault("--" + item.target.id.replace("_", "-"), []).append(path.stem)
     shared = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(CommonConfig)}
     return {flag: names for flag, names in found.items() if flag not in shared}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +71,12 @@ class Config(CommonConfig):
     workers: int = knob(-1, "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
                         "cores less one, at most 8: none on a 2-core machine running 2 processes)")
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
+    cache_dir: str = knob("", "where the record that a folder's photos were all readable is kept, so a rerun skips "
+                          "that check ('' = ~/.cache/accelerate-recipes)")
+    # settings every recipe has that this one does not read: left out of --help, refused when given
+    not_read: ClassVar[dict[str, str]] = {
+        "channels": "photos are decoded per batch on the host, always as RGB",
+        "data_on_device": "photos are decoded per batch on the host and never kept decoded"}
 
     def settle(self):
         if "image_size" not in self.explicit:  # pretrained weights: their own crop (224 for torchvision's ImageNet)

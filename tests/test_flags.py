@@ -47,3 +47,32 @@ def test_a_flag_whose_counterpart_is_another_recipes_says_so(tmp_path, env):
     for answer in ("-j -> none in this recipe (--workers is finetune_folder's)",
                    "--mixup-alpha -> none in this recipe (--mixup is finetune_folder's)", "--data-path -> --dataset"):
         assert answer in paragraph, paragraph
+
+
+# What each recipe leaves unread of the settings every recipe has: the three others read them all (common.data's
+# decoded-image loading reads --channels, --data-on-device and --cache-dir); the photo recipe decodes photos per
+# batch on the host, always as RGB.
+UNREAD = {"fashion_mnist_mlp": set(), "mnist_convnet": set(), "cifar_cnn": set(),
+          "finetune_folder": {"channels", "data_on_device"}}
+
+
+@pytest.mark.parametrize("recipe", sorted(UNREAD))
+def test_help_lists_only_what_the_recipe_reads_and_an_unread_setting_is_refused(recipe, tmp_path, env):
+    import dataclasses
+    import re
+
+    from conftest import import_recipe
+
+    proc = run_in_process(recipe, ["--help"], env)
+    assert proc.returncode == 0, proc.stderr
+    listed = set(re.findall(r"^  (--[a-z0-9-]+)", proc.stdout, re.MULTILINE))
+    fields = {f.name for f in dataclasses.fields(import_recipe(recipe).Config)}
+    assert listed == {"--" + name.replace("_", "-") for name in fields - UNREAD[recipe]} | {"--config"}, listed
+    if recipe == "finetune_folder":  # its cache holds no decoded tensors
+        text = " ".join(proc.stdout.split())
+        assert "decoded uint8 tensors" not in text and "photos were all readable" in text, text
+    for name in UNREAD[recipe]:
+        flag = "--" + name.replace("_", "-")
+        for given in ([flag, "3"] if name == "channels" else [flag]), ["--" + name, "1"], ["--no-" + flag[2:]]:
+            paragraph = refused(recipe, given, env, tmp_path)
+            assert f"{recipe}.py does not read {given[0]}: photos are decoded per batch on the host" in paragraph
