@@ -40,6 +40,25 @@ class EvalOnly:
         """Printed and written beside the weights; True when --target-accuracy was missed."""
         return report(self.cfg, accelerator, self.weights, self.note, data, metrics)
 
+
+def precision_note(cfg, accelerator) -> str:
+    """What differs when the launcher's mixed precision is not the one the scored run trained under (its
+    summary.json's), and how to score as it trained; '' when they agree or the run records none."""
+    root = Path(cfg.checkpoint).expanduser()
+    for folder in (root, root.parent, root.parent.parent):
+        try:
+            trained = json.loads((folder / "summary.json").read_text()).get("precision")
+            break
+        except (OSError, ValueError, AttributeError):
+            continue
+    else:
+        return ""
+    now = accelerator.mixed_precision
+    if not isinstance(trained, str) or trained == now:
+        return ""
+    return (f"trained under {trained} precision, scored now under {now}: accuracy and loss may differ a little; "
+            f"launch with `accelerate launch --mixed_precision {trained} ...` to score as trained")
+
 def adopt_run_config(cfg) -> str:
     """Take the dataset, split and model settings from the run's config.json, so the weights are scored on
     the images the run held out; refuse overrides that would change the split. Returns a note ('' if none)."""
@@ -133,10 +152,12 @@ def report(cfg, accelerator, weights: Path, note: str, data, metrics: dict | Non
         raise RecipeError(f"The dataset {data.source!r} has no test or validation split to evaluate on. Add a "
                           "test split, or set --val-fraction above 0.")
     split = "test" if data.test is not None else "val"
+    note = "; ".join(n for n in (note, precision_note(cfg, accelerator)) if n)
     result = {"weights": str(weights), "split": split, "dataset": data.source, "loss": metrics["loss"],
               "accuracy": metrics["accuracy"], "count": metrics["count"],
               "per_class_accuracy": dict(zip(data.class_names, metrics["per_class_accuracy"])),
-              "processes": accelerator.num_processes, "seed": cfg.seed, "val_fraction": cfg.val_fraction}
+              "processes": accelerator.num_processes, "precision": accelerator.mixed_precision, "seed": cfg.seed,
+              "val_fraction": cfg.val_fraction}
     if note:
         result["note"] = note
     out = weights.parent / f"eval-{split}.json"
