@@ -79,9 +79,13 @@ class FolderSplit:
 
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha256(json.dumps([str(self.base.resolve()), self.name]).encode())
-        for item in zip(self.files, self.labels, self.stats):
-            h.update(json.dumps(item).encode())
+        """A hash of the split's folder, name, and every file's path, class, size and times."""
+        import numpy as np
+
+        h = hashlib.sha256(json.dumps([str(self.base.resolve()), self.name, len(self.files)]).encode())
+        h.update("\0".join(self.files).encode("utf-8", "surrogateescape"))
+        h.update(np.asarray(self.labels, dtype=np.int64).tobytes())
+        h.update(np.asarray(self.stats, dtype=np.int64).tobytes())
         return h.hexdigest()[:32]
 
 
@@ -91,6 +95,7 @@ class FolderScan:
     class_names: list[str]
     splits: dict[str, FolderSplit]
     skipped: Counter = field(default_factory=Counter)
+    tables: bool = False  # the folder holds parquet or arrow files: a dataset repository, read by `datasets`
 
     def skipped_line(self) -> str:
         """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""
@@ -133,10 +138,19 @@ def _walk_error(err: OSError):
 def images_below(top: Path, endings: set[str] | None = None, skipped: Counter | None = None) -> list[str]:
     """Every image file at any depth below ``top`` (links followed, each folder once; a link back up the tree
     refused), sorted; hidden entries and other files counted in ``skipped``. The walk predict shares."""
+    return [path for path, _ in _walk_images(top, endings, skipped, stat=False)]
+
+
+def _walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, stat: bool = True) -> list:
+    """(path, (st_dev, st_ino, size, mtime_ns, ctime_ns, linked) or None) of every image below ``top``, sorted by
+    path: one stat per file (None for a dangling link: the decode names it among the unreadable files); ``linked``:
+    reached through a link, or one of several hard links to its file."""
     endings = image_endings() if endings is None else endings
     skipped = Counter() if skipped is None else skipped
     found, visited, top_real = [], set(), os.path.realpath(top)
-    for dirpath, dirnames, filenames in os.walk(top, onerror=_walk_error, followlinks=True):
+    pending = [(str(top), os.path.islink(top))]  # (folder, reached through a link)
+    while pending:
+        dirpath, via_link = pending.pop()
         real = os.path.realpath(dirpath)
         if dirpath != str(top) and (real == top_real or top_real.startswith(real + os.sep)):
             raise DataError(f"{dirpath} is a link back up the tree (to {real}), which holds the class folder {top}: "
@@ -144,23 +158,42 @@ def images_below(top: Path, endings: set[str] | None = None, skipped: Counter | 
                             "link, or replace it with a copy of the images that belong to that class.")
         try:
             st = os.stat(dirpath)
-        except OSError as err:  # it vanished (moved or deleted) while the folder was read
+            entries = list(os.scandir(dirpath))
+        except OSError as err:  # it vanished (moved or deleted) while the folder was read, or is unreadable
             _walk_error(err)
         if (st.st_dev, st.st_ino) in visited:  # a second link to a folder already walked: once
-            dirnames[:] = []
             continue
         visited.add((st.st_dev, st.st_ino))
-        skipped["hidden"] += sum(d.startswith(".") for d in dirnames)
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for f in filenames:
-            ext = os.path.splitext(f)[1].lower()
-            if f.startswith("."):
+        below = []
+        for e in entries:
+            name = e.name
+            if name.startswith("."):
                 skipped["hidden"] += 1
-            elif ext in endings:
-                found.append(os.path.join(dirpath, f))
-            else:
+                continue
+            try:
+                is_dir = e.is_dir()  # follows a link, as os.walk(followlinks=True)
+            except OSError:
+                is_dir = False
+            if is_dir:
+                below.append((e.path, via_link or e.is_symlink()))
+                continue
+            dot = name.rfind(".")  # os.path.splitext's ending (hidden names are skipped above), without its cost
+            ext = name[dot:].lower() if dot > 0 else ""
+            if ext not in endings:
                 skipped[ext or "(no ending)"] += 1
-    return sorted(found)
+            elif not stat:
+                found.append((e.path, None))
+            else:
+                try:
+                    s = e.stat()
+                    found.append((e.path, (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns,
+                                           via_link or s.st_nlink > 1 or e.is_symlink())))
+                except OSError:
+                    found.append((e.path, None))
+        pending.extend(sorted(below, reverse=True))  # folders in name order, depth first (a folder reached twice
+        # through links is walked where it comes first)
+    found.sort(key=lambda item: item[0])
+    return found
 
 
 def _entries(folder: Path, endings: set[str], skipped: Counter):
@@ -185,36 +218,41 @@ def _entries(folder: Path, endings: set[str], skipped: Counter):
 def _refuse_shared_files(found: dict, name: str) -> None:
     """One file reached through links from two classes or two splits would train as both, or be scored on
     after training on it: refused, naming it. Within one class a file reached twice (a link to a folder of the
-    same class) is read once."""
+    same class) is read once. ``found``: {split: {class: [(path, stat), ...]}}, from ``_walk_images``."""
+    # only files that can be reached twice take part: those reached through a link or with several hard links,
+    # and the files they are
+    linked = {st[:2] for classes in found.values() for items in classes.values() for _, st in items
+              if st is not None and st[5]}
+    if not linked:
+        return
     owner, clashes = {}, []
     for split, classes in found.items():
-        for c, paths in classes.items():
+        for c, items in classes.items():
             kept = []
-            for path in paths:
-                try:
-                    st = os.stat(path)
-                except OSError:  # a dangling link: the decode names it among the unreadable files
-                    kept.append(path)
+            for path, st in items:
+                if st is not None and st[:2] not in linked:
+                    kept.append((path, st))
                     continue
-                key = (st.st_dev, st.st_ino)
+                if st is None:  # a dangling link: the decode names it among the unreadable files
+                    kept.append((path, st))
+                    continue
+                key = st[:2]
                 if key not in owner:
                     owner[key] = (split, c, path)
-                    kept.append(path)
+                    kept.append((path, st))
                 elif owner[key][:2] != (split, c):
                     clashes.append(f"{path} (also {owner[key][2]})")
-            paths[:] = kept
+            items[:] = kept
     if clashes:
         raise DataError(f"{len(clashes)} file(s) of {name} are reached from two classes or splits through links, e.g. "
                         f"{'; '.join(clashes[:3])}: each would be trained on as two classes, or scored on after "
                         "being trained on. Remove the links, or keep one copy of each file in its own class.")
 
 
-def _stat(path: str) -> tuple[int, int, int]:
-    try:
-        st = os.stat(path)
-    except OSError:  # a dangling link: the decode names it among the unreadable files
-        return (-1, -1, -1)
-    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+def _relative_to(root: Path):
+    """path -> its path relative to ``root`` (os.path.relpath's result, without its cost per file)."""
+    prefix = os.path.join(str(root), "")
+    return lambda p: p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, root)
 
 
 def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> dict[str, Path]:
@@ -280,8 +318,10 @@ def scan(root: Path, name: str) -> FolderScan:
         classes: dict[str, list[str]] = {}
         for d in class_dirs:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
-                images_below(split_root / d, endings, skipped))
+                _walk_images(split_root / d, endings, skipped))
         found[split] = classes
+    if any(ending in TABLE_ENDINGS for ending in skipped):
+        return FolderScan(root, [], {}, skipped, tables=True)
     _refuse_shared_files(found, name)
     train = found["train"]
     folded = Counter(c.casefold() for c in train)
@@ -314,10 +354,11 @@ def scan(root: Path, name: str) -> FolderScan:
                 f"have (train's classes: {_listing(class_names)}): the model would be scored on a class it never "
                 "saw. Add those classes to train, or remove them from the split (check the folder names' spelling "
                 "and letter case).")
-        files = [(path, index[c]) for c in sorted(classes) for path in classes[c]]
+        files = [(item, index[c]) for c in sorted(classes) for item in classes[c]]
         if not files:
             raise DataError(f"The {split} split of {name} ({roots[split]}) is empty. Add images to it, or remove the "
                             "folder so the recipe holds out part of train instead.")
-        splits[split] = FolderSplit(split, root, [os.path.relpath(p, root) for p, _ in files],
-                                    [k for _, k in files], [_stat(p) for p, _ in files])
+        relative, missing = _relative_to(root), (-1, -1, -1)
+        splits[split] = FolderSplit(split, root, [relative(p) for (p, _), _ in files], [k for _, k in files],
+                                    [st[2:5] if st else missing for (_, st), _ in files])
     return FolderScan(root, class_names, splits, skipped)

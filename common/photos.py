@@ -19,9 +19,11 @@ files and labels; memory grows with the number of file names, not pixels, and no
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -35,21 +37,29 @@ def resize_side(image_size: int) -> int:
     return int(round(image_size / EVAL_RATIO))
 
 
-def read_rgb(path: str, min_side: int) -> torch.Tensor:
-    """uint8 (3, H, W) of the photo at ``path``; a JPEG decoded at the smallest scale whose shorter side is still
-    at least ``min_side``."""
+@contextlib.contextmanager
+def open_rgb(source, min_side: int):
+    """The photo at ``source`` (a path, or a file object holding its bytes) decoded whole as RGB; a JPEG at the
+    smallest scale whose shorter side is still at least ``min_side``."""
     from PIL import Image
-    from torchvision.transforms.v2.functional import pil_to_tensor
 
     from common.pixels import as_mode
 
-    with Image.open(path) as img:
+    with Image.open(source) as img:
         if img.format == "JPEG":
             w, h = img.size
             scale = min_side / min(w, h)
             img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))  # at least this big; 1/2, 1/4, 1/8
         img.load()
-        return pil_to_tensor(as_mode(img, "RGB"))
+        yield as_mode(img, "RGB")
+
+
+def read_rgb(source, min_side: int) -> torch.Tensor:
+    """uint8 (3, H, W) of the photo at ``source`` (``open_rgb``)."""
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    with open_rgb(source, min_side) as img:
+        return pil_to_tensor(img)
 
 
 def eval_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
@@ -79,7 +89,25 @@ class PhotoSplit(Rows):
         return {"resize_shorter": resize_side(self.image_size), "center_crop": self.image_size}
 
     def file_at(self, position: int) -> str:
+        """Where the photo at ``position`` is, for messages."""
         return str(self.files[self.source_row(position)])
+
+    def source_at(self, position: int):
+        """What ``open_rgb`` opens for the photo at ``position``: its path."""
+        return str(self.files[self.source_row(position)])
+
+    def read(self, position: int, min_side: int) -> torch.Tensor:
+        """uint8 (3, H, W) of the photo at ``position`` (``read_rgb``); a file that can't be read is one paragraph."""
+        try:
+            return read_rgb(self.source_at(position), min_side)
+        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
+            from common.pixels import unreadable_reason
+
+            raise DataError(f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged "
+                            "from the start, remove or replace it (the run's photo check names every damaged photo "
+                            "of the folder) and start again; if it changed while the run went on, put the original "
+                            "back and resume (--resume-from latest): a resume refuses a folder whose files changed, "
+                            "as the held-out split would no longer be the run's.") from None
 
     def with_index(self, index: torch.Tensor) -> "PhotoSplit":
         return PhotoSplit(self.files, self.source_labels, self.image_size, index, self.note)
@@ -89,7 +117,7 @@ class PhotoSplit(Rows):
         if isinstance(positions, slice):
             positions = range(*positions.indices(len(self)))
         side = resize_side(self.image_size)
-        views = [eval_view(read_rgb(self.file_at(int(p)), side), self.image_size) for p in positions]
+        views = [eval_view(self.read(int(p), side), self.image_size) for p in positions]
         return torch.stack(views) if views else torch.zeros((0, *self.image_shape), dtype=torch.uint8)
 
 
@@ -107,14 +135,7 @@ class PhotoDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         size = self.split.image_size
-        path = self.split.file_at(i)
-        try:
-            image = read_rgb(path, resize_side(size))
-        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
-            raise DataError(f"Could not read {path} ({type(err).__name__}: {err}); every photo was decoded whole "
-                            "before training, so the file changed while the run went on. Put the original file back "
-                            "and resume (--resume-from latest): a resume refuses a folder whose files changed, as "
-                            "the held-out split would no longer be the run's.") from None
+        image = self.split.read(i, resize_side(size))
         if self.train_view is None:
             return eval_view(image, size), self.split.label_at(i)
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
@@ -123,67 +144,73 @@ class PhotoDataset(torch.utils.data.Dataset):
             torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
             image = self.train_view(image)
         if image.shape != (3, size, size) or image.dtype != torch.uint8:
-            raise DataError(f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of {path}; the "
+            raise DataError(f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of "
+                            f"{self.split.file_at(i)}; the "
                             f"loader hands out (3, {size}, {size}) uint8 images (--image-size {size}), normalised on "
                             "the device. End train_view with a crop or resize to --image-size and keep uint8 pixels.")
         return image, self.split.label_at(i)
 
 
-def check_photos(split: PhotoSplit, what: str) -> None:
-    """Decode every photo whole, as training reads it (JPEG draft scaling keeps it cheap), on all of this process's
-    cores, so a file whose header reads but whose data is cut short or damaged is named before training starts,
-    never met by a DataLoader worker mid-epoch (which ended the run without a checkpoint). All bad files are
-    listed in one message."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from common.pixels import unreadable_error, unreadable_reason
-
-    side = resize_side(split.image_size)
-
-    def problem(position: int):
-        path = split.file_at(position)
-        try:
-            read_rgb(path, side)  # Pillow decodes with the GIL released: threads share the cores
-        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
-            return path, unreadable_reason(err)
-        return None
-
-    with ThreadPoolExecutor(max(1, len(os.sched_getaffinity(0)))) as pool:
-        bad = [p for p in pool.map(problem, range(len(split)), chunksize=64) if p is not None]
-    if bad:
-        raise unreadable_error(bad, len(split), what)
-
-
 def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageData:
     """An image folder (``common.folders`` rules) as PhotoSplits at ``cfg.image_size``; validation held out of
-    train (``--val-fraction``, seeded) when the folder has no validation split."""
-    from common import cache, folders, sources
+    train (``--val-fraction``, seeded) when the folder has no validation split. The folder is scanned once per node
+    (``node_shared``) and its photos checked once per state of its files (``common.photo_check``)."""
+    from accelerate import PartialState
+
+    from common import folders, photo_check, sources
     from common.cache import default_cache_dir
     from common.splits import hold_out
 
     name = cfg.dataset or default_dataset
     path = sources.local_folder(name) if name else None
-    if path is None or not folders.is_image_folder(path):
+    scan = node_shared(lambda: folders.scan(path, name)) if path is not None else None
+    if scan is None or scan.tables:
         raise DataError(f"--dataset {name!r} is not a folder of images. This recipe fine-tunes on a folder of photos "
                         "(<dir>/<class>/<image>, optionally under train/ val/ test/); for a Hub dataset or parquet "
                         "files use recipes/cifar_cnn.py.")
-    scan = folders.scan(path, name)
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    splits = {}
+    splits, checks = {}, []
     for split_name, fs in scan.splits.items():
-        files = [str(fs.base / f) for f in fs.files]
-        splits[split_name] = PhotoSplit(files, torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
-        splits[split_name].provenance = fs.provenance()
-        # Decoded whole once per state of the files (the fingerprint covers every file's size and times), by one
-        # process of those sharing the cache folder: a marker there says these very files were checked.
-        cache.once(cache_dir / f"photos-checked-{fs.fingerprint}",
-                   lambda s=splits[split_name], n=split_name: check_photos(s, f"the {n} split of {name}"),
-                   f"checking the {split_name} split's {len(fs)} photos", is_main)
+        prefix = os.path.join(str(fs.base), "")
+        split = PhotoSplit([prefix + f for f in fs.files], torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
+        split.provenance = fs.provenance()
+        splits[split_name] = split
+        # a marker in the cache folder says these very files (the fingerprint: every file's size and times) were
+        # decoded whole once
+        checks.append((split, cache_dir / f"photos-checked-{fs.fingerprint}", f"the {split_name} split of {name}"))
+    check = photo_check.check_splits(checks, resize_side(cfg.image_size)) if PartialState().is_local_main_process \
+        else None
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
-    return ImageData(train, val, splits.get("test"), scan.class_names, name, scan.skipped_line(),
-                     make_loader=photo_loader)
+    notes = [scan.skipped_line()] + ([f"its {check.total:,} photos are checked while training runs (a damaged one "
+                                      "stops the run at the next step)"] if check else [])
+    return ImageData(train, val, splits.get("test"), scan.class_names, name, "; ".join(n for n in notes if n),
+                     make_loader=photo_loader, check=check)
+
+
+def node_shared(compute):
+    """``compute()`` on the local main process of each node, its result (or its DataError) handed to the node's
+    other processes: one folder scan per node, not one per rank."""
+    from accelerate import PartialState
+
+    state = PartialState()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if state.num_processes == 1 or local <= 1 or state.num_processes % local:
+        return compute()
+    import torch.distributed as dist
+
+    group, _ = dist.new_subgroups(group_size=local, backend="gloo")  # every rank makes every node's group
+    box = [None]
+    if state.is_local_main_process:
+        try:
+            box[0] = compute()
+        except DataError as err:
+            box[0] = err
+    dist.broadcast_object_list(box, src=state.process_index - state.local_process_index, group=group)
+    if isinstance(box[0], DataError):
+        raise box[0]
+    return box[0]
 
 
 def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False, on_device: bool = False,

@@ -74,7 +74,7 @@ from common.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
 from common.console import say
 from common.data import load_image_data, place_on_device
-from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, report
+from common.errors import EXIT_CODES, DataError, Preempted, RecipeError, Unfinished, report
 from common.evalonly import EvalOnly
 from common.guard import StepChecks, unclipped_grad_norm
 from common.profiler import StepProfiler
@@ -152,7 +152,7 @@ class TrainingRun:
             if self.ckpt is not None and not self.loop.finished:
                 self._unfinished()
         except (RecipeError, Preempted) as caught:
-            err, self.status = caught, caught.status
+            err, self.status = self._checked(caught), caught.status
             if isinstance(caught, Preempted):
                 say(str(caught))
         except BaseException as caught:
@@ -164,6 +164,16 @@ class TrainingRun:
         finally:
             self._close(err)
         return EXIT_CODES[self.status]
+
+    def _checked(self, err):
+        """A damaged photo met before the photo check running beside training got to it: the check's own error,
+        naming every damaged photo of the folder, once it has finished."""
+        check = self.data.check if self.data is not None else None
+        if not isinstance(err, DataError) or check is None or check.done and check.error is None:
+            return err
+        if not check.done:
+            say(f"waiting for the photo check to name every damaged photo of the folder ({check.total:,} photos) ...")
+        return check.poll(block=True) or err
 
     def _close(self, err) -> None:
         if err is not None:
@@ -229,6 +239,8 @@ class TrainingRun:
         self.stop.interruptible("reading the data")
         data = reader(self.cfg, self.cfg.dataset, self.accelerator.is_main_process)
         self.stop.interruptible(None)
+        if data.check is not None:  # photos checked while training runs: damaged ones stop it at a step boundary
+            self.stop.watch(data.check)
         if data.note:
             say(f"data {data.source}: {data.note}")
         placed = place_on_device(self.cfg, self.accelerator, data)
@@ -434,6 +446,8 @@ class TrainingRun:
         """After each optimizer step: log, progress, checkpoint, stop (the evaluator says whether to evaluate)."""
         c, cfg = self.ckpt, self.cfg
         c.step_done()
+        if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
+            self.summary.first_step_at = time.time()
         self.profiler.step()
         log_now = c.global_step % cfg.log_every == 0 or c.done
         checkpoint_now = c.due()
@@ -446,6 +460,8 @@ class TrainingRun:
             self._log_window()
         if self.checks.stopping:
             path = self._save()
+            if self.stop.error is not None:  # this process's data check failed (other ranks stop as preempted)
+                raise self.stop.error
             raise Preempted(f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
                             f"{c.global_step}: checkpoint written to {path}. Rerun the same command with "
                             f"--output-dir {self.dir.path} --resume-from latest to continue.")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,6 +108,8 @@ class ImageData:
     # that made the data says, so every recipe gets its loaders from run.loader(...) alike
     make_loader: Callable | None = None
     on_device: bool = False  # the decoded images were placed on the accelerator (common.data.place_on_device)
+    check: object | None = None  # photos still being checked while training runs (common.photo_check.PhotoCheck)
+    listing: dict | None = field(default=None, repr=False)  # files_listing, made once
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -137,7 +139,9 @@ def files_listing(data: "ImageData") -> dict | None:
     modification time are the identity a copy with ``cp -p`` or ``rsync -a`` keeps (the change time is not)."""
     if data.train.provenance is None:
         return None
-    return {k: [list(f) for f in s.row_files()] for k, s in (("train", data.train), ("val", data.val)) if s is not None}
+    if data.listing is None:  # once per data: a million rows take a second (checkpoints and the model card ask)
+        data.listing = {k: s.row_files() for k, s in (("train", data.train), ("val", data.val)) if s is not None}
+    return data.listing  # rows are tuples: json writes them as the lists it reads back
 
 
 def files_fingerprint(data: "ImageData") -> str | None:
@@ -169,7 +173,7 @@ def files_changed(recorded: dict, data: "ImageData", shown: int = 5) -> str:
     for split in ("train", "val"):
         old, new = recorded.get(split) or [], now.get(split) or []
         for i in range(max(len(old), len(new))):
-            a, b = (old[i] if i < len(old) else None), (new[i] if i < len(new) else None)
+            a, b = (old[i] if i < len(old) else None), (list(new[i]) if i < len(new) else None)
             if a == b:
                 continue
             if a and b and a[0] == b[0]:

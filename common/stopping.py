@@ -43,7 +43,7 @@ def launched_by_a_launcher(parent: int) -> bool:
 
 class StopFlag:
     def __init__(self, watch_parent: bool = True):
-        self.reason, self.phase = "", None
+        self.reason, self.phase, self.error, self.checks = "", None, None, []
         self._previous = {}
         for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is signal.SIG_IGN:  # `nohup` ignores HUP: a logout must not stop the run
@@ -57,7 +57,16 @@ class StopFlag:
             threading.Thread(target=self._watch_parent, name="launcher-watch", daemon=True).start()
 
     def __bool__(self) -> bool:
+        for check in self.checks:  # read once per optimizer step: a non-blocking look at a pipe
+            error = check.poll()
+            if error is not None:
+                self.fail(error)
         return bool(self.reason)
+
+    def watch(self, check) -> None:
+        """Ask ``check.poll()`` (a data check running beside training) at every look at the flag; an error it
+        returns stops the run (``fail``)."""
+        self.checks.append(check)
 
     def _on_signal(self, signum, frame) -> None:
         if self.reason and signum == signal.SIGINT:  # a second Ctrl-C: stop now, without the checkpoint
@@ -66,9 +75,17 @@ class StopFlag:
         if self.phase:  # nothing to checkpoint in this phase: stop at once
             self._raise()
 
+    def fail(self, error) -> None:
+        """Stop at the next optimizer step every rank agrees on, and end there with ``error`` (a
+        RecipeError: damaged photos found by the check running beside training) instead of "preempted"."""
+        self.error = self.error or error
+        self.reason = self.reason or "a failed data check"
+
     def _raise(self) -> None:
         from common.errors import Preempted
 
+        if self.error is not None:
+            raise self.error
         phase, self.phase = self.phase, None
         raise Preempted(f"stopped by {self.reason} while {phase}; no training was lost (nothing had trained since "
                         "the last checkpoint). Rerun the same command (with --resume-from latest once the run has "

@@ -48,7 +48,7 @@ class Summary:
         self.t_start = time.time() if t_start is None else t_start
         # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
         self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
-        self.train_start, self.path = None, None
+        self.train_start, self.first_step_at, self.path = None, None, None
 
     def write(self, status: str, values: dict, extra: dict | None = None) -> dict:
         """``values``: best ({monitor: value}), epochs_completed, global_step, skipped_steps; ``extra``: final,
@@ -57,7 +57,8 @@ class Summary:
         summary = {
             "recipe": self.recipe, "status": status, "start_id": self.start_id, "final": {}, **values,
             "wall_time_s": round(now - self.t_start, 2),
-            "timing": {"train_start": self.train_start, "train_s": round(now - (self.train_start or now), 2),
+            "timing": {"train_start": self.train_start, "first_step_at": self.first_step_at,
+                       "train_s": round(now - (self.train_start or now), 2),
                        "compile_s": 0.0},
             "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
             "versions": {"python": platform.python_version(), "torch": torch.__version__,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -73,8 +72,9 @@ class Config(CommonConfig):
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
     cache_dir: str = knob("", "where the record that a folder's photos were all readable is kept, so a rerun skips "
                           "that check ('' = ~/.cache/accelerate-recipes)")
-    # settings every recipe has that this one does not read: left out of --help, refused when given
-    not_read: ClassVar[dict[str, str]] = {
+    # settings every recipe has that this one does not read: left out of --help, refused when given (a plain class
+    # attribute, as lr_rule: not a setting)
+    not_read = {
         "channels": "photos are decoded per batch on the host, always as RGB",
         "data_on_device": "photos are decoded per batch on the host and never kept decoded"}
 

@@ -250,7 +250,7 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
                                  "--workers", 1, "--output-dir", tmp_path / "run"], env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert victim.name in paragraph and "Put the original file back" in paragraph and "DataLoader worker" in paragraph
+    assert victim.name in paragraph and "put the original back and resume" in paragraph and "DataLoader worker" in paragraph
     assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # epoch 1's end, before the worker met it
 
 
