@@ -152,9 +152,10 @@ class PhotoDataset(torch.utils.data.Dataset):
 
 
 def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageData:
-    """An image folder (``common.folders`` rules) as PhotoSplits at ``cfg.image_size``; validation held out of
-    train (``--val-fraction``, seeded) when the folder has no validation split. The folder is scanned once per node
-    (``node_shared``) and its photos checked once per state of its files (``common.photo_check``)."""
+    """An image folder (``common.folders`` rules), or a table dataset (``common.photo_tables``: a Hugging Face image
+    dataset, parquet files), as PhotoSplits at ``cfg.image_size``; validation held out of train (``--val-fraction``,
+    seeded) when there is no validation split. A folder is scanned once per node (``node_shared``); the photos are
+    checked once per state of their files (``common.photo_check``)."""
     from accelerate import PartialState
 
     from common import folders, photo_check, sources
@@ -162,31 +163,38 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
     from common.splits import hold_out
 
     name = cfg.dataset or default_dataset
-    path = sources.local_folder(name) if name else None
+    if not name:
+        raise DataError("No --dataset given. Pass a folder of photos (<dir>/<class>/<image>, optionally under train/ "
+                        "val/ test/), a folder of parquet files, or a Hugging Face image dataset id (e.g. beans).")
+    path = sources.local_folder(name)
     scan = node_shared(lambda: folders.scan(path, name)) if path is not None else None
-    if scan is None or scan.tables:
-        raise DataError(f"--dataset {name!r} is not a folder of images. This recipe fine-tunes on a folder of photos "
-                        "(<dir>/<class>/<image>, optionally under train/ val/ test/); for a Hub dataset or parquet "
-                        "files use recipes/cifar_cnn.py.")
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    splits, checks = {}, []
-    for split_name, fs in scan.splits.items():
-        prefix = os.path.join(str(fs.base), "")
-        split = PhotoSplit([prefix + f for f in fs.files], torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
-        split.provenance = fs.provenance()
-        splits[split_name] = split
-        # a marker in the cache folder says these very files (the fingerprint: every file's size and times) were
-        # decoded whole once
-        checks.append((split, cache_dir / f"photos-checked-{fs.fingerprint}", f"the {split_name} split of {name}"))
+    splits, checks, identity = {}, [], ""
+    if scan is None or scan.tables:  # a Hub id, or a folder of parquet/arrow files: read through `datasets`
+        from common.photo_tables import load_table_photos
+
+        splits, class_names, identity = load_table_photos(cfg, name, cache_dir)
+        checks = [(split, cache_dir / f"photos-checked-{identity}-{k}", split.where) for k, split in splits.items()]
+    else:
+        class_names = scan.class_names
+        for split_name, fs in scan.splits.items():
+            prefix = os.path.join(str(fs.base), "")
+            split = PhotoSplit([prefix + f for f in fs.files], torch.tensor(fs.labels, dtype=torch.int64),
+                               cfg.image_size)
+            split.provenance = fs.provenance()
+            splits[split_name] = split
+            # a marker in the cache folder says these very files (the fingerprint: every file's size and times)
+            # were decoded whole once
+            checks.append((split, cache_dir / f"photos-checked-{fs.fingerprint}", f"the {split_name} split of {name}"))
     check = photo_check.check_splits(checks, resize_side(cfg.image_size)) if PartialState().is_local_main_process \
         else None
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
-    notes = [scan.skipped_line()] + ([f"its {check.total:,} photos are checked while training runs (a damaged one "
-                                      "stops the run at the next step)"] if check else [])
-    return ImageData(train, val, splits.get("test"), scan.class_names, name, "; ".join(n for n in notes if n),
-                     make_loader=photo_loader, check=check)
+    notes = [scan.skipped_line() if scan and not scan.tables else ""] + ([f"its {check.total:,} photos are checked while training runs "
+                                                      "(a damaged one stops the run at the next step)"] if check else [])
+    return ImageData(train, val, splits.get("test"), class_names, name, "; ".join(n for n in notes if n),
+                     make_loader=photo_loader, check=check, identity=identity)
 
 
 def node_shared(compute):

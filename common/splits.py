@@ -110,6 +110,7 @@ class ImageData:
     on_device: bool = False  # the decoded images were placed on the accelerator (common.data.place_on_device)
     check: object | None = None  # photos still being checked while training runs (common.photo_check.PhotoCheck)
     listing: dict | None = field(default=None, repr=False)  # files_listing, made once
+    identity: str = ""  # a table dataset's files (size and times) or Hub fingerprint: in data_fingerprint
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -124,6 +125,8 @@ def data_fingerprint(data: "ImageData") -> str:
     """A short hash of what training and validation see: the class names, the image shape, and each split's
     labels and held-out positions. A checkpoint records it; a resume on other data is refused."""
     h = hashlib.sha256(json.dumps([list(data.class_names), list(data.shape)]).encode())
+    if data.identity:  # photos read from tables: their encoded bytes changed, the fingerprint changes
+        h.update(data.identity.encode())
     for split in (data.train, data.val):
         if split is not None:
             h.update(len(split).to_bytes(8, "little"))
