@@ -1,4 +1,5 @@
-"""Fine-tune (or train from scratch) a torchvision model on a folder of your own photos, on 1 to N devices.
+"""Fine-tune (or train from scratch) a torchvision model on a folder of your own photos, or a Hugging Face image
+dataset, on 1 to N devices.
 
 Photos of any size and mode are read from their files per batch in DataLoader workers (common.photos): random
 resized crops and flips for training; for evaluation and predict the shorter side is resized and the centre
@@ -11,6 +12,7 @@ Measured (README): ResNet-18 from scratch on 3,457 flower photos, 16 epochs at 1
 
     accelerate launch recipes/finetune_folder.py --dataset ~/photos                     # ResNet-18 from scratch
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --weights DEFAULT   # pretrained (downloads)
+    accelerate launch recipes/finetune_folder.py --dataset beans        # a Hub image dataset (or its clone, parquet)
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --model resnet50 --weights ~/resnet50.pth
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/finetune_folder.py \\
         --dataset ~/photos --workers 8 --output-dir runs/photos --resume-from latest
@@ -44,7 +46,8 @@ RECIPE = "finetune_folder"
 @dataclass
 class Config(CommonConfig):
     # --- yours to change: the defaults of a run ---
-    dataset: str = knob("", "a folder of photos: <dir>/<class>/<image>, optionally under train/ val/ test/ (README)")
+    dataset: str = knob("", "a folder of photos (<dir>/<class>/<image>, optionally under train/ val/ test/), or a "
+                        "Hugging Face image dataset: a Hub id, a local clone, parquet files (README)")
     model: str = knob("resnet18", "any torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, "
                       "mobilenet_v3_large, vit_b_16, ...)")
     weights: str = knob("", "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
