@@ -270,3 +270,33 @@ def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):
     (tmp_path / "IMAGENET1K_V1").write_bytes(b"")  # a file of that name is the file
     assert vision.weights_entry("resnet18", str(tmp_path / "IMAGENET1K_V1")) is None
     assert vision.weights_entry("resnet18", "my_resnet.pth") is None
+
+
+def test_a_large_folder_is_checked_beside_training_and_a_damaged_photo_stops_it_naming_all(tmp_path, env):
+    """Above ACCELERATE_RECIPES_CHECK_FIRST photos the full-decode check runs in a low-priority process while training
+    runs (the startup line says so): a first launch on a million photos no longer waits minutes for it. A damaged photo
+    it finds, or that training meets first, ends the run in one paragraph naming every damaged photo of the folder;
+    a clean folder's check leaves its marker, so the next launch skips it; no checker process outlives the run."""
+    import psutil
+
+    env = {**env, "ACCELERATE_RECIPES_CHECK_FIRST": "5"}
+    root = write_photo_folder(tmp_path / "d", 8)
+    cut = [sorted((root / c).glob("*.jpg"))[-1] for c in ("bee", "wasp")]
+    for victim in cut:
+        victim.write_bytes(victim.read_bytes()[:200])
+    proc = run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--batch-size", 8, "--epochs", 3,
+                                              "--output-dir", tmp_path / "run", "--cache-dir", tmp_path / "cache"], env)
+    assert "its 24 photos are checked while training runs" in proc.stdout
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "2 of the 24 images in the train split" in paragraph and all(v.name in paragraph for v in cut), paragraph
+    assert not [p for p in psutil.Process().children(recursive=True) if p.name() == "photo-check"
+                or "photo-check" in " ".join(p.cmdline())]
+    clean = write_photo_folder(tmp_path / "clean", 8)
+    proc = run_in_process("finetune_folder", ["--dataset", clean, "--image-size", 32, "--batch-size", 8, "--epochs", 2,
+                                              "--output-dir", tmp_path / "run2", "--cache-dir", tmp_path / "cache"], env)
+    assert proc.returncode == 0 and "checked while training runs" in proc.stdout, proc.stderr[-3000:]
+    assert list((tmp_path / "cache").glob("photos-checked-*"))
+    proc = run_in_process("finetune_folder", ["--dataset", clean, "--image-size", 32, "--batch-size", 8, "--epochs", 1,
+                                              "--output-dir", tmp_path / "run3", "--cache-dir", tmp_path / "cache"], env)
+    assert proc.returncode == 0 and "checked while training runs" not in proc.stdout
