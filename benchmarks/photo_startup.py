@@ -74,7 +74,9 @@ def launch(folder: Path, cache: Path, out: Path, log: Path) -> dict:
     if code != 0:
         bad_input(f"the recipe exited {code} on {folder}; its output is in {log}:\n{log.read_text()[-2000:]}")
     timing = json.loads((out / "summary.json").read_text())["timing"]
-    return {"first_step_s": round(timing["first_step_at"] - t0, 2), "wall_s": round(wall, 2),
+    # versions before timing.first_step_at recorded when the training loop began (train_start), a moment earlier
+    mark = "first_step_at" if timing.get("first_step_at") else "train_start"
+    return {"first_step_s": round(timing[mark] - t0, 2), "wall_s": round(wall, 2), "measured_to": mark,
             "peak_rss_mb": round(usage.ru_maxrss / 1024)}
 
 

@@ -68,6 +68,27 @@ def _launcher_args() -> list[str]:
     return args if any(a.endswith("accelerate") for a in args[:2]) and "launch" in args else []
 
 
+def _launcher_value(args: list[str], flag: str) -> str | None:
+    """The value of ``flag`` on the launcher's command line (``--flag V`` or ``--flag=V``), or None."""
+    for i, a in enumerate(args):
+        if a.split("=", 1)[0] == flag:
+            return a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def _config_processes(path: str | None):
+    """num_processes of the launcher's config file (``path``, else `accelerate config`'s default), or None."""
+    import yaml
+    from accelerate.commands.config import default_config_file
+
+    try:
+        with open(path or default_config_file) as f:
+            config = yaml.safe_load(f)  # `accelerate config` writes YAML, `accelerate config default` JSON
+    except (OSError, yaml.YAMLError):
+        return None
+    return config.get("num_processes") if isinstance(config, dict) else None
+
+
 def idle_cores_note(cpu: bool) -> str:
     """On a machine without a GPU, a launch that leaves CPU cores idle, with what to run instead ('' otherwise):
     `accelerate launch --num_processes N` starts one process there, and `accelerate launch` sets OMP_NUM_THREADS=1,
@@ -77,11 +98,13 @@ def idle_cores_note(cpu: bool) -> str:
     args = _launcher_args()
     if not args:
         return ""
-    asked = next((a.split("=", 1)[1] if "=" in a else args[i + 1] for i, a in enumerate(args[:-1])
-                  if a.split("=", 1)[0] == "--num_processes"), "1")
+    asked, source = _launcher_value(args, "--num_processes"), "--num_processes {}"
+    if asked is None:  # the launcher's config file (--config_file, else the one `accelerate config` wrote)
+        asked, source = _config_processes(_launcher_value(args, "--config_file")), "a config file with num_processes: {}"
+    asked = str(asked or "1")
     cores = len(os.sched_getaffinity(0))
     if asked.isdigit() and int(asked) > 1:
-        return (f"`accelerate launch --num_processes {asked}` starts one process on a machine without a GPU: this "
+        return (f"`accelerate launch` with {source.format(asked)} starts one process on a machine without a GPU: this "
                 f"run has 1 process at {torch.get_num_threads()} thread(s). For {asked} CPU processes run "
                 f"`accelerate launch --config_file {CPU_2PROC_CONFIG} ...` (gloo)")
     if torch.get_num_threads() < cores and os.environ.get("OMP_NUM_THREADS") == "1":

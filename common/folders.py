@@ -80,6 +80,11 @@ class FolderSplit:
     @property
     def fingerprint(self) -> str:
         """A hash of the split's folder, name, and every file's path, class, size and times."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = self._hash()
+        return self._fingerprint
+
+    def _hash(self) -> str:
         import numpy as np
 
         h = hashlib.sha256(json.dumps([str(self.base.resolve()), self.name, len(self.files)]).encode())
@@ -96,6 +101,8 @@ class FolderScan:
     splits: dict[str, FolderSplit]
     skipped: Counter = field(default_factory=Counter)
     tables: bool = False  # the folder holds parquet or arrow files: a dataset repository, read by `datasets`
+    dirs: list = field(default_factory=list)  # every folder walked, [path, dev, ino, mtime_ns, ctime_ns]
+    kept: bool = False  # read back from the cache folder (common.scan_cache), not walked now
 
     def skipped_line(self) -> str:
         """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""
@@ -141,7 +148,8 @@ def images_below(top: Path, endings: set[str] | None = None, skipped: Counter | 
     return [path for path, _ in _walk_images(top, endings, skipped, stat=False)]
 
 
-def _walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, stat: bool = True) -> list:
+def _walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, stat: bool = True,
+                 dirs: list | None = None) -> list:
     """(path, (st_dev, st_ino, size, mtime_ns, ctime_ns, linked) or None) of every image below ``top``, sorted by
     path: one stat per file (None for a dangling link: the decode names it among the unreadable files); ``linked``:
     reached through a link, or one of several hard links to its file."""
@@ -164,6 +172,8 @@ def _walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, s
         if (st.st_dev, st.st_ino) in visited:  # a second link to a folder already walked: once
             continue
         visited.add((st.st_dev, st.st_ino))
+        if dirs is not None:
+            dirs.append(_dir_state(dirpath, st))
         below = []
         for e in entries:
             name = e.name
@@ -194,6 +204,12 @@ def _walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, s
         # through links is walked where it comes first)
     found.sort(key=lambda item: item[0])
     return found
+
+
+def _dir_state(path, st=None) -> list:
+    """[path, st_dev, st_ino, mtime_ns, ctime_ns] of a folder: an entry added, removed or renamed in it changes it."""
+    st = os.stat(path) if st is None else st
+    return [str(path), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def _entries(folder: Path, endings: set[str], skipped: Counter):
@@ -296,6 +312,7 @@ def scan(root: Path, name: str) -> FolderScan:
     root = Path(root)
     endings, skipped = image_endings(), Counter()
     top_dirs, top_loose = _entries(root, endings, skipped)
+    walked = [_dir_state(root)]
     if not top_dirs and top_loose:
         meta = [m for m in METADATA_FILES if (root / m).is_file()]
         raise DataError(
@@ -309,6 +326,7 @@ def scan(root: Path, name: str) -> FolderScan:
     for split, split_root in roots.items():
         if split_root != root:
             class_dirs, loose = _entries(split_root, endings, skipped)
+            walked.append(_dir_state(split_root))
         else:
             class_dirs, loose = top_dirs, top_loose
         if loose:
@@ -318,7 +336,7 @@ def scan(root: Path, name: str) -> FolderScan:
         classes: dict[str, list[str]] = {}
         for d in class_dirs:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
-                _walk_images(split_root / d, endings, skipped))
+                _walk_images(split_root / d, endings, skipped, dirs=walked))
         found[split] = classes
     if any(ending in TABLE_ENDINGS for ending in skipped):
         return FolderScan(root, [], {}, skipped, tables=True)
@@ -361,4 +379,4 @@ def scan(root: Path, name: str) -> FolderScan:
         relative, missing = _relative_to(root), (-1, -1, -1)
         splits[split] = FolderSplit(split, root, [relative(p) for (p, _), _ in files], [k for _, k in files],
                                     [st[2:5] if st else missing for (_, st), _ in files])
-    return FolderScan(root, class_names, splits, skipped)
+    return FolderScan(root, class_names, splits, skipped, dirs=walked)

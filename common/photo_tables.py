@@ -16,7 +16,6 @@ import hashlib
 import io
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from common.errors import DataError
@@ -32,7 +31,7 @@ class TablePhotoSplit(PhotoSplit):
     def __init__(self, table, labels: torch.Tensor, image_size: int, index: torch.Tensor | None = None,
                  where: str = "", note: str = ""):
         self.table, self.where = table, where
-        self.files = np.array([], dtype=str)  # no files: the rows are the table's
+        self.files = None  # no files: the rows are the table's
         self.source_labels, self.image_size, self.note = labels, image_size, note
         self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
 

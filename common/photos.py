@@ -70,12 +70,30 @@ def eval_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
     return TF.center_crop(image, [image_size, image_size])
 
 
+class Paths:
+    """Many file paths as one UTF-8 buffer and offsets: no Python object per path (a loader worker copies no
+    reference counts), and a quarter of the memory of a numpy string array. ``prefix`` + the i-th name is a path."""
+
+    def __init__(self, prefix: str, names: list[str]):
+        blob = "\0".join(names).encode("utf-8", "surrogateescape")
+        self.prefix, self.blob = prefix, np.frombuffer(blob, dtype=np.uint8)
+        ends = np.flatnonzero(self.blob == 0)  # a path holds no NUL
+        self.starts = np.concatenate([[0], ends + 1]).astype(np.int64) if names else np.zeros(0, np.int64)
+        self.ends = np.concatenate([ends, [len(blob)]]).astype(np.int64) if names else np.zeros(0, np.int64)
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> str:
+        return self.prefix + self.blob[self.starts[i]:self.ends[i]].tobytes().decode("utf-8", "surrogateescape")
+
+
 class PhotoSplit(Rows):
     """The files and labels of one split, with the interface of ``common.splits.ImageSplit`` that the run needs
     (length, labels and ``select`` for the hold-out from ``Rows``; ``images_at`` for the misclassified-image grid)."""
 
     def __init__(self, files, labels: torch.Tensor, image_size: int, index: torch.Tensor | None = None, note=""):
-        self.files = files if isinstance(files, np.ndarray) else np.array(files)  # no per-item refcounts in workers
+        self.files = files if isinstance(files, Paths) else Paths("", list(files))  # one buffer, not N strings
         self.source_labels, self.image_size, self.note = labels, image_size, note
         self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
 
@@ -158,7 +176,7 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
     checked once per state of their files (``common.photo_check``)."""
     from accelerate import PartialState
 
-    from common import folders, photo_check, sources
+    from common import folders, photo_check, scan_cache, sources
     from common.cache import default_cache_dir
     from common.splits import hold_out
 
@@ -167,8 +185,21 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
         raise DataError("No --dataset given. Pass a folder of photos (<dir>/<class>/<image>, optionally under train/ "
                         "val/ test/), a folder of parquet files, or a Hugging Face image dataset id (e.g. beans).")
     path = sources.local_folder(name)
-    scan = node_shared(lambda: folders.scan(path, name)) if path is not None else None
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    fresh = not (cfg.resume_from or cfg.eval_only)  # a resume and --eval-only compare the files: they walk
+
+    def walk():
+        kept = scan_cache.read(cache_dir, path) if fresh else None
+        if kept is not None:
+            return kept
+        scan = folders.scan(path, name)
+        if not scan.tables:
+            scan_cache.write(cache_dir, scan)
+        return scan
+
+    scan = node_shared(walk) if path is not None else None
+    local_main = PartialState().is_local_main_process
+    verify = scan_cache.Verify(cache_dir, scan, name) if scan is not None and scan.kept and local_main else None
     splits, checks, identity = {}, [], ""
     if scan is None or scan.tables:  # a Hub id, or a folder of parquet/arrow files: read through `datasets`
         from common.photo_tables import load_table_photos
@@ -179,22 +210,20 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
         class_names = scan.class_names
         for split_name, fs in scan.splits.items():
             prefix = os.path.join(str(fs.base), "")
-            split = PhotoSplit([prefix + f for f in fs.files], torch.tensor(fs.labels, dtype=torch.int64),
-                               cfg.image_size)
+            split = PhotoSplit(Paths(prefix, fs.files), torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
             split.provenance = fs.provenance()
             splits[split_name] = split
             # a marker in the cache folder says these very files (the fingerprint: every file's size and times)
             # were decoded whole once
             checks.append((split, cache_dir / f"photos-checked-{fs.fingerprint}", f"the {split_name} split of {name}"))
-    check = photo_check.check_splits(checks, resize_side(cfg.image_size)) if PartialState().is_local_main_process \
-        else None
+    check = photo_check.check_splits(checks, resize_side(cfg.image_size)) if local_main else None
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
     notes = [scan.skipped_line() if scan and not scan.tables else ""] + ([f"its {check.total:,} photos are checked while training runs "
                                                       "(a damaged one stops the run at the next step)"] if check else [])
     return ImageData(train, val, splits.get("test"), class_names, name, "; ".join(n for n in notes if n),
-                     make_loader=photo_loader, check=check, identity=identity)
+                     make_loader=photo_loader, check=check, identity=identity, verify=verify)
 
 
 def node_shared(compute):

@@ -239,8 +239,9 @@ class TrainingRun:
         self.stop.interruptible("reading the data")
         data = reader(self.cfg, self.cfg.dataset, self.accelerator.is_main_process)
         self.stop.interruptible(None)
-        if data.check is not None:  # photos checked while training runs: damaged ones stop it at a step boundary
-            self.stop.watch(data.check)
+        for check in (data.check, data.verify):  # checks beside training: a failed one stops it at a step boundary
+            if check is not None:
+                self.stop.watch(check)
         if data.note:
             say(f"data {data.source}: {data.note}")
         placed = place_on_device(self.cfg, self.accelerator, data)

@@ -110,7 +110,9 @@ class ImageData:
     on_device: bool = False  # the decoded images were placed on the accelerator (common.data.place_on_device)
     check: object | None = None  # photos still being checked while training runs (common.photo_check.PhotoCheck)
     listing: dict | None = field(default=None, repr=False)  # files_listing, made once
+    listing_json: str | None = field(default=None, repr=False)  # ... and its JSON
     identity: str = ""  # a table dataset's files (size and times) or Hub fingerprint: in data_fingerprint
+    verify: object | None = None  # a kept folder scan checked beside training (common.scan_cache.Verify)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -147,13 +149,17 @@ def files_listing(data: "ImageData") -> dict | None:
     return data.listing  # rows are tuples: json writes them as the lists it reads back
 
 
+def files_listing_json(data: "ImageData") -> str | None:
+    """``files_listing`` as the JSON a run records (``DATA_FILES``), made once per data."""
+    if data.listing_json is None and files_listing(data) is not None:
+        data.listing_json = json.dumps(data.listing)
+    return data.listing_json
+
+
 def files_fingerprint(data: "ImageData") -> str | None:
     """A short hash of ``files_listing``: a renamed, swapped or replaced file changes it."""
-    return listing_fingerprint(files_listing(data))
-
-
-def listing_fingerprint(listing: dict | None) -> str | None:
-    return None if listing is None else hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+    text = files_listing_json(data)
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 DATA_FILES = "data_files.json"  # a run's files_listing, in its run directory

@@ -304,21 +304,45 @@ def test_step_guard_never_logs_a_nonfinite_loss_as_zero():
     assert (flags.step, flags.nonfinite, flags.stop) == (2, False, False)  # sums start again per step
 
 
+CONFIG_OF_ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: 'NO'
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+use_cpu: true
+"""
+
+
 @pytest.mark.parametrize("launch_args,needle", [
-    (["--num_processes", "2"], "`accelerate launch --num_processes 2` starts one process on a machine without a GPU"),
+    (["--num_processes", "2"], "`accelerate launch` with --num_processes 2 starts one process on a machine without a GPU"),
     ([], "this process trains on 1 of the"),
+    (["--config_file", "{home}/my_config.yaml"],
+     "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a GPU"),
+    (["default config"],
+     "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a GPU"),
 ])
 def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needle, tmp_path, mnist_like):
-    """Without a GPU, `accelerate launch --num_processes 2` starts one process and plain `accelerate launch` sets
-    OMP_NUM_THREADS=1: either trained on one core of two, unsaid. The startup line now says what to run instead.
-    (Through the real launcher, without a config file, as a user who never ran `accelerate config` launches.)"""
+    """Without a GPU, `accelerate launch --num_processes 2` (or a config of `accelerate config` asking for 2 processes,
+    given with --config_file or found where `accelerate config` writes it) starts one process, and plain
+    `accelerate launch` sets OMP_NUM_THREADS=1: either trained on one core of two, unsaid. The startup line now says
+    what to run instead. (Through the real launcher.)"""
     from common.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
     from conftest import recipe_env
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: nothing is left idle")
     env = {k: v for k, v in recipe_env(tmp_path).items() if k != "OMP_NUM_THREADS"}
-    env["HOME"] = str(tmp_path / "home")  # no `accelerate config` default config
+    home = tmp_path / "home"
+    env["HOME"] = str(home)  # no `accelerate config` default config, unless this case writes one
+    env.pop("HF_HOME", None)
+    if launch_args == ["default config"]:
+        launch_args = []
+        (home / ".cache" / "huggingface" / "accelerate").mkdir(parents=True)
+        (home / ".cache" / "huggingface" / "accelerate" / "default_config.yaml").write_text(CONFIG_OF_ACCELERATE_CONFIG)
+    elif launch_args[:1] == ["--config_file"]:
+        home.mkdir()
+        (home / "my_config.yaml").write_text(CONFIG_OF_ACCELERATE_CONFIG)
+        launch_args = ["--config_file", str(home / "my_config.yaml")]
     proc = subprocess.run([ACCELERATE, "launch", *launch_args, "--main_process_port", str(free_port()),
                            str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), "--hidden",
                            "8", "--max-steps", "1", "--batch-size", "32", "--output-dir", str(tmp_path / "run")],
