@@ -216,7 +216,13 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
             # a marker in the cache folder says these very files (the fingerprint: every file's size and times)
             # were decoded whole once
             checks.append((split, cache_dir / f"photos-checked-{fs.fingerprint}", f"the {split_name} split of {name}"))
-    check = photo_check.check_splits(checks, resize_side(cfg.image_size)) if local_main else None
+    held = {}  # the local main process's running check, when it runs beside training
+
+    def check_first():  # a DataError of the check made before training reaches the node's other processes too
+        held["check"] = photo_check.check_splits(checks, resize_side(cfg.image_size))
+
+    node_shared(check_first)
+    check = held.get("check")
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
@@ -224,6 +230,9 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
                                                       "(a damaged one stops the run at the next step)"] if check else [])
     return ImageData(train, val, splits.get("test"), class_names, name, "; ".join(n for n in notes if n),
                      make_loader=photo_loader, check=check, identity=identity, verify=verify)
+
+
+_NODE_GROUPS: dict = {}
 
 
 def node_shared(compute):
@@ -237,7 +246,9 @@ def node_shared(compute):
         return compute()
     import torch.distributed as dist
 
-    group, _ = dist.new_subgroups(group_size=local, backend="gloo")  # every rank makes every node's group
+    if _NODE_GROUPS.get("world") is not dist.group.WORLD:  # made once per process group: every rank makes them all
+        _NODE_GROUPS.update(world=dist.group.WORLD, group=dist.new_subgroups(group_size=local, backend="gloo")[0])
+    group = _NODE_GROUPS["group"]
     box = [None]
     if state.is_local_main_process:
         try:

@@ -136,18 +136,25 @@ def error_paragraphs(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "error: " in line and not line.startswith(" ")]
 
 
-@pytest.mark.parametrize("case", ["flag", "data"])
+@pytest.mark.parametrize("case", ["flag", "data", "photo"])
 def test_bad_input_on_two_processes_is_said_once(tmp_path, env, case):
-    """The same bad input stops both processes; the job says it once (the main process), not once per rank."""
+    """The same bad input stops both processes; the job says it once (the main process), not once per rank. A
+    damaged photo: the node's photo check (one process) hands its verdict to the other, which would otherwise meet
+    the photo itself and say it its own way."""
     from conftest import launch
 
     root = tmp_path / "d"
     write_image_folder(root / "train", n_per_class=4, classes=("cat", "dog"))
-    write_image_folder(root / "test", n_per_class=2, classes=("cat", "dog", "horse"))
+    if case == "photo":
+        sorted((root / "train" / "dog").glob("*.png"))[0].write_bytes(b"\x89PNG\r\n\x1a\n cut short")
+    else:
+        write_image_folder(root / "test", n_per_class=2, classes=("cat", "dog", "horse"))
     args = ["--dataset", root, "--output-dir", tmp_path / "r"] + (["--epochs", "0"] if case == "flag" else [])
-    proc = launch("fashion_mnist_mlp", args, env, nproc=2)
+    args += ["--image-size", "32", "--workers", "0"] if case == "photo" else []
+    proc = launch("finetune_folder" if case == "photo" else "fashion_mnist_mlp", args, env, nproc=2)
     said = error_paragraphs(proc.stderr)
-    needle = "--epochs must be at least 1" if case == "flag" else "which train does not have"
+    needle = {"flag": "--epochs must be at least 1", "data": "which train does not have",
+              "photo": "1 of the 8 images in the train split"}[case]
     # the launcher adds its own traceback (torchrun's ChildFailedError); none comes from the recipe's processes
     frames = [line for line in proc.stderr.splitlines() if line.strip().startswith('File "')]
     assert proc.returncode != 0 and not [f for f in frames if "/common/" in f or "/recipes/" in f], proc.stderr[-3000:]
