@@ -100,7 +100,8 @@ def idle_cores_note(cpu: bool) -> str:
         return ""
     asked, source = _launcher_value(args, "--num_processes"), "--num_processes {}"
     if asked is None:  # the launcher's config file (--config_file, else the one `accelerate config` wrote)
-        asked, source = _config_processes(_launcher_value(args, "--config_file")), "a config file with num_processes: {}"
+        asked = _config_processes(_launcher_value(args, "--config_file"))
+        source = "a config file with num_processes: {}"
     asked = str(asked or "1")
     cores = len(os.sched_getaffinity(0))
     if asked.isdigit() and int(asked) > 1:

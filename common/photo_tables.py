@@ -71,8 +71,9 @@ def _labels(split, lab_col: str, class_names: list[str], str_map, what: str) -> 
         indices = values
     if outside:
         raise DataError(f"{what} has the label(s) {', '.join(map(repr, outside[:5]))} outside the {len(class_names)} "
-                        f"classes found in train ({', '.join(class_names[:10])}{', ...' if len(class_names) > 10 else ''})"
-                        ". Make every split use the training classes, or fix the label column.")
+                        f"classes found in train ({', '.join(class_names[:10])}"
+                        f"{', ...' if len(class_names) > 10 else ''}). Make every split use the training classes, or "
+                        "fix the label column.")
     return torch.tensor(indices, dtype=torch.int64)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.errors import DataError
+from common.errors import DataError, UnreadablePhoto
 from common.splits import ImageData, Rows
 
 EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
@@ -121,11 +121,12 @@ class PhotoSplit(Rows):
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
             from common.pixels import unreadable_reason
 
-            raise DataError(f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged "
-                            "from the start, remove or replace it (the run's photo check names every damaged photo "
-                            "of the folder) and start again; if it changed while the run went on, put the original "
-                            "back and resume (--resume-from latest): a resume refuses a folder whose files changed, "
-                            "as the held-out split would no longer be the run's.") from None
+            raise UnreadablePhoto(
+                f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged from the "
+                "start, remove or replace it (the run's photo check names every damaged photo of the folder) and start again; "
+                "if it changed while the run went on, put the original back and resume (--resume-from latest): a "
+                "resume refuses a folder whose files changed, as the held-out split would no longer be the run's.") \
+                from None
 
     def with_index(self, index: torch.Tensor) -> "PhotoSplit":
         return PhotoSplit(self.files, self.source_labels, self.image_size, index, self.note)
@@ -226,8 +227,10 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
-    notes = [scan.skipped_line() if scan and not scan.tables else ""] + ([f"its {check.total:,} photos are checked while training runs "
-                                                      "(a damaged one stops the run at the next step)"] if check else [])
+    notes = [scan.skipped_line() if scan and not scan.tables else ""]
+    if check is not None:
+        notes.append(f"its {check.total:,} photos are checked while training runs (a damaged one stops the run at the "
+                     "next step)")
     return ImageData(train, val, splits.get("test"), class_names, name, "; ".join(n for n in notes if n),
                      make_loader=photo_loader, check=check, identity=identity, verify=verify)
 

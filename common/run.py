@@ -74,7 +74,7 @@ from common.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
 from common.console import say
 from common.data import load_image_data, place_on_device
-from common.errors import EXIT_CODES, DataError, Preempted, RecipeError, Unfinished, report
+from common.errors import EXIT_CODES, Preempted, RecipeError, UnreadablePhoto, Unfinished, report
 from common.evalonly import EvalOnly
 from common.guard import StepChecks, unclipped_grad_norm
 from common.profiler import StepProfiler
@@ -169,7 +169,7 @@ class TrainingRun:
         """A damaged photo met before the photo check running beside training got to it: the check's own error,
         naming every damaged photo of the folder, once it has finished."""
         check = self.data.check if self.data is not None else None
-        if not isinstance(err, DataError) or check is None or check.done and check.error is None:
+        if not isinstance(err, UnreadablePhoto) or check is None or check.done and check.error is None:
             return err
         if not check.done:
             say(f"waiting for the photo check to name every damaged photo of the folder ({check.total:,} photos) ...")
