@@ -18,8 +18,7 @@ from common.console import say
 from common.errors import RecipeError
 from common.files import move_aside, write_atomic
 from common.schedule import lr_multiplier
-from common.splits import (DATA_FILES, data_fingerprint, files_fingerprint, files_listing, files_listing_json,
-                           recorded_files_changed)
+from common.splits import DATA_FILES, data_fingerprint, files_fingerprint, files_listing_json, recorded_files_changed
 
 
 class Checkpointer:
@@ -34,8 +33,7 @@ class Checkpointer:
         self.steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
         self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
         self.data, self.data_fingerprint = data, data_fingerprint(data)
-        self.files = files_listing(data)  # which file is at each row (None for a table dataset)
-        self.files_fingerprint = files_fingerprint(data)
+        self.files_fingerprint = files_fingerprint(data)  # which file is at each row (None for a table dataset)
         self.epoch = self.batch = self.start_batch = self.global_step = 0
         self.saved_step = None
 
@@ -94,8 +92,9 @@ class Checkpointer:
         if self.accelerator.is_main_process and (self.resume_path is None
                                                  or not (self.run_dir / "config.json").exists()):
             save_config(self.cfg, self.run_dir / "config.json")
-            if self.files is not None:  # recorded, so that a changed folder is named file by file
-                write_atomic(self.run_dir / DATA_FILES, files_listing_json(self.data))
+            listing = files_listing_json(self.data)  # recorded, so that a changed folder is named file by file
+            if listing is not None:
+                write_atomic(self.run_dir / DATA_FILES, listing)
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
         return state
 

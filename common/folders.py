@@ -246,10 +246,7 @@ def _refuse_shared_files(found: dict, name: str) -> None:
         for c, items in classes.items():
             kept = []
             for path, st in items:
-                if st is not None and st[:2] not in linked:
-                    kept.append((path, st))
-                    continue
-                if st is None:  # a dangling link: the decode names it among the unreadable files
+                if st is None or st[:2] not in linked:  # None: a dangling link, named among the unreadable files
                     kept.append((path, st))
                     continue
                 key = st[:2]

@@ -34,8 +34,41 @@ def checked_first() -> int:
                         f"training starts (default {CHECKED_FIRST}), or unset it.") from None
 
 
-def _check_rows(split, rows, side: int, conn) -> None:
-    """In a forked process: decode the photos at ``rows`` as training reads them; send [(source, reason), ...]."""
+class Forked:
+    """``target(*args)`` in a forked process (it inherits what it reads: nothing is pickled) at ``nice`` priority,
+    ended with this process; its return value read without a thread, by ``poll()``. The checks that run beside
+    training (this module's, ``common.scan_cache.Verify``) are made of these."""
+
+    def __init__(self, target, args: tuple, nice: int = 0, name: str = ""):
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._proc = context.Process(target=_answer, args=(nice, target, args, send), daemon=True, name=name)
+        self._proc.start()
+        send.close()
+        self.done, self.answer = False, None
+
+    def poll(self, block: bool = False) -> bool:
+        """True once it has ended; ``answer`` is then what it returned (None when it was killed first)."""
+        if not self.done and (block or self._receive.poll()):
+            try:
+                self.answer = self._receive.recv()
+            except (EOFError, OSError):  # killed: no answer
+                self.answer = None
+            self._receive.close()
+            self._proc.join()
+            self.done = True
+        return self.done
+
+
+def _answer(nice: int, target, args: tuple, conn) -> None:
+    if nice:
+        os.nice(nice)
+    conn.send(target(*args))
+    conn.close()
+
+
+def _check_rows(split, rows, side: int) -> list:
+    """In a forked process: decode the photos at ``rows`` as training reads them; [(source, reason), ...]."""
     import torch
 
     from common.photos import open_rgb
@@ -51,8 +84,7 @@ def _check_rows(split, rows, side: int, conn) -> None:
                 pass
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
             bad.append((split.file_at(i), unreadable_reason(err)))
-    conn.send(bad)
-    conn.close()
+    return bad
 
 
 class PhotoCheck:
@@ -69,34 +101,16 @@ class PhotoCheck:
 
     def start(self, processes: int, nice: int = 0) -> "PhotoCheck":
         """Fork ``processes`` checkers per split, each decoding a share of its rows."""
-        context = multiprocessing.get_context("fork")  # the splits are inherited, not pickled
         for split, marker, what in self.items:
-            rows, parts = range(len(split)), []
-            for k in range(processes):
-                receive, send = context.Pipe(duplex=False)
-                proc = context.Process(target=_niced, args=(nice, split, rows[k::processes], self.side, send),
-                                       daemon=True, name="photo-check")  # ended with this process
-                proc.start()
-                send.close()
-                parts.append([proc, receive, None])  # None: no verdict yet
+            rows = range(len(split))
+            parts = [Forked(_check_rows, (split, rows[k::processes], self.side), nice, "photo-check")
+                     for k in range(processes)]
             self._jobs.append((split, marker, what, parts))
         return self
 
     def poll(self, block: bool = False) -> DataError | None:
         """The error naming the damaged photos once the check has found them; None meanwhile, and when none is."""
-        if self.done:
-            return self.error
-        for _, _, _, parts in self._jobs:
-            for part in parts:
-                proc, receive, verdict = part
-                if verdict is None and (block or receive.poll()):
-                    try:
-                        part[2] = receive.recv()
-                    except (EOFError, OSError):  # the checker died (killed): no verdict, no marker
-                        part[2] = False
-                    receive.close()
-                    proc.join()
-        if all(part[2] is not None for _, _, _, parts in self._jobs for part in parts):
+        if not self.done and all(part.poll(block) for _, _, _, parts in self._jobs for part in parts):
             self._finish()
         return self.error
 
@@ -106,10 +120,10 @@ class PhotoCheck:
 
         errors = []
         for split, marker, what, parts in self._jobs:
-            bad = sorted(b for part in parts if part[2] for b in part[2])
+            bad = sorted(b for part in parts if part.answer for b in part.answer)
             if bad:
                 errors.append(unreadable_error(bad, len(split), what))
-            elif all(part[2] is not False for part in parts):
+            elif all(part.answer is not None for part in parts):  # a checker killed first: no verdict, no marker
                 with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next launch a check
                     Path(marker).parent.mkdir(parents=True, exist_ok=True)
                     write_atomic(Path(marker), "")
@@ -121,12 +135,6 @@ class PhotoCheck:
         """Until every photo is checked; raises the error naming the damaged ones."""
         if self.poll(block=True) is not None:
             raise self.error
-
-
-def _niced(nice: int, *args) -> None:
-    if nice:
-        os.nice(nice)
-    _check_rows(*args)
 
 
 def check_splits(items: list, side: int) -> PhotoCheck | None:

@@ -107,8 +107,8 @@ class PhotoSplit(Rows):
         return {"resize_shorter": resize_side(self.image_size), "center_crop": self.image_size}
 
     def file_at(self, position: int) -> str:
-        """Where the photo at ``position`` is, for messages."""
-        return str(self.files[self.source_row(position)])
+        """Where the photo at ``position`` is, for messages: its path."""
+        return self.source_at(position)
 
     def source_at(self, position: int):
         """What ``open_rgb`` opens for the photo at ``position``: its path."""
@@ -123,10 +123,10 @@ class PhotoSplit(Rows):
 
             raise UnreadablePhoto(
                 f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged from the "
-                "start, remove or replace it (the run's photo check names every damaged photo of the folder) and start again; "
-                "if it changed while the run went on, put the original back and resume (--resume-from latest): a "
-                "resume refuses a folder whose files changed, as the held-out split would no longer be the run's.") \
-                from None
+                "start, remove or replace it (the run's photo check names every damaged photo of the folder) and "
+                "start again; if it changed while the run went on, put the original back and resume (--resume-from "
+                "latest): a resume refuses a folder whose files changed, as the held-out split would no longer be the "
+                "run's.") from None
 
     def with_index(self, index: torch.Tensor) -> "PhotoSplit":
         return PhotoSplit(self.files, self.source_labels, self.image_size, index, self.note)

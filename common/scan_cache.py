@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import multiprocessing
 import os
 import uuid
 from collections import Counter
@@ -28,6 +27,7 @@ import numpy as np
 
 from common.errors import DataError
 from common.folders import FolderScan, FolderSplit
+from common.photo_check import Forked
 
 VERSION = 1
 
@@ -103,9 +103,8 @@ def drop(cache_dir: Path, root: Path) -> None:
     index.unlink(missing_ok=True)
 
 
-def _walk_again(root, name, kept: dict, conn) -> None:
-    """In a forked process: walk the folder and send '' when every split's files are those kept, else a file that
-    differs."""
+def _walk_again(root, name, kept: dict) -> str:
+    """In a forked process: walk the folder; '' when every split's files are those kept, else a file that differs."""
     from common import folders
 
     try:
@@ -121,8 +120,7 @@ def _walk_again(root, name, kept: dict, conn) -> None:
             diff = "its splits"
     except DataError as err:
         diff = str(err)
-    conn.send(diff)
-    conn.close()
+    return diff
 
 
 class Verify:
@@ -131,33 +129,15 @@ class Verify:
 
     def __init__(self, cache_dir: Path, scan: FolderScan, name: str):
         self.cache_dir, self.root, self.name = cache_dir, scan.root, name
-        self.error, self.done = None, False
-        context = multiprocessing.get_context("fork")
-        self._receive, send = context.Pipe(duplex=False)
-        self._proc = context.Process(target=_niced, args=(scan.root, name, scan.splits, send), daemon=True,
-                                     name="scan-verify")
-        self._proc.start()
-        send.close()
+        self.error = None
+        self._walk = Forked(_walk_again, (scan.root, name, scan.splits), nice=10, name="scan-verify")
 
     def poll(self, block: bool = False):
-        if self.done or not (block or self._receive.poll()):
-            return self.error
-        try:
-            diff = self._receive.recv()
-        except (EOFError, OSError):
-            diff = ""  # killed: no verdict
-        self._proc.join()
-        self.done = True
-        if diff:
+        if self.error is None and self._walk.poll(block) and self._walk.answer:  # '': same files; None: killed
             drop(self.cache_dir, self.root)  # the next launch walks the folder
             self.error = DataError(
-                f"The folder {self.name} changed since its scan was kept in the cache folder ({diff}: a photo "
-                "replaced in place under its own name leaves its folder's times as they were), so this run started "
-                "from a list of files that is not the folder's. The run stopped; start it again (a new --output-dir, "
-                "or remove this run's): the folder is walked afresh.")
+                f"The folder {self.name} changed since its scan was kept in the cache folder ({self._walk.answer}: a "
+                "photo replaced in place under its own name leaves its folder's times as they were), so this run "
+                "started from a list of files that is not the folder's. The run stopped; start it again (a new "
+                "--output-dir, or remove this run's): the folder is walked afresh.")
         return self.error
-
-
-def _niced(*args) -> None:
-    os.nice(10)
-    _walk_again(*args)
