@@ -141,32 +141,38 @@ class PhotoSplit(Rows):
 
 
 class PhotoDataset(torch.utils.data.Dataset):
-    """Per-image decoding and augmentation, run in the DataLoader's workers."""
+    """Per-image decoding and augmentation, run in the DataLoader's workers. ``sides``: progressive resizing, a
+    function of the epoch giving its training crop side; ``train_view`` is then a function of that side giving the
+    epoch's transform (else the transform itself, at the split's --image-size)."""
 
-    def __init__(self, split: PhotoSplit, seed: int, train_view=None):
-        self.split, self.seed, self.train_view, self.epoch = split, seed, train_view, 0
+    def __init__(self, split: PhotoSplit, seed: int, train_view=None, sides=None):
+        self.split, self.seed, self.views, self.sides = split, seed, train_view, sides
+        self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:  # called before each epoch's iterator (and its workers) starts
         self.epoch = epoch
+        self.side = self.sides(epoch) if self.sides else self.split.image_size
+        self.train_view = self.views(self.side) if self.sides and self.views else self.views
 
     def __len__(self):
         return len(self.split)
 
     def __getitem__(self, i):
         size = self.split.image_size
-        image = self.split.read(i, resize_side(size))
         if self.train_view is None:
-            return eval_view(image, size), self.split.label_at(i)
+            return eval_view(self.split.read(i, resize_side(size)), size), self.split.label_at(i)
+        image = self.split.read(i, resize_side(max(size, self.side)))
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
         # main process's own stream (dropout, the shuffle) is untouched when there are no workers
         with torch.random.fork_rng(devices=[]):
             torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
             image = self.train_view(image)
-        if image.shape != (3, size, size) or image.dtype != torch.uint8:
+        if image.shape != (3, self.side, self.side) or image.dtype != torch.uint8:
+            epoch = f" (epoch {self.epoch + 1}'s crop side)" if self.side != size else ""
             raise DataError(f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of "
-                            f"{self.split.file_at(i)}; the "
-                            f"loader hands out (3, {size}, {size}) uint8 images (--image-size {size}), normalised on "
-                            "the device. End train_view with a crop or resize to --image-size and keep uint8 pixels.")
+                            f"{self.split.file_at(i)}; the loader hands out (3, {self.side}, {self.side}) uint8 "
+                            f"images (--image-size {size}{epoch}), normalised on the device. End train_view with a "
+                            "crop or resize to that side and keep uint8 pixels.")
         return image, self.split.label_at(i)
 
 
@@ -265,11 +271,13 @@ def node_shared(compute):
 
 
 def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False, on_device: bool = False,
-                 train_view=None, drop_last: bool | None = None):
+                 train_view=None, sides=None, drop_last: bool | None = None):
     """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
     accumulation steps for training, --eval-batch-size over processes for evaluation. ``train_view``: the recipe's
     per-image training transform (uint8 (3, H, W) in, (3, --image-size, --image-size) out), required for training;
-    evaluation resizes the shorter side and centre-crops. ``on_device``: unused (photos are decoded on the host)."""
+    evaluation resizes the shorter side and centre-crops. ``sides``: progressive resizing (``PhotoDataset``): a
+    function of the epoch giving its crop side, ``train_view`` then a function of the side giving the transform.
+    ``on_device``: unused (photos are decoded on the host)."""
     from common.accelerator import loader_batch
 
     if split is None:
@@ -278,7 +286,7 @@ def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False
         raise TypeError("a training photo loader needs the recipe's train_view (its per-image augmentation)")
     n = accelerator.num_processes
     batch = loader_batch(cfg, n, train)
-    dataset = PhotoDataset(split, cfg.seed, train_view if train else None)
+    dataset = PhotoDataset(split, cfg.seed, train_view if train else None, sides if train else None)
     workers = cfg.workers
     if workers < 0:  # this process's share of the node's cores, less the one the training loop runs on
         local = int(os.environ.get("LOCAL_WORLD_SIZE", n))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,11 @@ class Config(CommonConfig):
                       "mobilenet_v3_large, vit_b_16, ...)")
     weights: str = knob("", "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
                         ".safetensors state_dict file; heads of another shape are skipped")
-    image_size: int = knob(112, "crop side in pixels (with --weights, the weights' own unless given)")
+    image_size: int = knob(112, "crop side in pixels: of evaluation, predict and the last training epochs (with "
+                           "--weights, the weights' own unless given)")
+    start_image_size: int = knob(0, "progressive resizing: the first epoch trains on crops of this side, growing "
+                                 "linearly (in steps of 16 px) to --image-size at the last (0 = every epoch at "
+                                 "--image-size)")
     epochs: int = 16
     batch_size: int = 128
     lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")
@@ -68,6 +73,8 @@ class Config(CommonConfig):
                                "(torchvision's --random-erase; 0 = off)")
     mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
     cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")
+    tta: int = knob(0, "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
+                    "(evaluation, predict and export alike)", choices=[0, 1])
     ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
                             "this decay per step, evaluated and saved instead of the weights (0 = off)")
     workers: int = knob(-1, "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
@@ -86,12 +93,22 @@ class Config(CommonConfig):
             self.image_size = vision.resolve(self.model, self.weights).crop or self.image_size
 
 
-def train_view(cfg: Config, mean: list[float]):
-    """Each training photo's augmentation: uint8 (3, H, W) in, (3, --image-size, --image-size) out, run in the
+def crop_side(cfg: Config, epoch: int) -> int:
+    """The side of this epoch's training crops: progressive resizing from --start-image-size to --image-size (low
+    resolution first, as FFCV's and fast.ai's ImageNet speed runs do: the early epochs cost less)."""
+    start = cfg.start_image_size or cfg.image_size
+    if epoch >= cfg.epochs - 1 or start >= cfg.image_size:
+        return cfg.image_size
+    side = start + (cfg.image_size - start) * epoch / max(1, cfg.epochs - 1)
+    return min(cfg.image_size, 16 * round(side / 16))
+
+
+def train_view(cfg: Config, mean: list[float], side: int):
+    """Each training photo's augmentation: uint8 (3, H, W) in, (3, side, side) out (``crop_side``), run in the
     loader's workers with its draws seeded per image (exact resume). Yours to change: any torchvision v2 transform."""
     from torchvision.transforms import v2
 
-    steps = [v2.RandomResizedCrop(cfg.image_size, scale=(cfg.min_crop_scale, 1.0), antialias=True),
+    steps = [v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True),
              v2.RandomHorizontalFlip()]
     if cfg.auto_augment:
         steps.append(v2.TrivialAugmentWide())
@@ -128,7 +145,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
     mean, std = run.normalisation(
         lambda: (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train))
     transform = BatchTransform(mean, std, channels_last=cfg.channels_last)  # normalises on the device
-    train_loader = run.loader(data.train, train=True, train_view=train_view(cfg, mean))
+    train_loader = run.loader(data.train, train=True, train_view=partial(train_view, cfg, mean),  # per epoch
+                              sides=partial(crop_side, cfg))
     val_loader = run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader
 
@@ -148,7 +166,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
 
     def validate(loader):
         ema.sync()  # the average is one model on every rank (rank 0's BatchNorm statistics), the one saved
-        return evaluate(accelerator, scored, loader, transform, data.num_classes)
+        return evaluate(accelerator, scored, loader, transform, data.num_classes, tta=cfg.tta)
 
     if cfg.eval_only:  # score the weights in --checkpoint on the test split (else validation)
         run.load_weights(scored)
