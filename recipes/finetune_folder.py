@@ -35,6 +35,7 @@ from common import vision
 from common.augment import BatchTransform
 from common.averaging import EMA
 from common.config import CommonConfig, LRRule, knob, parse_config
+from common.errors import ConfigError
 from common.console import say
 from common.metrics import evaluate
 from common.photos import load_photos, photo_stats
@@ -53,12 +54,13 @@ class Config(CommonConfig):
                       "mobilenet_v3_large, vit_b_16, ...)")
     weights: str = knob("", "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
                         ".safetensors state_dict file; heads of another shape are skipped")
-    image_size: int = knob(112, "crop side in pixels: of evaluation, predict and the last training epochs (with "
+    image_size: int = knob(128, "crop side in pixels: of evaluation, predict and the last training epochs (with "
                            "--weights, the weights' own unless given)")
     start_image_size: int = knob(0, "progressive resizing: the first epoch trains on crops of this side, growing "
-                                 "linearly (in steps of 16 px) to --image-size at the last (0 = every epoch at "
-                                 "--image-size)")
-    epochs: int = 16
+                                 "linearly (in steps of 16 px) to --image-size at the last (default: half of "
+                                 "--image-size from scratch, every epoch at --image-size with --weights; 0 = off)")
+    epochs: int = 28
+    eval_every: int = knob(4, "evaluate on the validation split every N epochs (and after the last)")
     batch_size: int = 128
     lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")
     lr_rule = LRRule("linear", 128)
@@ -73,7 +75,7 @@ class Config(CommonConfig):
                                "(torchvision's --random-erase; 0 = off)")
     mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
     cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")
-    tta: int = knob(0, "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
+    tta: int = knob(1, "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
                     "(evaluation, predict and export alike)", choices=[0, 1])
     ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
                             "this decay per step, evaluated and saved instead of the weights (0 = off)")
@@ -88,9 +90,16 @@ class Config(CommonConfig):
         "channels": "photos are decoded per batch on the host, always as RGB",
         "data_on_device": "photos are decoded per batch on the host and never kept decoded"}
 
+    def __post_init__(self):
+        if self.start_image_size < 0:
+            raise ConfigError(f"--start-image-size must be >= 0 (got {self.start_image_size}); 0 trains every epoch at "
+                              "--image-size.")
+
     def settle(self):
         if "image_size" not in self.explicit:  # pretrained weights: their own crop (224 for torchvision's ImageNet)
             self.image_size = vision.resolve(self.model, self.weights).crop or self.image_size
+        if "start_image_size" not in self.explicit and not self.weights:  # pretrained: at their own size throughout
+            self.start_image_size = self.image_size // 2
 
 
 def crop_side(cfg: Config, epoch: int) -> int:
