@@ -75,7 +75,7 @@ class Config(CommonConfig):
                                "(torchvision's --random-erase; 0 = off)")
     mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
     cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")
-    tta: int = knob(1, "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
+    tta: int = knob(0, "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
                     "(evaluation, predict and export alike)", choices=[0, 1])
     ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
                             "this decay per step, evaluated and saved instead of the weights (0 = off)")
