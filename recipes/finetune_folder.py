@@ -59,7 +59,7 @@ class Config(CommonConfig):
     start_image_size: int = knob(0, "progressive resizing: the first epoch trains on crops of this side, growing "
                                  "linearly (in steps of 16 px) to --image-size at the last (default: half of "
                                  "--image-size from scratch, every epoch at --image-size with --weights; 0 = off)")
-    epochs: int = 28
+    epochs: int = 32
     eval_every: int = knob(4, "evaluate on the validation split every N epochs (and after the last)")
     batch_size: int = 128
     lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")

@@ -270,7 +270,8 @@ SMALL = {  # each recipe's default --lr given: at --batch-size 32 the LR rule wo
     "fashion_mnist_mlp": ["--hidden", "32", "--lr", "4e-3"],
     "mnist_convnet": ["--width", "8", "--lr", "1e-2"],
     "cifar_cnn": ["--widths", "8,16,16", "--lr", "1.5"],
-    "finetune_folder": ["--image-size", 32, "--workers", 0],  # lr by its rule: 0.05 at batch 32
+    # lr by its rule: 0.05 at batch 32; every epoch at 32 px (progressive resizing: its own test) and evaluated
+    "finetune_folder": ["--image-size", 32, "--start-image-size", 0, "--eval-every", 1, "--workers", 0],
 }
 TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-every", 1]
 REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resumes must repeat
