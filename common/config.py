@@ -41,6 +41,7 @@ RESUME_MUST_MATCH = {  # taken from the checkpoint when not given; another value
     "grad_accum": "the saved data position counts its micro-batches",
     "weights": "the run was started from them: they decide its normalisation and crop",
     "image_size": "it sets the pixels the model was trained on",
+    "start_image_size": "it sets the crops of every epoch (progressive resizing)",
 }
 RESUME_APPLIED = {"lr", "weight_decay", "momentum", "betas"}  # put over the restored optimizer state, and printed
 RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: accepted without a word

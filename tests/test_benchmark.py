@@ -66,12 +66,12 @@ def test_throughput_times_the_recipe_the_raw_loop_the_bound_and_the_levers(tmp_p
     cfg = report["settings"]["config"]  # the recipe's own Config: its defaults, --tiny's flags by its parser
     assert cfg["width"] == 8 and cfg["batch_size"] == 32 and cfg["lr"] == pytest.approx(1e-2 * (32 / 256) ** 0.5) and cfg["label_smoothing"] == 0.1
     assert report["settings"]["model"] == "LeanConvNet" and report["skipped"] == {}
-    assert list(report["rows"]) == ["recipe", "raw_torch", "pure_compute", "pure_bf16", "pure_channels_last",
-                                    "pure_compiled"]
+    assert list(report["rows"]) == ["recipe", "raw_torch", "pure_compute", "pure_bf16", "pure_contiguous",
+                                    "pure_compiled"]  # the lever row: the memory format the recipe does not use
     check_recipe_row(report["rows"]["recipe"], processes=1)
     levers = report["levers"]
     assert levers["bf16"]["status"] == "ok" and levers["bf16"]["native_bf16"] == bool(cpu_bf16_support())
-    assert levers["channels_last"]["status"] == "ok" and levers["channels_last"]["recipe_default"] is False
+    assert levers["channels_last"]["status"] == "ok" and levers["channels_last"]["recipe_default"] is True
     assert levers["compile"]["status"] == "ok" and levers["compile"]["compile_s"] >= 0
     ratios = report["ratios"]
     assert set(ratios) == {"recipe_vs_pure_compute", "accelerate_overhead_1proc_pct", "bf16_vs_fp32",

@@ -463,7 +463,10 @@ def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, referenc
     assert steps == ref_steps == tuple(range(1, 17)) and values == pytest.approx(ref_values, rel=1e-4)
 
 
-SYNC_BN = ["--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0, "--max-steps", 4, "--sync-bn"]
+# NCHW: in channels_last a 16-image and a 32-image batch do not round alike, and the weights drift past this
+# comparison's 1e-4 within 4 AdamW steps (measured); BatchNorm alone is compared here
+SYNC_BN = ["--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0, "--max-steps", 4, "--sync-bn",
+           "--channels-last", "false"]
 
 
 @pytest.fixture(scope="module")

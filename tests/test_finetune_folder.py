@@ -202,8 +202,8 @@ def test_the_recipes_own_augmentation_trains_and_resumes_exactly(tmp_path, photo
 def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels(tmp_path, photos_like, env):
     """--start-image-size: the training crops grow epoch by epoch from it to --image-size (a copy whose loop prints
     each batch's side shows 16, then 32, then 48 px), evaluation stays at --image-size, and a run stopped inside the
-    second epoch and resumed with a worker process instead of none trains on the same pixels (same losses, same
-    weights bit for bit)."""
+    second epoch and resumed with a worker process instead of none, and without the two size flags (the run's own
+    are taken from the checkpoint), trains on the same pixels (same losses, same weights bit for bit)."""
     from common.tools.copy_recipe import copy_recipe
 
     copy = copy_recipe("finetune_folder", tmp_path / "my_photos.py")
@@ -211,10 +211,11 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
     text = copy.read_text()
     assert text.count(loop) == 1
     copy.write_text(text.replace(loop, '            print("crop side", images.shape[-1], flush=True)\n' + loop))
-    base = ["--dataset", photos_like, "--image-size", 48, "--start-image-size", 16, "--batch-size", 32, "--epochs", 3,
-            "--log-every", 1, "--checkpoint-every", 3, "--keep-checkpoints", 10]
+    base = ["--dataset", photos_like, "--batch-size", 32, "--epochs", 3, "--log-every", 1, "--checkpoint-every", 3,
+            "--keep-checkpoints", 10]
     full = tmp_path / "full"
-    proc = check_ok(run_in_process(copy, [*base, "--workers", 0, "--output-dir", full], env))
+    proc = check_ok(run_in_process(copy, [*base, "--image-size", 48, "--start-image-size", 16, "--workers", 0,
+                                          "--output-dir", full], env))
     sides = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("crop side")]
     per_epoch = len(sides) // 3
     assert per_epoch and sides == [16] * per_epoch + [32] * per_epoch + [48] * per_epoch, sides

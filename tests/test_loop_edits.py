@@ -405,7 +405,7 @@ def test_a_photo_augmentation_of_your_own_is_an_edit_of_the_copy(tmp_path, env, 
     """The photo recipe's per-image augmentation is its train_view: adding torchvision's ColorJitter is one line in
     the copy (no library edit), and it trains; a train_view that no longer ends at --image-size is named in one
     paragraph at the first batch."""
-    crop = "    steps = [v2.RandomResizedCrop(cfg.image_size, scale=(cfg.min_crop_scale, 1.0), antialias=True),\n"
+    crop = "    steps = [v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True),\n"
     jitter = edited(tmp_path, "finetune_folder", (
         "    if cfg.auto_augment:\n",
         "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n"))

@@ -186,9 +186,10 @@ def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
             "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
             "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
             "--eval-every-steps", "2",
-            "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+            "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out), "--goal-e", "1000"]
     stdout = run_main(argv, tmp_path, monkeypatch, capsys)
     assert "ratio" in stdout and "median" in stdout
+    assert "goal every seed >= 5.00% within 1000 E: PASS (1 of 1 seeds)" in stdout
 
     report = json.loads(out.read_text())
     (seed,) = report["seeds"]
@@ -200,6 +201,13 @@ def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     assert report["decode_s"] >= 0 and report["summary"]["recipe_time_s"]["n"] == 1
     assert report["settings"]["recipe"] == "mnist_convnet" and report["machine"]["cpu_count"] >= 1
     assert (tmp_path / "work" / "run-seed1" / "metrics.jsonl").is_file()
+    # E: the baseline's first epoch with its evaluation, this run; the recipe's whole command in units of it
+    assert seed["e_s"] == seed["baseline"]["curve"][0]["time_s"] > 0
+    assert seed["wall_in_e"] == pytest.approx(seed["recipe"]["process_wall_s"] / seed["e_s"])
+    assert seed["recipe"]["final_accuracy"] >= 0.05 and f"= {seed['wall_in_e']:.2f} E" in stdout
+    report["settings"]["goal_e"] = seed["wall_in_e"] / 2  # the same seed against half its time: missed
+    tta.print_report(report)
+    assert "MISS (0 of 1 seeds)" in capsys.readouterr().out
 
 
 def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_factory, tmp_path, monkeypatch,
