@@ -14,7 +14,7 @@ data, training, every evaluation, the saves), its final validation accuracy, and
 its evaluation measured in the same run on the same split (pytorch/examples' MNIST script: the unit the MNIST and
 Fashion-MNIST goals are set in); --goal-e N checks every seed: final accuracy >= --target and wall <= N x E.
 
-    python benchmarks/time_to_accuracy.py --recipe mnist_convnet --dataset ../shared/data/mnist --nproc 2 \
+    python benchmarks/time_to_accuracy.py --recipe mnist_convnet --dataset ../shared/data/mnist --nproc 2 \\
         --target 0.993 --max-baseline-epochs 1 --seeds 1,2,3,4,5 --goal-e 0.5
     python benchmarks/time_to_accuracy.py --recipe mnist_convnet --dataset ../shared/data/mnist \\
         --target 0.993 --baseline-target 0.99 --seeds 1,2,3

@@ -58,9 +58,9 @@ class Config(CommonConfig):
                         ".safetensors state_dict file; heads of another shape are skipped")
     image_size: int = knob(128, "crop side in pixels: of evaluation, predict and the last training epochs (with "
                            "--weights, the weights' own unless given)")
-    start_image_size: int = knob(0, "progressive resizing: the first epoch trains on crops of this side, growing "
-                                 "linearly (in steps of 16 px) to --image-size at the last (default: half of "
-                                 "--image-size from scratch, every epoch at --image-size with --weights; 0 = off)")
+    start_image_size: int = knob(64, "progressive resizing: the first epoch trains on crops of this side, growing "
+                                 "linearly (in steps of 16 px) to --image-size at the last (when not given: half of "
+                                 "--image-size from scratch, off with --weights; 0 = off)")
     epochs: int = 32
     eval_every: int = knob(4, "evaluate on the validation split every N epochs (and after the last)")
     batch_size: int = 128
@@ -100,8 +100,8 @@ class Config(CommonConfig):
     def settle(self):
         if "image_size" not in self.explicit:  # pretrained weights: their own crop (224 for torchvision's ImageNet)
             self.image_size = vision.resolve(self.model, self.weights).crop or self.image_size
-        if "start_image_size" not in self.explicit and not self.weights:  # pretrained: at their own size throughout
-            self.start_image_size = self.image_size // 2
+        if "start_image_size" not in self.explicit:  # pretrained weights: at their own size throughout
+            self.start_image_size = 0 if self.weights else self.image_size // 2
 
 
 def crop_side(cfg: Config, epoch: int) -> int:

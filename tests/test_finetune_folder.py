@@ -227,3 +227,26 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
     assert "resumed from" in proc.stdout and losses(run) == losses(full)
     a, b = load_file(str(run / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_progressive_resizing_starts_at_half_the_size_from_scratch_and_is_off_with_weights(tmp_path):
+    """Left out, --start-image-size is half of --image-size from scratch (the default 128 -> 64, a given 224 -> 112)
+    and off with --weights (pretrained features at their own size throughout); given, it is taken as given."""
+    from common.config import parse_config
+    from conftest import import_recipe, recipe_path
+
+    recipe = import_recipe(recipe_path("finetune_folder"))
+    weights = tmp_path / "w.pth"
+    torch.save({}, weights)
+
+    def sides(*flags):
+        cfg = parse_config(recipe.Config, ["--dataset", str(tmp_path), *map(str, flags)], "")
+        return cfg.image_size, cfg.start_image_size, [recipe.crop_side(cfg, e) for e in range(cfg.epochs)]
+
+    size, start, per_epoch = sides()
+    assert (size, start) == (128, 64) and per_epoch[0] == 64 and per_epoch[-1] == 128
+    assert per_epoch == sorted(per_epoch) and all(s % 16 == 0 for s in per_epoch)
+    assert sides("--image-size", 224)[:2] == (224, 112)
+    assert sides("--weights", weights, "--image-size", 96)[1:] == (0, [96] * 32)
+    assert sides("--start-image-size", 0)[2] == [128] * 32
+    assert sides("--weights", weights, "--image-size", 96, "--start-image-size", 48, "--epochs", 3)[2] == [48, 64, 96]
