@@ -205,9 +205,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.eval_every_steps < 0 or min(args.max_baseline_epochs, args.threads, args.timeout) < 1:
         bad_input("--eval-every-steps must be >= 0 (0 = at epoch ends only), --max-baseline-epochs, --threads and "
                   "--timeout >= 1.")
-    if args.goal_e is not None and (args.baseline != "on" or args.target_from_baseline or args.goal_e <= 0):
-        bad_input("--goal-e needs the baseline (--baseline on: E is its first epoch), a fixed --target and a "
-                  "positive number of E.")
+    if args.goal_e is not None and (args.baseline != "on" or args.baseline_kind != "mnist_example"
+                                    or args.target_from_baseline or args.goal_e <= 0):
+        bad_input("--goal-e needs the MNIST script's baseline (--baseline on, --baseline-kind mnist_example: E is its "
+                  "first epoch), a fixed --target and a positive number of E.")
     if args.threads < args.nproc:
         bad_input(f"--threads {args.threads} < --nproc {args.nproc}: every recipe process needs a thread.")
     args.recipe_argv = split_recipe_args(args.recipe_args)
@@ -473,7 +474,9 @@ def run_seed(args, seed: int, work: Path, cache_dir: Path) -> dict:
             print(f"  target: the baseline's final accuracy {final:.4f}\n  recipe: {fmt_side(recipe)}", flush=True)
         print(f"  baseline: {fmt_side(baseline, True)}", flush=True)
     ratio, lower = ratio_of(recipe, baseline)
-    e = baseline["curve"][0]["time_s"] if baseline and baseline["curve"] else None  # first epoch + its evaluation
+    # E: the MNIST script's first epoch with its evaluation (not a mid-epoch point of --eval-every-steps)
+    e = next((p["time_s"] for p in baseline["curve"] if p["epoch"] >= 1), None) \
+        if baseline and args.baseline_kind == "mnist_example" else None
     wall_e = recipe["process_wall_s"] / e if e else None
     return {"seed": seed, "recipe": recipe, "baseline": baseline, "ratio": ratio, "ratio_is_lower_bound": lower,
             "e_s": e, "wall_in_e": wall_e}

@@ -37,8 +37,8 @@ from common import vision
 from common.augment import BatchTransform
 from common.averaging import EMA
 from common.config import CommonConfig, LRRule, knob, parse_config
-from common.errors import ConfigError
 from common.console import say
+from common.errors import ConfigError
 from common.metrics import evaluate
 from common.photos import load_photos, photo_stats
 from common.run import TrainingRun
