@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from harness import REPO, bad_input, machine_line, provenance, save, warn_if_busy  # first: the repo on sys.path
 from torch import nn
 
-from common.accelerator import cpu_bf16_support
-from common.data import load_image_data
+from common.train.accelerator import cpu_bf16_support
+from common.data.decoded import load_image_data
 from common.errors import RecipeError
-from common.launching import recipe_config
+from common.tools.launching import recipe_config
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's, as the paper uses
 HYP = dict(epochs=9.9, batch_size=1024, lr=11.5, momentum=0.85, weight_decay=0.0153, bias_scaler=64.0,

@@ -1,6 +1,6 @@
 """The data path of one recipe against the pipeline a first version typically has, on synthetic data of its
 shape. Rows (samples/s, 1 process): `recipe` and `raw_torch` as in throughput.py; `loader`, the recipe's data path
-alone (common.data.make_loader, the device copy, BatchTransform); `seed_loader`, the same PNGs per sample (PIL,
+alone (common.data.decoded.make_loader, the device copy, BatchTransform); `seed_loader`, the same PNGs per sample (PIL,
 torchvision's versions of the recipe's augmentation, a shuffling DataLoader with --seed-workers workers); and
 `seed_training`, raw_torch's step fed by seed_loader. The loader rows time --repeats epochs after a warm-up epoch.
 Ratios (targets in benchmarks/README.md): loader / recipe training, loader / per-sample loader, raw step with
@@ -17,8 +17,8 @@ import harness
 import torch
 from torchvision import transforms as T
 
-from common.augment import batch_generator
-from common.data import ImageSplit, make_loader
+from common.data.augment import batch_generator
+from common.data.decoded import ImageSplit, make_loader
 
 
 def add_args(p):

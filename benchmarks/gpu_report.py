@@ -39,7 +39,7 @@ from harness import REPO, bad_input, machine_line, provenance, save, warn_if_bus
 
 import torch
 
-from common.launching import (CONFIGS_DIR, import_recipe, launch_command, read_run, recipe_config, recipe_env,
+from common.tools.launching import (CONFIGS_DIR, import_recipe, launch_command, read_run, recipe_config, recipe_env,
                               stop_children_on_term)
 
 FOLDERS = ("mnist", "fashion_mnist", "cifar10", "flowers")
@@ -253,7 +253,7 @@ def sync_check(recipe: str, out: str, argv: list[str]) -> int:
     "default" elsewhere. Writes {checked, sync, step, where, exit} to ``out``."""
     import traceback
 
-    from common.run import TrainingRun
+    from common.train.run import TrainingRun
 
     state, end_step, close = {"on": False, "checked": 0, "step": 1}, TrainingRun.end_step, TrainingRun._close
 

@@ -28,10 +28,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from common.augment import BatchTransform, batch_generator, channel_stats  # noqa: E402
-from common.launching import (import_recipe, launch_command, read_run, recipe_config, recipe_env,  # noqa: E402
+from common.data.augment import BatchTransform, batch_generator, channel_stats  # noqa: E402
+from common.tools.launching import (import_recipe, launch_command, read_run, recipe_config, recipe_env,  # noqa: E402
                               recipe_path, run_logged, shipped_recipes, stop_children_on_term)
-from common.machine import load_average, machine_info, versions  # noqa: E402
+from common.tools.machine import load_average, machine_info, versions  # noqa: E402
 
 NUM_CLASSES = 10
 # Image shape of each recipe's default Hub dataset (a recipe reads its shape from the data).
@@ -186,7 +186,7 @@ def write_parquet(root: Path, images: torch.Tensor, labels: torch.Tensor) -> lis
 
 
 def batch_transform(cfg, images):
-    """The recipe's on-device augmentation (common.augment.BatchTransform), from its config and these images
+    """The recipe's on-device augmentation (common.data.augment.BatchTransform), from its config and these images
     (cifar_cnn's alternating flip, made in its loader, is timed here as a random flip on the device)."""
     return BatchTransform(*channel_stats(images), translate=getattr(cfg, "translate", 0),
                           flip=getattr(cfg, "flip", "none") != "none",

@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from harness import REPO, bad_input  # first: puts the repository on sys.path
 
 from common.config import CommonConfig
-from common.data import ImageSplit, load_image_data, make_loader
-from common.machine import machine_info
+from common.data.decoded import ImageSplit, load_image_data, make_loader
+from common.tools.machine import machine_info
 
 
 def memory_kib() -> dict:

@@ -14,8 +14,8 @@ mixup/cutmix, auto-augment policies, random erasing, AMP (fp32 only), channels_l
 no-decay for norm layers, repeated augmentation, GPUs, and the reference's padded evaluation (each rank evaluates
 val[rank::world] here, so no image counts twice).
 
-The split is the project's own: the folder read by common.folders.scan, its validation split if it has one, else
-common.splits.hold_out(--val-fraction, --seed) as the recipes hold it out. wall_s: from the launch (torchrun's
+The split is the project's own: the folder read by common.data.folders.scan, its validation split if it has one, else
+common.data.splits.hold_out(--val-fraction, --seed) as the recipes hold it out. wall_s: from the launch (torchrun's
 process under torchrun, else this process) to the end of the last evaluation. train_s: the training loops of all
 epochs, DataLoader worker start-up included, evaluation excluded. images_per_s: training images of all ranks
 (DistributedSampler's padding included) / train_s.
@@ -54,8 +54,8 @@ from PIL import Image  # noqa: E402
 from torchvision import transforms as T  # noqa: E402
 
 from common.errors import DataError  # noqa: E402
-from common.folders import scan  # noqa: E402
-from common.splits import ImageSplit, hold_out  # noqa: E402
+from common.data.folders import scan  # noqa: E402
+from common.data.splits import ImageSplit, hold_out  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 

@@ -20,8 +20,8 @@ import harness
 import torch
 import torch.multiprocessing as mp
 
-from common.launching import import_recipe, recipe_config
-from common.machine import free_port
+from common.tools.launching import import_recipe, recipe_config
+from common.tools.machine import free_port
 
 
 def _ddp_worker(rank: int, world: int, port: int, job: dict, out_dir: str):

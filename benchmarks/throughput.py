@@ -61,8 +61,8 @@ def pure_step(bench, x, y, bf16=False, channels_last=None, compile_backend=None)
 
 def pure_rows(bench) -> dict:
     """pure_compute and the levers on it, in turns. A lever that fails is reported with its reason."""
-    from common.accelerator import cpu_bf16_support
-    from common.augment import batch_generator
+    from common.train.accelerator import cpu_bf16_support
+    from common.data.augment import batch_generator
 
     args, cfg, device, batch = bench.args, bench.cfg, bench.device, bench.cfg.batch_size
     x = bench.transform.train(bench.images[:batch].to(device), batch_generator(cfg.seed, 0, 0, 0))

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision import transforms
 
-from common.data import load_image_data
+from common.data.decoded import load_image_data
 from common.errors import RecipeError
-from common.launching import (launch_command, read_run, recipe_config, recipe_env, run_logged, shipped_recipes,
+from common.tools.launching import (launch_command, read_run, recipe_config, recipe_env, run_logged, shipped_recipes,
                               stop_children_on_term)
 
 # Flags the benchmark sets itself on the recipe command line (per seed, per run directory).
@@ -122,7 +122,7 @@ def recipe_eval_points(rows: list[dict], train_start: float, compile_s: float = 
 
 
 def read_recipe_run(run_dir: Path) -> dict:
-    """What a finished recipe run wrote (common.launching.read_run), checked: it trained to its end and says
+    """What a finished recipe run wrote (common.tools.launching.read_run), checked: it trained to its end and says
     when its first training step began (timing.train_start). RuntimeError otherwise."""
     run = read_run(run_dir)
     summary, timing = run["summary"], run["summary"].get("timing") or {}

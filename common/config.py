@@ -403,7 +403,7 @@ def validate(cfg) -> None:
     need(0 <= cfg.target_accuracy <= 1, f"--target-accuracy is a fraction in [0, 1] (got {cfg.target_accuracy}); "
          "pass e.g. 0.99 for 99%.")
     need(cfg.profile >= 0, f"--profile takes a number of optimizer steps to record, >= 0 (got {cfg.profile}).")
-    from common.tracking import trackers_from
+    from common.train.tracking import trackers_from
 
     trackers_from(cfg.report_to)  # an unknown or uninstalled tracker: an error now, not a run that logs nowhere
     need(cfg.timeout_s >= 10, f"--timeout-s must be at least 10 seconds (got {cfg.timeout_s}).")

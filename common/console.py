@@ -14,7 +14,7 @@ import sys
 
 from common.errors import printable
 
-_bar = None  # the tqdm bar shown now (common.tracking.Progress sets it), or None
+_bar = None  # the tqdm bar shown now (common.train.tracking.Progress sets it), or None
 
 
 def is_main() -> bool:

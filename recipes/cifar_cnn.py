@@ -3,7 +3,7 @@
 Measured (README): 90.65% validation on CIFAR-10 (JPEG copy) after 10 epochs (mean of seeds 1-3, 640-650 s on 2 CPU
 cores with avx512_bf16), short of a 92% goal; the paper's own method, run as a baseline, reaches 90.49% there.
 Each part of the method is a flag: the airbench network (common.models) with --whiten-init and --dirac-init, BatchNorm
-biases at --bias-lr-scale 64x (common.optim), Lookahead (common.averaging), --flip alternating, --translate, --tta 2.
+biases at --bias-lr-scale 64x (common.optimizers), Lookahead (common.averaging), --flip alternating, --translate, --tta 2.
 
     accelerate launch recipes/cifar_cnn.py          # one process (CPU or one GPU)
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py   # 2 CPU processes
@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
-from common.augment import BatchTransform, channel_stats
+from common.data.augment import BatchTransform, channel_stats
 from common.config import CommonConfig, LRRule, knob, parse_config
 from common.averaging import Lookahead
-from common.metrics import evaluate
+from common.train.metrics import evaluate
 from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
-from common.optim import sgd_with_bias_groups
-from common.run import TrainingRun
-from common.schedule import build_scheduler
+from common.optimizers import sgd_with_bias_groups
+from common.train.run import TrainingRun
+from common.schedules import build_scheduler
 
 RECIPE = "cifar_cnn"
 

@@ -1,7 +1,7 @@
 """Fine-tune (or train from scratch) a torchvision model on a folder of your own photos, or a Hugging Face image
 dataset, on 1 to N devices.
 
-Photos of any size and mode are read from their files per batch in DataLoader workers (common.photos): random
+Photos of any size and mode are read from their files per batch in DataLoader workers (common.data.photos): random
 resized crops and flips for training; for evaluation and predict the shorter side is resized and the centre
 cropped (never squashed). --image-size is that crop's side; from scratch the training crops grow from half of it
 to it over the epochs (progressive resizing: the early epochs cost less). Nothing decoded is kept, so memory and
@@ -34,15 +34,15 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common import vision
-from common.augment import BatchTransform
+from common.data.augment import BatchTransform
 from common.averaging import EMA
 from common.config import CommonConfig, LRRule, knob, parse_config
 from common.console import say
 from common.errors import ConfigError
-from common.metrics import evaluate
-from common.photos import load_photos, photo_stats
-from common.run import TrainingRun
-from common.schedule import build_scheduler
+from common.train.metrics import evaluate
+from common.data.photos import load_photos, photo_stats
+from common.train.run import TrainingRun
+from common.schedules import build_scheduler
 
 RECIPE = "finetune_folder"
 

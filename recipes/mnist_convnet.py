@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
-from common.augment import BatchTransform, channel_stats
+from common.data.augment import BatchTransform, channel_stats
 from common.config import CommonConfig, LRRule, knob, parse_config
-from common.metrics import evaluate
+from common.train.metrics import evaluate
 from common.models import ConvNet, LeanConvNet, convert_sync_batchnorm, parse_floats
-from common.run import TrainingRun
-from common.schedule import build_scheduler
+from common.train.run import TrainingRun
+from common.schedules import build_scheduler
 
 RECIPE = "mnist_convnet"
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common import launching
-from common.launching import recipe_path  # noqa: F401  (the tests import it from here)
-from common.machine import free_port  # noqa: F401  (the tests import it from here)
+from common.tools import launching
+from common.tools.launching import recipe_path  # noqa: F401  (the tests import it from here)
+from common.tools.machine import free_port  # noqa: F401  (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
@@ -187,7 +187,7 @@ def check_ok(proc: subprocess.CompletedProcess):
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every row of a JSON-lines file, strictly: a missing file or a line cut short fails the test (the benchmarks'
-    common.launching.read_jsonl forgives both, for runs that were killed)."""
+    common.tools.launching.read_jsonl forgives both, for runs that were killed)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 

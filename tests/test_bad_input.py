@@ -181,7 +181,7 @@ time.sleep(60)
 def test_bad_input_that_differs_by_process_is_said_by_each(tmp_path, env, case):
     """The false positive: a message the main process did not say (another one, or none at all) is printed."""
     from conftest import ACCELERATE, CONFIGS, REPO
-    from common.machine import free_port
+    from common.tools.machine import free_port
 
     script = tmp_path / "say.py"
     script.write_text(SAY_PER_RANK)

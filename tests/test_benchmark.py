@@ -59,7 +59,7 @@ def check_recipe_row(row: dict, processes: int, steps: int = 4) -> None:
 
 
 def test_throughput_times_the_recipe_the_raw_loop_the_bound_and_the_levers(tmp_path):
-    from common.accelerator import cpu_bf16_support
+    from common.train.accelerator import cpu_bf16_support
 
     # inductor's C++ compile takes minutes on 2 cores: the eager backend runs the same torch.compile plumbing
     report, stdout = run_tiny("throughput", tmp_path, "--compile-backend", "eager")

@@ -21,7 +21,7 @@ import torch
 
 from conftest import REPO, recipe_env, write_image_folder, write_parquet_dataset
 from common.config import CommonConfig
-from common.data import DataError, ImageSplit, TensorImages, hold_out, load_image_data, make_loader
+from common.data.decoded import DataError, ImageSplit, TensorImages, hold_out, load_image_data, make_loader
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +122,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
     written and read back as usual."""
     import socket
 
-    import common.sources as sources_module
+    import common.data.sources as sources_module
 
     first = load(small, tmp_path / "c")
     names = [p.name for p in cache_files(tmp_path / "c")]
@@ -169,7 +169,7 @@ def test_cache_and_lock_files_follow_the_umask(small, tmp_path):
 SECOND_LOAD = textwrap.dedent("""
     import sys
     from common.config import CommonConfig
-    from common.data import load_image_data
+    from common.data.decoded import load_image_data
 
     data = load_image_data(CommonConfig(dataset=sys.argv[1], cache_dir=sys.argv[2]), "", True)
     print("datasets imported:", "datasets" in sys.modules, "train", len(data.train), "test", len(data.test),
@@ -202,8 +202,8 @@ def test_an_unchanged_folder_is_read_without_datasets_and_a_changed_one_is_decod
 RACER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    import common.data as data
-    import common.sources as sources
+    import common.data.decoded as data
+    import common.data.sources as sources
     from common.config import CommonConfig
 
     cache, rank, out, go, *datasets = sys.argv[1:]
@@ -364,7 +364,7 @@ def test_on_a_gpu_the_decoded_data_goes_to_the_device_when_it_fits(small, tmp_pa
     host memory otherwise; an explicit flag decides; a CPU run is unchanged."""
     from types import SimpleNamespace
 
-    from common.data import place_on_device
+    from common.data.decoded import place_on_device
 
     data = load(small, tmp_path / "c")
     need = data.train.source_images.numel() + data.test.source_images.numel()

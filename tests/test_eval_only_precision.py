@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import check_ok, run_in_process
 
-from common.accelerator import cpu_bf16_support
+from common.train.accelerator import cpu_bf16_support
 
 
 def test_eval_only_names_a_precision_other_than_the_runs(tmp_path, env, mnist_like):

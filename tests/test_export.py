@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from common.augment import normalize
+from common.data.augment import normalize
 from common.tools.export import main
 from test_predict import six_view_logits
 
@@ -56,7 +56,7 @@ def make_run(tmp_path):
     """make_run(kind, tta) -> (run dir, model.json card, model): <tmp>/run/best holding an untrained model
     (last layer scaled so the logits are well apart), written the way a recipe writes it, with the
     recipe file it names."""
-    from common import checkpoint
+    from common.train import checkpoint
 
     def make(kind: str, tta: bool = False):
         recipe_file = tmp_path / "tiny_recipe.py"

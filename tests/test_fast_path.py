@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from common.augment import BatchTransform, batch_generator, random_flip, random_translate
-from common.data import ImageSplit, TensorImages, make_loader
+from common.data.augment import BatchTransform, batch_generator, random_flip, random_translate
+from common.data.decoded import ImageSplit, TensorImages, make_loader
 
 
 def split(n=50):

@@ -31,7 +31,7 @@ def losses(run: Path) -> list:
 
 
 def checkpoints(run: Path) -> list[Path]:
-    from common.checkpoint import complete_checkpoints
+    from common.train.checkpoint import complete_checkpoints
 
     return complete_checkpoints(run)
 
@@ -146,9 +146,9 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
     exit 75 and "preempted" in summary.json (the data phase has trained nothing; the final evaluation follows
     the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
     process at once, without waiting for the step."""
-    import common.sources as sources_module
-    from common.run import TrainingRun
-    from common.stopping import StopFlag
+    import common.data.sources as sources_module
+    from common.train.run import TrainingRun
+    from common.train.stopping import StopFlag
 
     run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--output-dir", run,
@@ -205,7 +205,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
 
 
 def test_best_and_final_are_restored_after_a_crash_between_their_two_renames(tmp_path):
-    from common.checkpoint import restore_interrupted_swaps
+    from common.train.checkpoint import restore_interrupted_swaps
 
     (tmp_path / ".old-best").mkdir()
     (tmp_path / ".old-best" / "model.json").write_text("{}")
@@ -389,7 +389,7 @@ def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp
     """A stop request that lands on the run's very last step: the checkpoint is written and the run exits 75;
     the resume has no batches left but still runs the last epoch's evaluation and end, so its summary
     (epochs completed, best, final) equals the uninterrupted run's."""
-    from common.run import TrainingRun
+    from common.train.run import TrainingRun
 
     base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -419,7 +419,7 @@ def test_resume_from_a_path_checks_the_run_directory_and_a_lock_error_is_named(t
     filesystem cannot take is named as that, not as "in use"."""
     import shutil
 
-    import common.rundir as rundir_module
+    import common.train.rundir as rundir_module
 
     run = tmp_path / "run"
     base = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP]

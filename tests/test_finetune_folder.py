@@ -61,7 +61,7 @@ def test_predict_export_and_eval_only_take_photos_of_any_size(reference_run, tmp
     assert len(results) == 3 and "were resized" not in err
     assert all(r["predictions"][0]["label"] in ("ant", "bee", "wasp") for r in results)
     # predict's view of a photo is the run's evaluation view: the shorter side resized, the centre cropped
-    from common.photos import eval_view, read_rgb
+    from common.data.photos import eval_view, read_rgb
 
     view, _ = predict.load_image(photos / "wide.jpg", (3, 32, 32), {"resize_shorter": 37, "center_crop": 32})
     assert torch.equal(view, eval_view(read_rgb(str(photos / "wide.jpg"), 37), 32))

@@ -49,7 +49,7 @@ def test_a_flag_whose_counterpart_is_another_recipes_says_so(tmp_path, env):
         assert answer in paragraph, paragraph
 
 
-# What each recipe leaves unread of the settings every recipe has: the three others read them all (common.data's
+# What each recipe leaves unread of the settings every recipe has: the three others read them all (common.data.decoded's
 # decoded-image loading reads --channels, --data-on-device and --cache-dir); the photo recipe decodes photos per
 # batch on the host, always as RGB.
 UNREAD = {"fashion_mnist_mlp": set(), "mnist_convnet": set(), "cifar_cnn": set(),

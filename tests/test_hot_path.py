@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from common.run import TrainingRun
+from common.train.run import TrainingRun
 from conftest import SMALL, check_ok, recipe_env, run_in_process
 
 SYNCING_METHODS = ("item", "tolist", "cpu", "__bool__")

@@ -1,4 +1,4 @@
-"""A user's own image folder is read by one rule, torchvision's ImageFolder (common.folders): split folders only
+"""A user's own image folder is read by one rule, torchvision's ImageFolder (common.data.folders): split folders only
 at the top level beside train/, the class is the first folder under the split root, any folder name is a
 class. Pixels are read as the file holds them (16-bit scaled, transparency flattened, EXIF orientation), the
 channel count is decided over the whole split, a replaced file is decoded afresh, and every layout that can't
@@ -24,7 +24,7 @@ from PIL import Image
 
 from conftest import ACCELERATE, CONFIGS, REPO, free_port, learnable_images, run_in_process, write_image_folder
 from common.config import CommonConfig
-from common.data import DataError, load_image_data
+from common.data.decoded import DataError, load_image_data
 
 
 def load(root, tmp_path, logs=None, **kw):
@@ -117,7 +117,7 @@ def test_links_back_up_the_tree_and_files_in_two_classes_are_refused_naming_them
 
 def test_a_folder_that_vanishes_while_it_is_read_is_one_paragraph(tmp_path, monkeypatch):
     """A sub-folder moved away while the scan walks (a sync tool, a colleague): was a raw FileNotFoundError."""
-    from common import folders
+    from common.data import folders
 
     root = write_image_folder(tmp_path / "pets", n_per_class=3, classes=("cat", "dog"))
     (root / "cat" / "2023").mkdir()
@@ -381,7 +381,7 @@ def test_a_bad_layout_through_a_recipe_is_one_paragraph_and_exit_2(tmp_path, env
 RANK_VIEW = textwrap.dedent("""
     import json, os, sys
     from common.config import CommonConfig
-    from common.data import data_fingerprint, load_image_data
+    from common.data.decoded import data_fingerprint, load_image_data
     data = load_image_data(CommonConfig(dataset=sys.argv[1], cache_dir=sys.argv[2]), "",
                            os.environ["RANK"] == "0")
     print(json.dumps({"rank": int(os.environ["RANK"]), "fingerprint": data_fingerprint(data),

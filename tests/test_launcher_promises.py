@@ -91,7 +91,7 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
     finally:
         kill_leftovers(run)
     assert status(run) == "preempted"
-    from common.checkpoint import find_latest
+    from common.train.checkpoint import find_latest
 
     assert find_latest(run) is not None
     again = check_ok(run_in_process("fashion_mnist_mlp", [*args[:-4], "--epochs", 1, "--output-dir", run,
@@ -147,7 +147,7 @@ def test_one_writer_per_run_directory_and_a_terminated_launcher(tmp_path, env, m
 
 
 def test_default_run_names_never_collide(tmp_path, monkeypatch):
-    from common.rundir import new_default_dir
+    from common.train.rundir import new_default_dir
 
     monkeypatch.chdir(tmp_path)
     names = {new_default_dir("mlp") for _ in range(5)}  # the same second
@@ -188,7 +188,7 @@ def test_resume_from_an_older_checkpoint_with_new_hyperparameters(tmp_path, env,
     # every field in common.config.RESUME_APPLIED, the recipe's own --betas too
     assert ("applied from the command line over the checkpoint's values: betas 0.9,0.999 -> 0.8,0.99, "
             "lr 0.004 -> 1e-05") in again.stdout
-    from common.checkpoint import complete_checkpoints, read_state
+    from common.train.checkpoint import complete_checkpoints, read_state
 
     latest = complete_checkpoints(run)
     assert [read_state(p)["global_step"] for p in latest] == [3, 6, 9]
@@ -258,7 +258,7 @@ def test_fp16_skipped_steps_are_detected_with_a_fused_optimizer():
     """GradScaler('cpu') and fused AdamW: an overflowing step is skipped by the scaler while
     optimizer_step_was_skipped-style checks see nothing; the scale tells, and a run of skips stops."""
     from common.errors import NonFiniteLoss
-    from common.guard import MAX_CONSECUTIVE_SKIPS, LossScaleWatch
+    from common.train.guard import MAX_CONSECUTIVE_SKIPS, LossScaleWatch
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
@@ -286,7 +286,7 @@ def test_fp16_skipped_steps_are_detected_with_a_fused_optimizer():
 def test_step_guard_never_logs_a_nonfinite_loss_as_zero():
     """fp16: a non-finite loss is left out of the logged mean (the scaler skips the step); the sums start
     again per step."""
-    from common.guard import StepGuard
+    from common.train.guard import StepGuard
 
     class OneProcess:
         device = torch.device("cpu")
@@ -326,7 +326,7 @@ def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needl
     given with --config_file or found where `accelerate config` writes it) starts one process, and plain
     `accelerate launch` sets OMP_NUM_THREADS=1: either trained on one core of two, unsaid. The startup line now says
     what to run instead. (Through the real launcher.)"""
-    from common.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
+    from common.train.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
     from conftest import recipe_env
 
     if len(os.sched_getaffinity(0)) < 2:

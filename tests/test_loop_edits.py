@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.schedule import lr_multiplier
+from common.schedules import lr_multiplier
 from conftest import SMALL, check_ok, launch, read_jsonl, run_in_process
 
 RECIPES = {"fashion_mnist_mlp": "mnist_like", "mnist_convnet": "mnist_like", "cifar_cnn": "cifar_like",
@@ -85,7 +85,7 @@ def same_losses(a: Path, b: Path) -> None:
 
 def stopped_at(monkeypatch, step: int):
     """A stop request (as a signal makes it) at optimizer step ``step``: the run checkpoints there and exits 75."""
-    from common.run import TrainingRun
+    from common.train.run import TrainingRun
 
     real = TrainingRun.guard_step
 
@@ -340,7 +340,7 @@ def test_fp16_skipped_steps_leave_the_lr_and_the_averages_alone():
     GPU) an overflowing step is skipped, and the scheduler and the EMA under that line stay put; a step taken moves
     both. A --grad-accum micro-batch (no sync) is no step either."""
     from common.averaging import EMA
-    from common.guard import StepChecks
+    from common.train.guard import StepChecks
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

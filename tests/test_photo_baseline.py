@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.splits import ImageSplit, hold_out
+from common.data.splits import ImageSplit, hold_out
 from conftest import REPO, check_ok, recipe_env
 
 

@@ -90,7 +90,7 @@ LOAD = textwrap.dedent("""
     import resource, sys
     sys.path.insert(0, {repo!r} + "/recipes")
     from accelerate import Accelerator
-    from common.photos import load_photos, photo_loader
+    from common.data.photos import load_photos, photo_loader
     from finetune_folder import Config
     cfg = Config(dataset=sys.argv[1], image_size=32, batch_size=16, workers=0, cache_dir=sys.argv[2])
     data = load_photos(cfg)

@@ -1,4 +1,4 @@
-"""common.plots: image dtypes/shapes, the no-mistakes case, curves from a metrics.jsonl, a confusion
+"""common.train.plots: image dtypes/shapes, the no-mistakes case, curves from a metrics.jsonl, a confusion
 matrix that names its split, evaluation points that stay visible."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from matplotlib.colors import to_rgb
 
-from common.metrics import confusion_matrix
-from common.plots import (confusion_matrix_figure, confusion_matrix_image, confusion_matrix_title, curves_figure,
+from common.train.metrics import confusion_matrix
+from common.train.plots import (confusion_matrix_figure, confusion_matrix_image, confusion_matrix_title, curves_figure,
                           misclassified_grid, read_metrics, save_curves_png, save_image_png)
 
 
@@ -138,7 +138,7 @@ def test_many_classes_cost_an_evaluation_time_and_memory_linear_in_the_classes()
     not drawn past CONFUSION_MAX_CLASSES, where a heatmap stops being readable); a few classes keep theirs."""
     import time
 
-    from common.metrics import CONFUSION_MAX_CLASSES, summarize
+    from common.train.metrics import CONFUSION_MAX_CLASSES, summarize
 
     preds, labels = torch.tensor([0, 5, 99_999, 7]), torch.tensor([0, 6, 99_999, 7])
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """common.tools.predict: rebuild a model from model.json through its recipe's build_model, preprocess like
 eval, top-k output, clear errors.
 
-Model folders are written with common.checkpoint.save_model_dir from untrained models (no training), with
+Model folders are written with common.train.checkpoint.save_model_dir from untrained models (no training), with
 the card a recipe writes (recipe, recipe_file, config, input shape, classes, mean/std); one of them comes
 from a recipe file of the user's own with a model class of its own. The CLI runs as a subprocess, its
 JSON is checked against the torch model run directly."""
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from common import checkpoint
-from common.augment import normalize
+from common.train import checkpoint
+from common.data.augment import normalize
 from common.tools.predict import build_model_from_card, collect_images, load_predictor, predict_files
 from conftest import REPO, import_recipe
 
@@ -259,7 +259,7 @@ def test_cli_folder_table_csv_and_output_file(tmp_path):
 
 
 def test_a_folder_is_walked_as_training_walks_it(tmp_path):
-    """predict finds what an image folder holds as training reads it (common.folders): a linked sub-folder is
+    """predict finds what an image folder holds as training reads it (common.data.folders): a linked sub-folder is
     followed (it was skipped), any ending Pillow opens counts (.jfif was left out), hidden entries are skipped, and
     a link back up the tree is named instead of walked forever."""
     import os

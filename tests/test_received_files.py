@@ -111,7 +111,7 @@ def test_a_checkpoint_damaged_again_after_the_fallback_is_set_aside_again(tmp_pa
 def test_superseding_the_same_step_twice_in_one_second_keeps_both(tmp_path, monkeypatch):
     """Resuming an older checkpoint twice within a second sets step-6 aside twice under the same timestamp:
     the second copy gets a name of its own instead of failing on the first ("Directory not empty")."""
-    from common import checkpoint
+    from common.train import checkpoint
 
     monkeypatch.setattr(checkpoint.time, "strftime", lambda fmt, *a: "20250101-120000")
     names = []

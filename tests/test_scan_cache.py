@@ -1,4 +1,4 @@
-"""A photo folder's scan kept in the cache folder (common.scan_cache): a later new run reads it instead of walking
+"""A photo folder's scan kept in the cache folder (common.data.scan_cache): a later new run reads it instead of walking
 (one stat per file: seconds on a million files) while the folders are unchanged; a resume walks; a photo replaced in
 place, which leaves its folder's times alone, is caught by the walk beside training and stops the run."""
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from common import folders
+from common.data import folders
 from conftest import run_in_process, write_photo_folder
 
 ARGS = ["--image-size", 32, "--batch-size", 8, "--workers", 0]

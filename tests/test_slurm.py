@@ -81,7 +81,7 @@ def status(run: Path) -> str | None:
 
 
 def newest_checkpoint_step(run: Path) -> int:
-    from common.checkpoint import find_latest
+    from common.train.checkpoint import find_latest
 
     latest = find_latest(run)
     assert latest is not None, f"no complete checkpoint in {run}"
@@ -134,7 +134,7 @@ def test_batch_script_checkpoints_requeues_and_resumes(tmp_path):
     assert summary["status"] == "preempted", log
     step = newest_checkpoint_step(run)
     assert step == summary["global_step"] and 0 < step < 80, log
-    from common.checkpoint import find_latest
+    from common.train.checkpoint import find_latest
 
     # every rank took part in the stop checkpoint: one RNG state per process
     assert {p.name for p in find_latest(run).glob("random_states_*.pkl")} == \

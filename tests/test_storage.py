@@ -38,8 +38,8 @@ def test_a_read_only_output_dir_is_one_paragraph(tmp_path, env, mnist_like):
 
 def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resumes(tmp_path, env, mnist_like,
                                                                                     monkeypatch):
-    import common.checkpoint as ckpt
-    import common.run
+    import common.train.checkpoint as ckpt
+    import common.train.run
 
     real_save, filler = ckpt.save_checkpoint, None
 
@@ -61,7 +61,7 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
         run = disk / "run"
         args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 3,
                 "--output-dir", run, "--resume-from", "latest"]
-        monkeypatch.setattr(common.run.ckpt, "save_checkpoint", save_then_fill)
+        monkeypatch.setattr(common.train.run.ckpt, "save_checkpoint", save_then_fill)
         proc = run_in_process("fashion_mnist_mlp", args, env)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -69,7 +69,7 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
         assert "step-00000003, is intact" in paragraph and "--resume-from latest" in paragraph
         assert json.loads((run / "summary.json").read_text())["status"] == "storage_error"  # written on a full disk
         assert not [p.name for p in run.iterdir() if ".tmp" in p.name]  # no temp file left beside it
-        monkeypatch.setattr(common.run.ckpt, "save_checkpoint", real_save)
+        monkeypatch.setattr(common.train.run.ckpt, "save_checkpoint", real_save)
         os.remove(filler)  # space freed: the same command continues from step 3
         again = check_ok(run_in_process("fashion_mnist_mlp", args, env))
         assert "resumed from" in again.stdout and "step 3" in again.stdout

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from common.augment import BatchTransform
+from common.data.augment import BatchTransform
 from common.averaging import Lookahead
-from common.metrics import evaluate, tta_logits
+from common.train.metrics import evaluate, tta_logits
 from common.models import CifarCNN, init_whitening
-from common.optim import sgd_with_bias_groups
-from common.schedule import build_scheduler, lr_multiplier
+from common.optimizers import sgd_with_bias_groups
+from common.schedules import build_scheduler, lr_multiplier
 from conftest import check_ok, import_recipe, launch, read_jsonl, run_in_process, stopped_at
 
 
@@ -186,7 +186,7 @@ class _Mirror(nn.Module):
 def test_flip_tta_averages_each_image_with_its_mirror():
     from accelerate import Accelerator
 
-    from common.data import ImageSplit, make_loader
+    from common.data.decoded import ImageSplit, make_loader
 
     imgs = torch.zeros(6, 1, 4, 4, dtype=torch.uint8)
     imgs[:3, :, :, :2] = 255  # bright left half: class 0 without TTA
@@ -225,7 +225,7 @@ def test_six_view_tta_weights_the_views_as_airbench():
 
 
 def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
-    from common.data import ImageSplit, TensorImages
+    from common.data.decoded import ImageSplit, TensorImages
 
     g = torch.Generator().manual_seed(0)
     split = ImageSplit(torch.randint(0, 256, (40, 1, 4, 4), dtype=torch.uint8, generator=g), torch.arange(40))
@@ -249,7 +249,7 @@ def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
 def test_each_part_of_the_method_can_be_switched_off_for_an_ablation(tmp_path, capsys):
     """--dirac-init false gives torch's own conv init; --flip takes alternating, random or none (a bool, as an
     older run's config.json holds, is refused by name, not read as a flip mode)."""
-    from common.launching import recipe_config
+    from common.tools.launching import recipe_config
 
     recipe = import_recipe("cifar_cnn")
     for dirac in (True, False):
@@ -296,7 +296,7 @@ def test_cifar_resume_with_lookahead_and_whitening_is_exact(nproc, tmp_path, env
     assert summary["epochs_completed"] == 2 and summary["global_step"] == loss[-1][0] > 3
     # final/ holds the average: the slow weights of the last checkpoint, in Lookahead's order (parameters,
     # then floating-point buffers)
-    from common.checkpoint import find_latest
+    from common.train.checkpoint import find_latest
 
     state = load_file(str(find_latest(full) / "lookahead.safetensors"))
     model = CifarCNN((3, 32, 32), 4, widths=(8, 16, 16))
@@ -363,10 +363,10 @@ def fp16_on_this_cpu(monkeypatch, overflow_at):
     """The recipes' Accelerator with fp16 loss scaling on the CPU (Accelerate offers fp16 on accelerators only):
     torch's CPU GradScaler as its scaler, and the gradients of the optimizer steps in ``overflow_at`` made
     infinite after the loss (what an fp16 overflow is: a finite loss whose scaled gradients overflow)."""
-    import common.run
+    import common.train.run
     from accelerate.state import AcceleratorState
 
-    real_make, calls = common.run.make_accelerator, [0]
+    real_make, calls = common.train.run.make_accelerator, [0]
 
     def make(cfg):
         accelerator, note = real_make(cfg)
@@ -381,7 +381,7 @@ def fp16_on_this_cpu(monkeypatch, overflow_at):
         accelerator.backward = backward
         return accelerator, note
 
-    monkeypatch.setattr(common.run, "make_accelerator", make)
+    monkeypatch.setattr(common.train.run, "make_accelerator", make)
 
 
 def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_where_they_were(
@@ -389,7 +389,7 @@ def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_
     """cifar_cnn (Lookahead on) with fp16 loss scaling, overflows at optimizer steps 3 and 4: both steps are
     skipped (the weights, the LR schedule and the weight average stay where they were), counted in
     summary.json, and training goes on; 25 overflows in a row stop the run with its own message."""
-    from common.checkpoint import find_latest
+    from common.train.checkpoint import find_latest
 
     fp16_on_this_cpu(monkeypatch, overflow_at={3, 4})
     run = tmp_path / "run"

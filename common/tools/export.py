@@ -9,7 +9,7 @@ What the ONNX model takes and returns:
   RGB or grayscale as model.json's input_shape says, at exactly that H x W. The normalization
   ``(x - mean) / std`` with the run's mean/std is folded into the graph, and when the run
   evaluated with ``--tta`` the graph also averages the logits over the same views
-  (``common.metrics.tta_logits``: the mirror image, and at level 2 the 1-pixel shifts; ``--no-tta``
+  (``common.train.metrics.tta_logits``: the mirror image, and at level 2 the 1-pixel shifts; ``--no-tta``
   leaves that out). Resize and convert images yourself as ``common.tools.predict`` does.
 - ``--no-preprocess``: the bare network; input ``images`` must already be normalized.
 - output ``logits``: float32 ``(N, num_classes)``; apply softmax for probabilities. The batch
@@ -65,7 +65,7 @@ class ExportWrapper(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = (images - self.mean) / self.std if self.preprocess else images
-        from common.metrics import tta_logits
+        from common.train.metrics import tta_logits
 
         return tta_logits(self.model, x, self.tta)
 
@@ -79,7 +79,7 @@ def input_description(card: dict, preprocess: bool, tta: bool) -> str:
     else:
         what = (f"float32 (N, {c}, {h}, {w}) {kind} images already normalized: (pixel/255 - mean) / std with "
                 f"mean {card['mean']} std {card['std']}")
-    if card.get("preprocess"):  # a photo run (common.photos): how a photo of any size becomes that input
+    if card.get("preprocess"):  # a photo run (common.data.photos): how a photo of any size becomes that input
         p = card["preprocess"]
         what = (f"photos of any size: resize the shorter side to {p['resize_shorter']} (bilinear, antialiased) and "
                 f"crop the centre {p['center_crop']}x{p['center_crop']}, then {what}")

@@ -4,14 +4,14 @@
     python -m common.tools.predict runs/mnist/best digits/ --format json --output predictions.json
 
 The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder
-itself: model.safetensors + model.json as written by ``common.checkpoint.save_model_dir``. Folders
+itself: model.safetensors + model.json as written by ``common.train.checkpoint.save_model_dir``. Folders
 are searched recursively for image files (png, jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm).
 
 Preprocessing is the evaluation one: each image is converted to 'L' (1-channel models) or 'RGB'
 (3 channels), resized bilinearly to the model's input size if it differs (as ``--image-size`` does
 when the dataset is decoded), turned into a uint8 CHW tensor and normalized with the mean/std
-stored in model.json (``common.augment.normalize``). When the run used ``--tta`` the logits are
-averaged over the same views as ``common.metrics.evaluate`` (the mirror image, and at level 2 the
+stored in model.json (``common.data.augment.normalize``). When the run used ``--tta`` the logits are
+averaged over the same views as ``common.train.metrics.evaluate`` (the mirror image, and at level 2 the
 1-pixel shifts).
 
 Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from common.errors import RecipeError, printable, run_command
-from common.folders import images_below
+from common.data.folders import images_below
 
 
 # --- model ---------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def load_recipe(card: dict, recipe_file=None):
                           f"recipes in {recipes_dir}. Its model is defined in that file, and importing it runs it, so "
                           "it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
                           "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py.")
-    from common.launching import import_recipe
+    from common.tools.launching import import_recipe
 
     try:
         module = import_recipe(path)  # recipes run nothing at import (their main is behind __name__)
@@ -100,7 +100,7 @@ class Predictor:
     card: dict
     model_dir: Path
     device: torch.device
-    tta: int  # test-time augmentation level (common.metrics.tta_logits)
+    tta: int  # test-time augmentation level (common.train.metrics.tta_logits)
 
     @property
     def class_names(self) -> list[str]:
@@ -113,8 +113,8 @@ class Predictor:
     @torch.no_grad()
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``(N, C, H, W)`` at the model's input shape -> float32 logits ``(N, classes)``."""
-        from common.augment import normalize
-        from common.metrics import tta_logits
+        from common.data.augment import normalize
+        from common.train.metrics import tta_logits
 
         x = normalize(images.to(self.device), self.card["mean"], self.card["std"])
         return tta_logits(self.model, x, self.tta)  # the same views as the run's evaluation
@@ -127,7 +127,7 @@ def load_predictor(path, device: str | torch.device = "cpu", tta: int | None = N
                    recipe_file=None) -> Predictor:
     """Load model.safetensors + model.json from a run dir / best/ / final/ folder. ``tta=None``
     follows the run's config (``card["config"]["tta"]``)."""
-    from common.checkpoint import find_model_dir, load_model_dir
+    from common.train.checkpoint import find_model_dir, load_model_dir
 
     path = Path(path).expanduser()
     if not path.exists():
@@ -167,7 +167,7 @@ def collect_images(inputs) -> list[Path]:
     found: list[Path] = []
     for item in inputs:
         p = Path(item).expanduser()
-        if p.is_dir():  # walked as training walks an image folder (common.folders): links followed, hidden skipped
+        if p.is_dir():  # walked as training walks an image folder (common.data.folders): links followed, hidden skipped
             files = [Path(f) for f in images_below(p)]
             if not files:
                 raise RecipeError(f"The folder {p} holds no image files (files Pillow opens: .png, .jpg, .jpeg, "
@@ -187,20 +187,20 @@ def collect_images(inputs) -> list[Path]:
 
 def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
     """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized to a size it did not
-    have). Pixels and mode follow ``common.data`` decoding (``common.pixels``: 'L' or 'RGB'). ``preprocess`` (a
-    photo run's model.json: ``common.photos``): the shorter side resized and the centre cropped, as the run
+    have). Pixels and mode follow ``common.data.decoded`` decoding (``common.data.pixels``: 'L' or 'RGB'). ``preprocess`` (a
+    photo run's model.json: ``common.data.photos``): the shorter side resized and the centre cropped, as the run
     evaluated; else a bilinear resize to the input size, as the decoded-cache recipes decode."""
     import numpy as np
     from PIL import Image
 
-    from common.pixels import as_mode
+    from common.data.pixels import as_mode
 
     c, h, w = input_shape
     img = as_mode(img, "L" if c == 1 else "RGB")  # EXIF, 16-bit and transparency read as in training
     if preprocess:
         from torchvision.transforms.v2.functional import pil_to_tensor
 
-        from common.photos import eval_view
+        from common.data.photos import eval_view
 
         return eval_view(pil_to_tensor(img), int(preprocess["center_crop"])).contiguous(), False
     resized = img.size != (w, h)
@@ -213,11 +213,11 @@ def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[
 def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
     from PIL import Image, UnidentifiedImageError
 
-    from common.pixels import unreadable_reason
+    from common.data.pixels import unreadable_reason
 
     try:
         if preprocess:  # a photo run: the very reading its training and evaluation did (JPEG draft decoding too)
-            from common.photos import eval_view, read_rgb
+            from common.data.photos import eval_view, read_rgb
 
             view = eval_view(read_rgb(str(path), int(preprocess["resize_shorter"])), int(preprocess["center_crop"]))
             return view.contiguous(), False

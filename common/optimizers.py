@@ -5,13 +5,13 @@ biases in a group of their own whose learning rate is ``bias_lr_scale`` times la
 decay per step stays the same (torch's SGD couples decay to the LR, so their ``weight_decay`` is divided
 by the same factor). In the paper's ablation the larger bias LR cuts the epochs to 94% by about 25%.
 An optional group of ``early_params`` (airbench: the whitening bias) is trained for the first
-``early_epochs`` epochs only, then held still by a zero LR in the schedule (``common.schedule`` reads
+``early_epochs`` epochs only, then held still by a zero LR in the schedule (``common.schedules`` reads
 the group's ``train_epochs``); unlike ``requires_grad_(False)`` mid-run, that keeps DDP's set of
 gradients fixed.
 
 ``fused=True`` everywhere: one multi-tensor kernel per step on a GPU and on a CPU (the CPU kernels exist
 since torch 2.4; without the flag the CPU runs a per-parameter Python loop). A fused optimizer also
-accepts a device-side ``found_inf`` flag, which ``common.guard`` uses to skip a step after a non-finite
+accepts a device-side ``found_inf`` flag, which ``common.train.guard`` uses to skip a step after a non-finite
 loss without waiting for the device.
 """
 

@@ -5,7 +5,7 @@ Randomness is stateless: each batch's draws come from a generator seeded with
 copy, no sync). The same run gives the same pixels; every epoch and every rank differ; and a run
 resumed mid-epoch draws exactly what the uninterrupted run drew, with no RNG state to save.
 
-The alternating flip (airbench) is not here but in the loader (``common.data.TensorImages``): it needs
+The alternating flip (airbench) is not here but in the loader (``common.data.decoded.TensorImages``): it needs
 each image's index in the dataset.
 """
 
@@ -82,7 +82,7 @@ class BatchTransform:
 
 def channel_stats(split, max_images: int = 10000) -> tuple[list[float], list[float]]:
     """Per-channel mean and std (in [0, 1] units) of the first ``max_images`` uint8 images of a split
-    (``common.data.ImageSplit``, read without copying the rest) or of an image tensor."""
+    (``common.data.decoded.ImageSplit``, read without copying the rest) or of an image tensor."""
     images = split.images_at(slice(0, max_images)) if hasattr(split, "images_at") else split[:max_images]
     x = images.float().div_(255.0)
     mean = x.mean(dim=(0, 2, 3))

@@ -4,7 +4,7 @@ Pure functions. The image builders return numpy ``(H, W, 3)`` uint8 arrays (read
 ``SummaryWriter.add_image(..., dataformats="HWC")`` or :func:`save_image_png`); ``save_curves_png``
 writes a PNG; ``confusion_matrix_figure`` and ``curves_figure`` return the matplotlib Figure behind
 them. matplotlib (Agg backend, no display needed) is imported inside the functions, so
-``import common.plots`` stays cheap. No pyplot global state is used: every figure is a standalone
+``import common.train.plots`` stays cheap. No pyplot global state is used: every figure is a standalone
 ``matplotlib.figure.Figure``.
 
 What the pictures promise: the confusion matrix's heading names the split and its image count when

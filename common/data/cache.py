@@ -1,4 +1,4 @@
-"""The decoded-image cache shared by the processes of a node (see ``common.data`` for the contract): one
+"""The decoded-image cache shared by the processes of a node (see ``common.data.decoded`` for the contract): one
 safetensors file per decoded split, written once under a file lock and read by every process through a
 memory map; the checks that catch a damaged file; and the index that lets an unchanged local folder skip
 ``datasets`` on the next launch."""
@@ -24,7 +24,7 @@ from common.files import create_exclusive as _create_exclusive
 from common.files import fsync_dir as _fsync_dir
 from common.files import temp_name as _temp_name
 from common.files import write_atomic
-from common.splits import ImageSplit
+from common.data.splits import ImageSplit
 
 CACHE_VERSION = "3"  # 3: 16-bit scaled, transparency flattened, EXIF applied, channels over the split
 CACHE_FORMAT = "accelerate-recipes-decoded/2"
@@ -150,7 +150,7 @@ def _file_lock(lock_path: Path, on_wait):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:  # a peer decodes: wait (a stop signal interrupts the wait, common.stopping)
+            except BlockingIOError:  # a peer decodes: wait (a stop signal interrupts the wait, common.train.stopping)
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
                 if time.time() > deadline:
                     raise DataError(f"Gave up after {LOCK_WAIT_S // 60} minutes waiting for {holder} to decode into "

@@ -20,9 +20,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common.accelerator import on_main
+from common.train.accelerator import on_main
 from common.console import say
-from common.checkpoint import find_latest, is_complete
+from common.train.checkpoint import find_latest, is_complete
 from common.errors import RecipeError, StorageError
 
 RUN_MARKERS = ("config.json", "checkpoints", "metrics.jsonl", "summary.json")
@@ -190,7 +190,7 @@ class RunDir:
         sees the same folder, and takes the checkpoint's settings that decide what the run means (into ``cfg``)."""
         import copy
 
-        from common.checkpointer import adopt_resume_settings
+        from common.train.checkpointer import adopt_resume_settings
 
         lock = None
 
@@ -249,7 +249,7 @@ def storage_error(err: BaseException, run_dir) -> StorageError | None:
     said = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
     if not (full or read_only or said):
         return None
-    from common.checkpoint import find_latest
+    from common.train.checkpoint import find_latest
 
     latest = find_latest(run_dir)
     what = "is read-only" if read_only or getattr(err, "errno", None) == errno.EROFS else "is full"

@@ -16,8 +16,8 @@ import torch
 
 from common import console
 from common.errors import DataError
-from common.folders import FolderSplit, image_endings
-from common.splits import ImageSplit
+from common.data.folders import FolderSplit, image_endings
+from common.data.splits import ImageSplit
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
@@ -220,7 +220,7 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
                  progress: bool = False):
     """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
 
-    Pixels are read by ``common.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
+    Pixels are read by ``common.data.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
     The channel count is decided over the whole split: ``channels`` (1 or 3) when given, else RGB when any
     image is in colour (the grey ones are repeated to three channels, and the split's ``note`` says how many),
     else grey. Every file that can't be read is listed in one error, not only the first."""
@@ -228,7 +228,7 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
     from tqdm.auto import tqdm
     from PIL import Image
 
-    from common.pixels import natural, unreadable_error, unreadable_reason
+    from common.data.pixels import natural, unreadable_error, unreadable_reason
 
     if not isinstance(split, FolderSplit):
         from datasets import Image as ImageFeature

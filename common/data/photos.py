@@ -1,7 +1,7 @@
 """Photos of any size and mode, for fine-tuning (``recipes/finetune_folder.py``): read from their files per batch,
 in DataLoader workers, never held decoded.
 
-Why not the decoded cache of ``common.data``: it stores every image at one size, which for photos means a squash
+Why not the decoded cache of ``common.data.decoded``: it stores every image at one size, which for photos means a squash
 (aspect ratio lost) and a cache many times the JPEGs' size (ImageNet at 224 px: ~190 GB). Here a split is a list of
 files and labels; memory grows with the number of file names, not pixels, and nothing is written to disk.
 
@@ -13,7 +13,7 @@ files and labels; memory grows with the number of file names, not pixels, and no
   ``image_size`` (torchvision's 256 -> 224), never a squash.
 - JPEGs are decoded at a reduced scale when the photo is much larger than needed (Pillow's ``draft``: the DCT
   itself skips the detail), so a 12-megapixel photo costs little more than a small one.
-- Pixels are read by ``common.pixels`` (EXIF orientation, 16-bit, transparency) and always as RGB: the torchvision
+- Pixels are read by ``common.data.pixels`` (EXIF orientation, 16-bit, transparency) and always as RGB: the torchvision
   models take three channels.
 """
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from common.errors import DataError, UnreadablePhoto
-from common.splits import ImageData, Rows
+from common.data.splits import ImageData, Rows
 
 EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
 
@@ -43,7 +43,7 @@ def open_rgb(source, min_side: int):
     smallest scale whose shorter side is still at least ``min_side``."""
     from PIL import Image
 
-    from common.pixels import as_mode
+    from common.data.pixels import as_mode
 
     with Image.open(source) as img:
         if img.format == "JPEG":
@@ -89,7 +89,7 @@ class Paths:
 
 
 class PhotoSplit(Rows):
-    """The files and labels of one split, with the interface of ``common.splits.ImageSplit`` that the run needs
+    """The files and labels of one split, with the interface of ``common.data.splits.ImageSplit`` that the run needs
     (length, labels and ``select`` for the hold-out from ``Rows``; ``images_at`` for the misclassified-image grid)."""
 
     def __init__(self, files, labels: torch.Tensor, image_size: int, index: torch.Tensor | None = None, note=""):
@@ -119,7 +119,7 @@ class PhotoSplit(Rows):
         try:
             return read_rgb(self.source_at(position), min_side)
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
-            from common.pixels import unreadable_reason
+            from common.data.pixels import unreadable_reason
 
             raise UnreadablePhoto(
                 f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged from the "
@@ -177,15 +177,15 @@ class PhotoDataset(torch.utils.data.Dataset):
 
 
 def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageData:
-    """An image folder (``common.folders`` rules), or a table dataset (``common.photo_tables``: a Hugging Face image
+    """An image folder (``common.data.folders`` rules), or a table dataset (``common.data.photo_tables``: a Hugging Face image
     dataset, parquet files), as PhotoSplits at ``cfg.image_size``; validation held out of train (``--val-fraction``,
     seeded) when there is no validation split. A folder is scanned once per node (``node_shared``); the photos are
-    checked once per state of their files (``common.photo_check``)."""
+    checked once per state of their files (``common.data.photo_check``)."""
     from accelerate import PartialState
 
-    from common import folders, photo_check, scan_cache, sources
-    from common.cache import default_cache_dir
-    from common.splits import hold_out
+    from common.data import folders, photo_check, scan_cache, sources
+    from common.data.cache import default_cache_dir
+    from common.data.splits import hold_out
 
     name = cfg.dataset or default_dataset
     if not name:
@@ -209,7 +209,7 @@ def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageDa
     verify = scan_cache.Verify(cache_dir, scan, name) if scan is not None and scan.kept and local_main else None
     splits, checks, identity = {}, [], ""
     if scan is None or scan.tables:  # a Hub id, or a folder of parquet/arrow files: read through `datasets`
-        from common.photo_tables import load_table_photos
+        from common.data.photo_tables import load_table_photos
 
         splits, class_names, identity = load_table_photos(cfg, name, cache_dir)
         checks = [(split, cache_dir / f"photos-checked-{identity}-{k}", split.where) for k, split in splits.items()]
@@ -278,7 +278,7 @@ def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False
     evaluation resizes the shorter side and centre-crops. ``sides``: progressive resizing (``PhotoDataset``): a
     function of the epoch giving its crop side, ``train_view`` then a function of the side giving the transform.
     ``on_device``: unused (photos are decoded on the host)."""
-    from common.accelerator import loader_batch
+    from common.train.accelerator import loader_batch
 
     if split is None:
         return None
@@ -302,7 +302,7 @@ def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False
 
 def photo_stats(split: PhotoSplit, count: int = 500) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views)."""
-    from common.augment import channel_stats
+    from common.data.augment import channel_stats
 
     positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique()
     return channel_stats(split.images_at(positions))

@@ -15,7 +15,7 @@ import torch
 
 from common import console
 from common.errors import ConfigError
-from common.validation import evaluation_due
+from common.train.evaluator import evaluation_due
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
 
@@ -134,11 +134,11 @@ class MetricsLog:
         writer = self.writer
         if not metrics["count"] or not self.accelerator.is_main_process or (writer is None and not final):
             return None
-        from common.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
+        from common.train.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
 
         title = f"{confusion_matrix_title(split, metrics['count'])}, step {step}"
         confusion = None
-        if metrics["confusion"] is not None:  # not drawn past common.metrics.CONFUSION_MAX_CLASSES classes
+        if metrics["confusion"] is not None:  # not drawn past common.train.metrics.CONFUSION_MAX_CLASSES classes
             confusion = confusion_matrix_image(metrics["confusion"], class_names, title=title)
         if writer is not None and confusion is not None:
             writer.add_image(f"{split}/confusion_matrix", confusion, step, dataformats="HWC")
@@ -249,7 +249,7 @@ class Progress:
         left = (self.total - step) / rate
         if self.last_eval_s is None:
             return f"{format_duration(left)} + evaluations"
-        # the evaluation rule the run follows (common.validation): this epoch's end and the later ones (1-based),
+        # the evaluation rule the run follows (common.train.evaluator): this epoch's end and the later ones (1-based),
         # the --eval-every-steps steps left, then the final evaluation
         ends = range(epoch + 1, self.cfg.epochs + 1)
         evals = 1 + sum(evaluation_due(self.cfg, epochs_done=e) for e in ends)

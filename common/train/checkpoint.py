@@ -1,5 +1,5 @@
 """Crash-safe checkpoints on top of ``accelerator.save_state`` (the file format; the run's position and resuming
-are ``common.checkpointer``'s).
+are ``common.train.checkpointer``'s).
 
 Layout of a run directory::
 
@@ -210,7 +210,7 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
     refuses data that changed since)."""
     import dataclasses
 
-    from common.splits import data_record
+    from common.data.splits import data_record
 
     return {"recipe": recipe, "recipe_file": recipe_file, "model": type(model).__name__,
             "input_shape": list(data.shape), "class_names": data.class_names, "mean": transform.mean,

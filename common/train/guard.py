@@ -233,7 +233,7 @@ def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
 
 def nonfinite_advice(run_dir, step: int, epoch: int) -> str:
     """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
-    from common.checkpoint import complete_checkpoints, step_of
+    from common.train.checkpoint import complete_checkpoints, step_of
 
     usable = [p for p in complete_checkpoints(run_dir) if step_of(p) < step - 1]
     where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "

@@ -2,14 +2,14 @@
 
 The decoded tensors ARE the training data: batches are formed by indexing them (one gather per
 batch, see ``TensorImages.__getitems__``), travel to the device as uint8, and are converted and
-augmented there (``common.augment``). No per-sample Python runs in the training loop.
+augmented there (``common.data.augment``). No per-sample Python runs in the training loop.
 
 Accepted sources (``--dataset``):
 - a Hub id such as ``ylecun/mnist`` (needs network the first time, then the Hub cache serves it);
 - a local clone of a Hub dataset repo (parquet files per split; the files themselves, so clone with
   git-lfs installed);
 - an image folder: ``<dir>/<class>/.../*.png`` (optionally under ``train/``, ``validation/``, ``test/``), read
-  by torchvision's ImageFolder rules (``common.folders``).
+  by torchvision's ImageFolder rules (``common.data.folders``).
 
 Contract of ``load_image_data(cfg, default_dataset, is_main)``:
 - Call it on EVERY process at the same time; it needs no collective and no main-first ordering.
@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch
 
-from common import cache, folders, sources
+from common.data import cache, folders, sources
 from common.console import say
-from common.cache import default_cache_dir  # noqa: F401 - part of this module's interface
+from common.data.cache import default_cache_dir  # noqa: F401 - part of this module's interface
 from common.errors import DataError  # noqa: F401 - raised by everything here
-from common.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
+from common.data.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
 
 VALIDATION_SPLITS = ("validation", "valid", "val")
 
@@ -69,7 +69,7 @@ def _label_map(what: str, class_names, str_map):
 
 
 def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, mmap: bool):
-    """An image folder read by ``common.folders`` (torchvision's ImageFolder rules), each split decoded into (or
+    """An image folder read by ``common.data.folders`` (torchvision's ImageFolder rules), each split decoded into (or
     read from) the cache under a key made of every file's path, class, size and times."""
     scan = folders.scan(path, name)
     settings = {"channels": cfg.channels, "size": cfg.image_size}
@@ -263,7 +263,7 @@ def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False
     and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator
     when ``on_device`` (--data-on-device, or ``place_on_device``'s choice). ``alternating_flip``: airbench's flip,
     seeded by --seed (``TensorImages``)."""
-    from common.accelerator import loader_batch
+    from common.train.accelerator import loader_batch
 
     if split is None:
         return None

@@ -38,7 +38,7 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int =
         return None
     from tqdm.auto import tqdm
 
-    from common.tracking import on_terminal
+    from common.train.tracking import on_terminal
 
     import time
 

@@ -91,7 +91,7 @@ class Summary:
         missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
         status = "target_missed" if missed else "completed"
         if self.accelerator.is_main_process:
-            from common.plots import save_curves_png, save_image_png
+            from common.train.plots import save_curves_png, save_image_png
 
             save_curves_png(self.path / "metrics.jsonl", self.path / "curves.png")
             if confusion is not None:

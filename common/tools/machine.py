@@ -26,7 +26,7 @@ def machine_info(device) -> dict:
     """Host, CPU model and flags, usable CPUs, torch threads and, on ``device`` "cuda", the GPU."""
     import torch
 
-    from common.accelerator import cpu_bf16_support
+    from common.train.accelerator import cpu_bf16_support
 
     device = torch.device(device)
     cpu_model, flags = platform.processor(), set()

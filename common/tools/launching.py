@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES_DIR, CONFIGS_DIR = REPO / "recipes", REPO / "accelerate_configs"
 _IMPORTED: dict[Path, object] = {}
 
@@ -56,7 +56,7 @@ def launch_command(recipe, args=(), *, nproc: int = 1, config: str | None = None
     accelerate_configs/ or a path (default: cpu.yaml for 1 process, cpu_2proc.yaml for 2); ``precision`` is passed
     to the launcher (default "no": fp32 whatever the CPU, as the golden losses are; None keeps the config's);
     ``nproc=0`` gives the plain ``python recipe ARGS`` a user runs without the launcher."""
-    from common.machine import free_port
+    from common.tools.machine import free_port
 
     script = [str(recipe_path(recipe)), *map(str, args)]
     if nproc == 0:

@@ -74,7 +74,7 @@ class FolderSplit:
         return len(self.files)
 
     def provenance(self) -> list[tuple[str, int, int]]:
-        """Each file's (path in the dataset folder, size, mtime_ns): which file is at each row (common.splits)."""
+        """Each file's (path in the dataset folder, size, mtime_ns): which file is at each row (common.data.splits)."""
         return [(f, st[0], st[1]) for f, st in zip(self.files, self.stats)]
 
     @property
@@ -102,7 +102,7 @@ class FolderScan:
     skipped: Counter = field(default_factory=Counter)
     tables: bool = False  # the folder holds parquet or arrow files: a dataset repository, read by `datasets`
     dirs: list = field(default_factory=list)  # every folder walked, [path, dev, ino, mtime_ns, ctime_ns]
-    kept: bool = False  # read back from the cache folder (common.scan_cache), not walked now
+    kept: bool = False  # read back from the cache folder (common.data.scan_cache), not walked now
 
     def skipped_line(self) -> str:
         """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""

@@ -29,10 +29,10 @@ the run finishes: nothing that must follow a batch or an epoch lives only after 
 ``optimizer.step()`` without ``run.step(loss)`` stops the run before the update; a second pass over run.batches()
 in one epoch is refused.
 
-The run assembles parts that each own their state: ``common.rundir.RunDir`` (the folder, its lock, what it
-resumes), ``common.checkpointer.Checkpointer`` (the position: epoch, batch, step; checkpoints and resuming),
-``common.validation.Evaluator`` (when to evaluate, best/), ``common.guard.StepChecks`` (loss sums, the NaN/stop
-guard), ``common.summary.Summary`` (summary.json from values), ``common.tracking`` (trackers, progress,
+The run assembles parts that each own their state: ``common.train.rundir.RunDir`` (the folder, its lock, what it
+resumes), ``common.train.checkpointer.Checkpointer`` (the position: epoch, batch, step; checkpoints and resuming),
+``common.train.evaluator.Evaluator`` (when to evaluate, best/), ``common.train.guard.StepChecks`` (loss sums, the NaN/stop
+guard), ``common.train.summary.Summary`` (summary.json from values), ``common.train.tracking`` (trackers, progress,
 throughput). It prints through ``common.console.say``, the one way anything prints from the main process.
 
 What each call promises:
@@ -44,13 +44,13 @@ What each call promises:
   command line are applied (and printed); a checkpoint of another model or global batch is refused.
 - **Every rank agrees, and the host never waits for the device between log steps.** ``step``
   does one small all-reduce per optimizer step carrying (loss sum, any non-finite loss?, any stop
-  request?) and reads it one step late (``common.guard``): a NaN/inf loss on any rank is masked out of
+  request?) and reads it one step late (``common.train.guard``): a NaN/inf loss on any rank is masked out of
   the update on the device and stops every rank at the next step, before anything is written; a signal
   or a lost launcher on any rank makes every rank checkpoint at the same step and exit 75.
 - **fp16 skipped steps are detected from the loss scale** (a fused optimizer hides them from
   ``optimizer_step_was_skipped``); they don't advance the schedule; too many in a row stop the run.
-- **Crash-safe, one writer**: checkpoints through ``common.checkpoint``; the run directory is locked
-  for the run's life (``common.rundir``).
+- **Crash-safe, one writer**: checkpoints through ``common.train.checkpoint``; the run directory is locked
+  for the run's life (``common.train.rundir``).
 - **How it ended** is written to ``summary.json`` (``status``) for every ending after the start:
   completed, target_missed, preempted, nonfinite_loss, bad_input, storage_error, unfinished, crashed. Through
   ``accelerate launch`` every failure exits 1, so scripts should read that field.
@@ -67,22 +67,22 @@ from pathlib import Path
 
 import torch
 
-from common import checkpoint as ckpt
-from common.accelerator import loader_batch, make_accelerator, startup_line
-from common.augment import batch_generator
-from common.checkpointer import Checkpointer
+from common.train import checkpoint as ckpt
+from common.train.accelerator import loader_batch, make_accelerator, startup_line
+from common.data.augment import batch_generator
+from common.train.checkpointer import Checkpointer
 from common.config import sanitize_for_hparams
 from common.console import say
-from common.data import load_image_data, place_on_device
+from common.data.decoded import load_image_data, place_on_device
 from common.errors import EXIT_CODES, Preempted, RecipeError, UnreadablePhoto, Unfinished, report
-from common.evalonly import EvalOnly
-from common.guard import StepChecks, unclipped_grad_norm
-from common.profiler import StepProfiler
-from common.rundir import RunDir, storage_error
-from common.stopping import StopFlag
-from common.summary import Summary
-from common.tracking import MetricsLog, Progress, Throughput
-from common.validation import Evaluator, evaluation_due
+from common.train.eval_only import EvalOnly
+from common.train.guard import StepChecks, unclipped_grad_norm
+from common.train.profiler import StepProfiler
+from common.train.rundir import RunDir, storage_error
+from common.train.stopping import StopFlag
+from common.train.summary import Summary
+from common.train.tracking import MetricsLog, Progress, Throughput
+from common.train.evaluator import Evaluator, evaluation_due
 
 
 DROP_SHARE = 0.1  # training drops its last incomplete batch (equal batches) unless it holds more of the split
@@ -235,7 +235,7 @@ class TrainingRun:
     def load_data(self, reader=load_image_data):
         """Decode (once per node, cached) or read the cache; hold out validation from train if needed. A stop
         request ends this phase at once (nothing to checkpoint yet). ``reader``: another way to read the data with
-        load_image_data's signature (``common.photos.load_photos``: file lists, decoded per batch)."""
+        load_image_data's signature (``common.data.photos.load_photos``: file lists, decoded per batch)."""
         self.stop.interruptible("reading the data")
         data = reader(self.cfg, self.cfg.dataset, self.accelerator.is_main_process)
         self.stop.interruptible(None)
@@ -263,7 +263,7 @@ class TrainingRun:
 
     def loader(self, split, train: bool = False, **options):
         """A DataLoader over a split of the data run.load_data read (None for none), made the way its reader says
-        (``common.data.split_loader`` for decoded images, ``common.photos.photo_loader`` for photos): the global
+        (``common.data.decoded.split_loader`` for decoded images, ``common.data.photos.photo_loader`` for photos): the global
         --batch-size split over processes and accumulation steps for training, --eval-batch-size over processes for
         evaluation. ``options``: the loader's own (``alternating_flip=``, a photo recipe's ``train_view=``)."""
         if train and split is not None:
@@ -282,7 +282,7 @@ class TrainingRun:
 
     def start(self, model, optimizer, scheduler, train_loader, data, transform, *, evaluate, scored=None) -> None:
         """Fresh, or resumed exactly from the newest complete checkpoint. ``evaluate``: a function returning the
-        validation metrics (``common.metrics.evaluate``), called by the run when an evaluation is due (at
+        validation metrics (``common.train.metrics.evaluate``), called by the run when an evaluation is due (at
         --eval-every-steps, at the epoch ends --eval-every chooses, at the last); ``scored``: the module evaluated and
         saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
         cfg, acc = self.cfg, self.accelerator
@@ -297,7 +297,7 @@ class TrainingRun:
         self.log = MetricsLog(acc, self.dir.path, resumed, self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg)))
         self.evaluator = Evaluator(cfg, acc, evaluate, model if scored is None else scored, data, self.log, card,
                                    self.dir.path, state["best"])
-        self.checks = StepChecks(acc, optimizer, self.dir.path, state["skipped_steps"])  # the guard (common.guard)
+        self.checks = StepChecks(acc, optimizer, self.dir.path, state["skipped_steps"])  # the guard (common.train.guard)
         self.checks.watch_updates(optimizer)  # optimizer.step() without run.step(loss) stops at once
         self.profiler = StepProfiler(acc, cfg.profile, self.dir.path)
         self.progress = Progress(acc, cfg, position.total_steps)
@@ -417,7 +417,7 @@ class TrainingRun:
                                self.accelerator.device)
 
     def guard_step(self, grad_norm=None) -> None:
-        """Once per optimizer step, before it: one small all-reduce, no sync (``common.guard``). A non-finite loss
+        """Once per optimizer step, before it: one small all-reduce, no sync (``common.train.guard``). A non-finite loss
         on any rank is masked out of this update and stops every rank at the next step; a stop request is honoured
         at a step boundary every rank agrees on. The gradient norm (before any clipping the loop does after
         ``run.step``) is measured at log steps only (two passes over the gradients)."""
@@ -482,7 +482,7 @@ class TrainingRun:
                              values["train/samples_per_sec"])
 
     def _evaluate_if_due(self) -> None:
-        """Evaluate when ``common.validation.evaluation_due`` says so: inside the batch loop at every
+        """Evaluate when ``common.train.evaluator.evaluation_due`` says so: inside the batch loop at every
         --eval-every-steps step; after it at every --eval-every epochs, the last epoch and where --max-steps stops.
         Never twice for the same weights. A checkpoint that waited for the result is written after it."""
         c = self.ckpt
@@ -585,7 +585,7 @@ class TrainingRun:
         self.log.close()
         self.status = self.summary.finish(self.cfg, self._position(), split, final, confusion)
 
-    # --- --eval-only (common.evalonly) -------------------------------------------------------------
+    # --- --eval-only (common.train.eval_only) -------------------------------------------------------------
 
     def load_weights(self, model) -> None:
         """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder)."""

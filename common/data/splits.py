@@ -104,15 +104,15 @@ class ImageData:
     class_names: list[str]
     source: str
     note: str = ""  # files skipped and conversions made while reading the data, for the startup line
-    # how a loader over one of its splits is made (common.data.split_loader, common.photos.photo_loader): the reader
+    # how a loader over one of its splits is made (common.data.decoded.split_loader, common.data.photos.photo_loader): the reader
     # that made the data says, so every recipe gets its loaders from run.loader(...) alike
     make_loader: Callable | None = None
-    on_device: bool = False  # the decoded images were placed on the accelerator (common.data.place_on_device)
-    check: object | None = None  # photos still being checked while training runs (common.photo_check.PhotoCheck)
+    on_device: bool = False  # the decoded images were placed on the accelerator (common.data.decoded.place_on_device)
+    check: object | None = None  # photos still being checked while training runs (common.data.photo_check.PhotoCheck)
     listing: dict | None = field(default=None, repr=False)  # files_listing, made once
     listing_json: str | None = field(default=None, repr=False)  # ... and its JSON
     identity: str = ""  # a table dataset's files (size and times) or Hub fingerprint: in data_fingerprint
-    verify: object | None = None  # a kept folder scan checked beside training (common.scan_cache.Verify)
+    verify: object | None = None  # a kept folder scan checked beside training (common.data.scan_cache.Verify)
 
     @property
     def shape(self) -> tuple[int, int, int]:

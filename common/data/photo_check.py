@@ -8,7 +8,7 @@ named by the split's fingerprint (every file's path, size and times): a later la
   ``ACCELERATE_RECIPES_CHECK_FIRST`` sets another count) is checked before training starts, on every core.
 - A larger one is checked while training runs, by one process at low priority: a first launch on a million photos
   starts training in seconds instead of waiting minutes for the decode. A damaged photo found then stops the run at
-  the next optimizer step every rank agrees on (``common.stopping.StopFlag.fail``), with every damaged file named.
+  the next optimizer step every rank agrees on (``common.train.stopping.StopFlag.fail``), with every damaged file named.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def checked_first() -> int:
 class Forked:
     """``target(*args)`` in a forked process (it inherits what it reads: nothing is pickled) at ``nice`` priority,
     ended with this process; its return value read without a thread, by ``poll()``. The checks that run beside
-    training (this module's, ``common.scan_cache.Verify``) are made of these."""
+    training (this module's, ``common.data.scan_cache.Verify``) are made of these."""
 
     def __init__(self, target, args: tuple, nice: int = 0, name: str = ""):
         context = multiprocessing.get_context("fork")
@@ -71,8 +71,8 @@ def _check_rows(split, rows, side: int) -> list:
     """In a forked process: decode the photos at ``rows`` as training reads them; [(source, reason), ...]."""
     import torch
 
-    from common.photos import open_rgb
-    from common.pixels import unreadable_reason
+    from common.data.photos import open_rgb
+    from common.data.pixels import unreadable_reason
 
     torch.set_num_threads(1)
     parent, bad = os.getppid(), []
@@ -116,7 +116,7 @@ class PhotoCheck:
 
     def _finish(self) -> None:
         from common.files import write_atomic
-        from common.pixels import unreadable_error
+        from common.data.pixels import unreadable_error
 
         errors = []
         for split, marker, what, parts in self._jobs:

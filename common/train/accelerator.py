@@ -120,7 +120,7 @@ def make_accelerator(cfg):
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
-    from common.tracking import log_with
+    from common.train.tracking import log_with
 
     cpu = not has_accelerator_device()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from common import checkpoint as ckpt
+from common.train import checkpoint as ckpt
 from common.console import say
 
 
@@ -28,7 +28,7 @@ def evaluation_due(cfg, step: int | None = None, epochs_done: int | None = None,
 
 class Evaluator:
     """Owns the evaluation schedule, the best --monitor value and best/, and the epoch's evaluation result.
-    ``evaluate``: the recipe's function returning validation metrics (``common.metrics.evaluate``); ``model``: the
+    ``evaluate``: the recipe's function returning validation metrics (``common.train.metrics.evaluate``); ``model``: the
     module scored and saved (the trained model, or an EMA copy); ``card``: model.json's fields for best/ and final/."""
 
     def __init__(self, cfg, accelerator, evaluate, model, data, log, card: dict, run_dir, best):

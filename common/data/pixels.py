@@ -9,7 +9,7 @@
 - Transparency (RGBA, LA, a palette with a transparent colour) is flattened over black, so what a transparent
   pixel hides never reaches the model; palette images become RGB.
 - The result is ``L`` (grey) or ``RGB``: a grey file stays grey, so the caller can decide the channel count
-  over a whole split instead of letting the first image decide it (``common.sources.decode_split``).
+  over a whole split instead of letting the first image decide it (``common.data.sources.decode_split``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ photos and a label column), read through ``datasets`` the way a folder is read t
 
 Nothing is decoded up front: ``datasets`` keeps an arrow copy of the tables, memory-mapped, and each photo's encoded
 bytes are read from it per batch in the loader's workers and decoded there, as a folder's files are (the same
-``common.photos`` code: the recipe's ``train_view``, the evaluation view, the photo check, predict's preprocessing).
+``common.data.photos`` code: the recipe's ``train_view``, the evaluation view, the photo check, predict's preprocessing).
 Memory stays flat in the dataset's size. The arrow copy of a local folder is kept in the cache folder under a key made
 of every file's size and times, so a changed file is read afresh, and that key (a Hub dataset: its ``datasets``
 fingerprint) joins the data fingerprint a checkpoint records: a resume on changed tables is refused.
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from common.errors import DataError
-from common.photos import PhotoSplit
+from common.data.photos import PhotoSplit
 
 VALIDATION_SPLITS = ("validation", "valid", "val")
 
@@ -83,7 +83,7 @@ def load_table_photos(cfg, name: str, cache_dir: Path) -> tuple[dict, list[str],
     from accelerate import PartialState
     from datasets import Image as ImageFeature
 
-    from common import cache, sources
+    from common.data import cache, sources
 
     state = cache.source_state(name)  # a local folder's files, hashed; None for a Hub id
     with PartialState().local_main_process_first():

@@ -2,7 +2,7 @@
 and resuming from one: the newest readable checkpoint (past a damaged one), the checks that refuse a resume that
 would change what the run means, and the notes on what a resume changed (hyperparameters, schedule length).
 
-``common.checkpoint`` is the file format underneath (crash-safe writes, completion markers, model folders)."""
+``common.train.checkpoint`` is the file format underneath (crash-safe writes, completion markers, model folders)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import json
 import math
 from pathlib import Path
 
-from common import checkpoint as ckpt
-from common.accelerator import on_main
+from common.train import checkpoint as ckpt
+from common.train.accelerator import on_main
 from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, validate_received
 from common.console import say
 from common.errors import RecipeError
 from common.files import move_aside, write_atomic
-from common.schedule import lr_multiplier
-from common.splits import DATA_FILES, data_fingerprint, files_fingerprint, files_listing_json, recorded_files_changed
+from common.schedules import lr_multiplier
+from common.data.splits import DATA_FILES, data_fingerprint, files_fingerprint, files_listing_json, recorded_files_changed
 
 
 class Checkpointer:
@@ -175,7 +175,7 @@ class Checkpointer:
 
     def save(self, model, best, skipped_steps: int, batches_in_epoch: int | None = None,
              epoch: int | None = None) -> Path:
-        """A crash-safe checkpoint of everything prepared and the position (``common.checkpoint``): by default
+        """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): by default
         after the batch running (``batch + 1`` batches of ``epoch`` consumed)."""
         state = {"epoch": self.epoch if epoch is None else epoch,
                  "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,

@@ -1,7 +1,7 @@
 """Why a run should stop early, noticed on any rank: a signal, or a launcher that is gone.
 
 - SIGTERM, SIGINT, SIGHUP, SIGQUIT and SIGUSR1 set a flag; the training loop sees it at the next optimizer step
-  (``common.run``), every rank writes a checkpoint, and the run exits with 75 ("preempted").
+  (``common.train.run``), every rank writes a checkpoint, and the run exits with 75 ("preempted").
   torchrun forwards TERM/INT/HUP/QUIT to its workers, not USR1: under SLURM, slurm/train.sbatch turns
   the USR1 warning into a TERM for the launcher. torchrun kills its workers 30 s after forwarding a
   TERM, so the checkpoint must be written well inside that (it takes about a second for these models).

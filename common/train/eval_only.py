@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from common import checkpoint as ckpt
+from common.train import checkpoint as ckpt
 from common.config import DECIDES_SPLIT, EVAL_OWN, received, validate_received
 from common.console import say
 from common.errors import RecipeError, printable
@@ -113,7 +113,7 @@ def check_data(weights: Path, data, other_data: bool) -> None:
     image redraws the held-out split, which would then hold images the model trained on. The record is the
     model card's (best/, final/) or the checkpoint's. Skipped, with a note, when --dataset names other data
     than the run's (``other_data``: the command line's explicit word) or the weights carry no record."""
-    from common.splits import DATA_FILES, data_record, recorded_files_changed
+    from common.data.splits import DATA_FILES, data_record, recorded_files_changed
 
     card, state = weights.parent / ckpt.MODEL_CARD, weights.parent / ckpt.STATE_FILE
     try:

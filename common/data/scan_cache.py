@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import DataError
-from common.folders import FolderScan, FolderSplit
-from common.photo_check import Forked
+from common.data.folders import FolderScan, FolderSplit
+from common.data.photo_check import Forked
 
 VERSION = 1
 
@@ -105,7 +105,7 @@ def drop(cache_dir: Path, root: Path) -> None:
 
 def _walk_again(root, name, kept: dict) -> str:
     """In a forked process: walk the folder; '' when every split's files are those kept, else a file that differs."""
-    from common import folders
+    from common.data import folders
 
     try:
         fresh = folders.scan(root, name)
@@ -125,7 +125,7 @@ def _walk_again(root, name, kept: dict) -> str:
 
 class Verify:
     """The folder walked anew beside training, when the run started from a kept scan; ``poll()`` once per step
-    (``common.stopping.StopFlag.watch``) returns the error when a file differs."""
+    (``common.train.stopping.StopFlag.watch``) returns the error when a file differs."""
 
     def __init__(self, cache_dir: Path, scan: FolderScan, name: str):
         self.cache_dir, self.root, self.name = cache_dir, scan.root, name
