@@ -28,10 +28,12 @@ def imported_common() -> Path | None:
 def check() -> None:
     found = imported_common()
     if found is not None and found != LIBRARY:
-        sys.stderr.write(f"error: `import common` finds {found}, a package of your own, instead of this "
-                         f"repository's training library in {LIBRARY}. Python looks in the recipe's folder (and "
-                         "the current one) first, so a folder named `common` there hides the library. Rename your "
-                         "package (e.g. my_common), or move the recipe to a folder without one.\n")
+        sys.stderr.write(
+            f"error: `import common` finds {found}, a package of your own, instead of this "
+            f"repository's training library in {LIBRARY}. Python looks in the recipe's folder (and "
+            "the current one) first, so a folder named `common` there hides the library. Rename your "
+            "package (e.g. my_common), or move the recipe to a folder without one.\n"
+        )
         raise SystemExit(2)
 
 

@@ -32,15 +32,27 @@ import torch.nn.functional as F
 from harness import REPO, bad_input, machine_line, provenance, save, warn_if_busy  # first: the repo on sys.path
 from torch import nn
 
-from common.train.accelerator import cpu_bf16_support
 from common.data.decoded import load_image_data
 from common.errors import RecipeError
 from common.tools.launching import recipe_config
+from common.train.accelerator import cpu_bf16_support
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's, as the paper uses
-HYP = dict(epochs=9.9, batch_size=1024, lr=11.5, momentum=0.85, weight_decay=0.0153, bias_scaler=64.0,
-           label_smoothing=0.2, whiten_bias_epochs=3, translate=2, widths=(64, 256, 256), bn_momentum=0.6,
-           scale=1 / 9, lookahead_every=5)
+HYP = dict(
+    epochs=9.9,
+    batch_size=1024,
+    lr=11.5,
+    momentum=0.85,
+    weight_decay=0.0153,
+    bias_scaler=64.0,
+    label_smoothing=0.2,
+    whiten_bias_epochs=3,
+    translate=2,
+    widths=(64, 256, 256),
+    bn_momentum=0.6,
+    scale=1 / 9,
+    lookahead_every=5,
+)
 
 
 class BatchNorm(nn.BatchNorm2d):
@@ -95,7 +107,10 @@ def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> 
     patches = images.unfold(2, h, 1).unfold(3, w, 1).transpose(1, 3).reshape(-1, c, h, w).float()
     flat = patches.view(len(patches), -1)
     eigenvalues, eigenvectors = torch.linalg.eigh(flat.T @ flat / len(flat), UPLO="U")
-    eigenvalues, eigenvectors = eigenvalues.flip(0).view(-1, 1, 1, 1), eigenvectors.T.reshape(c * h * w, c, h, w).flip(0)
+    eigenvalues, eigenvectors = (
+        eigenvalues.flip(0).view(-1, 1, 1, 1),
+        eigenvectors.T.reshape(c * h * w, c, h, w).flip(0),
+    )
     scaled = eigenvectors / torch.sqrt(eigenvalues + eps)
     conv.weight.data[:] = torch.cat((scaled, -scaled)).to(conv.weight.dtype)
 
@@ -113,7 +128,7 @@ def batch_crop(padded: torch.Tensor, size: int, gen: torch.Generator) -> torch.T
     for sy in range(-r, r + 1):
         for sx in range(-r, r + 1):
             mask = (shifts[:, 0] == sy) & (shifts[:, 1] == sx)
-            out[mask] = padded[mask, :, r + sy:r + sy + size, r + sx:r + sx + size]
+            out[mask] = padded[mask, :, r + sy : r + sy + size, r + sx : r + sx + size]
     return out
 
 
@@ -123,7 +138,7 @@ def epoch_batches(padded, labels, size: int, epoch: int, gen: torch.Generator):
         images = images.flip(-1)
     order = torch.randperm(len(images), device=images.device, generator=gen)
     for i in range(len(images) // HYP["batch_size"]):
-        idx = order[i * HYP["batch_size"]:(i + 1) * HYP["batch_size"]]
+        idx = order[i * HYP["batch_size"] : (i + 1) * HYP["batch_size"]]
         yield images[idx], labels[idx]
 
 
@@ -154,8 +169,10 @@ def evaluate(net: nn.Module, images: torch.Tensor, labels: torch.Tensor, autocas
             shifted = torch.stack([mirror(padded[:, :, :n, :n]), mirror(padded[:, :, 2:, 2:])]).mean(0)
             plain.append(net(x).float())
             tta.append((0.5 * mirror(x) + 0.5 * shifted).float())
-    return {"accuracy": (torch.cat(plain).argmax(1) == labels).float().mean().item(),
-            "accuracy_tta": (torch.cat(tta).argmax(1) == labels).float().mean().item()}
+    return {
+        "accuracy": (torch.cat(plain).argmax(1) == labels).float().mean().item(),
+        "accuracy_tta": (torch.cat(tta).argmax(1) == labels).float().mean().item(),
+    }
 
 
 def train_once(train_images, train_labels, val_images, val_labels, seed: int, device, classes: int) -> dict:
@@ -179,9 +196,14 @@ def train_once(train_images, train_labels, val_images, val_labels, seed: int, de
     lr_biases = lr * HYP["bias_scaler"]
     norm_biases = [p for k, p in net.named_parameters() if "norm" in k and p.requires_grad]
     others = [p for k, p in net.named_parameters() if "norm" not in k and p.requires_grad]
-    optimizer = torch.optim.SGD([dict(params=norm_biases, lr=lr_biases, weight_decay=wd / lr_biases),
-                                 dict(params=others, lr=lr, weight_decay=wd / lr)],
-                                momentum=HYP["momentum"], nesterov=True)
+    optimizer = torch.optim.SGD(
+        [
+            dict(params=norm_biases, lr=lr_biases, weight_decay=wd / lr_biases),
+            dict(params=others, lr=lr, weight_decay=wd / lr),
+        ],
+        momentum=HYP["momentum"],
+        nesterov=True,
+    )
     steps_per_epoch = len(train) // HYP["batch_size"]
     if not steps_per_epoch:
         bad_input(f"{len(train)} training images make no batch of {HYP['batch_size']}: use a larger dataset.")
@@ -223,8 +245,14 @@ def train_once(train_images, train_labels, val_images, val_labels, seed: int, de
     result = evaluate(net, val, val_labels.to(device), autocast_fn)
     sync()
     eval_s = time.perf_counter() - t0 - train_s
-    return {"seed": seed, "train_s": round(train_s, 2), "eval_s": round(eval_s, 2), "steps": total,
-            "epoch_end_s": curve, **result}
+    return {
+        "seed": seed,
+        "train_s": round(train_s, 2),
+        "eval_s": round(eval_s, 2),
+        "steps": total,
+        "epoch_end_s": curve,
+        **result,
+    }
 
 
 def load(dataset: str, seed: int, val_fraction: float):
@@ -237,8 +265,10 @@ def load(dataset: str, seed: int, val_fraction: float):
         bad_input(str(err))
     held = data.val if data.val is not None else data.test
     if held is None:
-        bad_input(f"{dataset} has no test split to report with --val-fraction 0. Hold out a validation part of the "
-                  "training split instead (--val-fraction 0.1).")
+        bad_input(
+            f"{dataset} has no test split to report with --val-fraction 0. Hold out a validation part of the "
+            "training split instead (--val-fraction 0.1)."
+        )
     return data.train, held
 
 
@@ -255,16 +285,33 @@ def main(argv=None) -> int:
     device, rows, load_start = torch.device(args.device), [], warn_if_busy()
     for seed in [int(s) for s in args.seeds.split(",")]:
         train, held = load(args.dataset, seed, args.val_fraction)
-        r = train_once(train.images, train.labels, held.images, held.labels, seed, device,
-                       int(max(train.labels.max(), held.labels.max())) + 1)
+        r = train_once(
+            train.images,
+            train.labels,
+            held.images,
+            held.labels,
+            seed,
+            device,
+            int(max(train.labels.max(), held.labels.max())) + 1,
+        )
         rows.append(r)
-        print(f"seed {seed}: {r['accuracy_tta']:.4f} with TTA ({r['accuracy']:.4f} without) on {len(held)} held-out "
-              f"images; training {r['train_s']:.1f} s ({r['steps']} steps), evaluation {r['eval_s']:.1f} s", flush=True)
-    report = {**provenance("airbench94", argv, device, load_start), "dataset": args.dataset,
-              "val_fraction": args.val_fraction, "rows": rows, "hyp": HYP}
+        print(
+            f"seed {seed}: {r['accuracy_tta']:.4f} with TTA ({r['accuracy']:.4f} without) on {len(held)} held-out "
+            f"images; training {r['train_s']:.1f} s ({r['steps']} steps), evaluation {r['eval_s']:.1f} s",
+            flush=True,
+        )
+    report = {
+        **provenance("airbench94", argv, device, load_start),
+        "dataset": args.dataset,
+        "val_fraction": args.val_fraction,
+        "rows": rows,
+        "hyp": HYP,
+    }
     tta = [r["accuracy_tta"] for r in rows]
-    print(f"mean {statistics.mean(tta):.4f} over {len(tta)} seed(s), min {min(tta):.4f}, max {max(tta):.4f}\n"
-          f"{machine_line(report['machine'])}")
+    print(
+        f"mean {statistics.mean(tta):.4f} over {len(tta)} seed(s), min {min(tta):.4f}, max {max(tta):.4f}\n"
+        f"{machine_line(report['machine'])}"
+    )
     save(report, args.out)
     return 0
 

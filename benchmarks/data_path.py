@@ -23,8 +23,12 @@ from common.data.decoded import ImageSplit, make_loader
 
 def add_args(p):
     p.add_argument("--repeats", type=int, help="timed epochs of the loader rows (default 5, --tiny 2)")
-    p.add_argument("--seed-workers", type=int, default=os.cpu_count() or 1,
-                   help="DataLoader workers of the per-sample pipeline (default: os.cpu_count())")
+    p.add_argument(
+        "--seed-workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="DataLoader workers of the per-sample pipeline (default: os.cpu_count())",
+    )
 
 
 def epochs(loader):
@@ -60,10 +64,15 @@ def seed_rows(bench) -> dict:
     augment = [T.RandomCrop(bench.shape[1:], padding=t.translate, padding_mode="reflect")] if t.translate else []
     augment += [T.RandomHorizontalFlip()] if t.flip else []
     tf = T.Compose([*augment, T.ToTensor(), T.Normalize(t.mean, t.std)])
-    loader = torch.utils.data.DataLoader(harness.PerSampleImages(bench.pngs, bench.labels.tolist(), tf),
-                                         batch_size=bench.cfg.batch_size, shuffle=True, drop_last=True,
-                                         num_workers=workers, persistent_workers=workers > 0,
-                                         pin_memory=bench.device.type == "cuda")
+    loader = torch.utils.data.DataLoader(
+        harness.PerSampleImages(bench.pngs, bench.labels.tolist(), tf),
+        batch_size=bench.cfg.batch_size,
+        shuffle=True,
+        drop_last=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        pin_memory=bench.device.type == "cuda",
+    )
     alone = {**time_loader(bench, loader, augment=False), "loader_workers": workers}
     training = bench.raw_row(torch.get_num_threads(), stream_of=lambda: epochs(loader), transform=False)
     return {"seed_loader": alone, "seed_training": {**training, "loader_workers": workers}}
@@ -73,15 +82,29 @@ def measure(bench) -> dict:
     threads = torch.get_num_threads()
     bench.measure("recipe", lambda: bench.recipe_row("recipe", 1, threads))
     bench.measure("raw_torch", lambda: bench.raw_row(threads))
-    bench.measure("loader", lambda: time_loader(bench, make_loader(ImageSplit(bench.images, bench.labels),
-                                                                   bench.cfg.batch_size, train=True,
-                                                                   pin=bench.device.type == "cuda"), augment=True))
+    bench.measure(
+        "loader",
+        lambda: time_loader(
+            bench,
+            make_loader(
+                ImageSplit(bench.images, bench.labels),
+                bench.cfg.batch_size,
+                train=True,
+                pin=bench.device.type == "cuda",
+            ),
+            augment=True,
+        ),
+    )
     bench.measure("seed rows", lambda: seed_rows(bench))
     return {
         "loader_vs_recipe": ("loader / recipe training", bench.ratio("loader", "recipe"), ">=", 10.0),
         "loader_vs_seed_loader": ("loader / per-sample loader", bench.ratio("loader", "seed_loader"), ">=", 20.0),
-        "raw_vs_seed_training": ("raw step: tensor batches / per-sample pipeline",
-                                 bench.ratio("raw_torch", "seed_training"), None, None),
+        "raw_vs_seed_training": (
+            "raw step: tensor batches / per-sample pipeline",
+            bench.ratio("raw_torch", "seed_training"),
+            None,
+            None,
+        ),
     }
 
 

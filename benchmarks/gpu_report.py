@@ -35,12 +35,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import torch
 from harness import REPO, bad_input, machine_line, provenance, save, warn_if_busy  # first: the repo on sys.path
 
-import torch
-
-from common.tools.launching import (CONFIGS_DIR, import_recipe, launch_command, read_run, recipe_config, recipe_env,
-                              stop_children_on_term)
+from common.tools.launching import (
+    CONFIGS_DIR,
+    import_recipe,
+    launch_command,
+    read_run,
+    recipe_config,
+    recipe_env,
+    stop_children_on_term,
+)
 
 FOLDERS = ("mnist", "fashion_mnist", "cifar10", "flowers")
 TTA, BASELINE = REPO / "benchmarks" / "time_to_accuracy.py", REPO / "benchmarks" / "photo_baseline.py"
@@ -60,8 +66,11 @@ class Row:
 def read_mnist(out: Path):
     r = json.loads(out.read_text())["seeds"][0]["recipe"]
     t = r["time_to_target_s"]
-    reached = (f"to 99.3%: {t:.2f} s (step {r['step']}, {r['accuracy']:.4f})" if r["reached"]
-               else f"99.3% not reached (best {r['best_accuracy']})")
+    reached = (
+        f"to 99.3%: {t:.2f} s (step {r['step']}, {r['accuracy']:.4f})"
+        if r["reached"]
+        else f"99.3% not reached (best {r['best_accuracy']})"
+    )
     return f"{reached}; wall {r['process_wall_s']:.1f} s", "< 3 s to 99.3%", bool(r["reached"] and t < 3), r
 
 
@@ -69,9 +78,11 @@ def read_cifar(out: Path):
     s = json.loads(out.read_text())["seeds"][0]
     rec, base = s["recipe"], s["baseline"]
     r_end, b_end, t = rec["curve"][-1], base["curve"][-1], rec["time_to_target_s"]
-    text = (f"cifar_cnn {r_end['accuracy']:.4f} in {r_end['time_s']:.1f} s; airbench94 {b_end['accuracy']:.4f} "
-            f"({b_end['accuracy_without_tta']:.4f} without TTA) in {b_end['time_s']:.1f} s; cifar_cnn to it: "
-            + (f"{t:.1f} s = {t / b_end['time_s']:.2f}x airbench's" if rec["reached"] else "not reached"))
+    text = (
+        f"cifar_cnn {r_end['accuracy']:.4f} in {r_end['time_s']:.1f} s; airbench94 {b_end['accuracy']:.4f} "
+        f"({b_end['accuracy_without_tta']:.4f} without TTA) in {b_end['time_s']:.1f} s; cifar_cnn to it: "
+        + (f"{t:.1f} s = {t / b_end['time_s']:.2f}x airbench's" if rec["reached"] else "not reached")
+    )
     return text, "<= 1.5x airbench's time", bool(rec["reached"] and t <= 1.5 * b_end["time_s"]), s
 
 
@@ -84,10 +95,16 @@ def windows(run_dir: Path) -> dict:
     rates = [r["train/samples_per_sec"] for r in rows[1:]]
     waits = [r["train/data_wait_fraction"] for r in rows[1:] if r.get("train/data_wait_fraction") is not None]
     med = statistics.median(rates)
-    return {"samples_per_s": med, "spread": (max(rates) - min(rates)) / med, "windows": rates,
-            "data_wait": statistics.median(waits) if waits else None, "first_step": rows[0]["step"],
-            "first_window_s": rows[0]["time"] - run["summary"]["timing"]["train_start"],
-            "batch": run["config"].get("batch_size"), "precision": run["summary"].get("precision")}
+    return {
+        "samples_per_s": med,
+        "spread": (max(rates) - min(rates)) / med,
+        "windows": rates,
+        "data_wait": statistics.median(waits) if waits else None,
+        "first_step": rows[0]["step"],
+        "first_window_s": rows[0]["time"] - run["summary"]["timing"]["train_start"],
+        "batch": run["config"].get("batch_size"),
+        "precision": run["summary"].get("precision"),
+    }
 
 
 def read_rate(run_dir: Path, compiled=False, goal="-"):
@@ -107,8 +124,11 @@ def read_baseline(out: Path):
 
 def read_sync(out: Path):
     r = json.loads(out.read_text())
-    text = (f"synchronising call in step {r['step']} after {r['checked']} clean steps: {r['where']}" if r["sync"]
-            else f"0 synchronising calls in {r['checked']} steps between log steps (exit {r['exit']})")
+    text = (
+        f"synchronising call in step {r['step']} after {r['checked']} clean steps: {r['where']}"
+        if r["sync"]
+        else f"0 synchronising calls in {r['checked']} steps between log steps (exit {r['exit']})"
+    )
     return text, "0 syncs, >= 50 steps", not r["sync"] and r["checked"] >= 50 and r["exit"] == 0, r
 
 
@@ -122,49 +142,200 @@ def plan(args, work: Path) -> list[Row]:
         return launch_command(script, argv, nproc=1, config="single_gpu.yaml", precision=precision, extra_launch=extra)
 
     out = work / "mnist_convnet.json"
-    rows.append(Row("mnist_convnet", s, 90, [py, TTA, "--recipe", "mnist_convnet", "--dataset", data["mnist"],
-                    "--target", 0.993, "--baseline", "off", "--seeds", s, "--device", "cuda", "--accelerate-config",
-                    CONFIGS_DIR / "single_gpu.yaml", "--eval-every-steps", 100, "--goal-seconds", 3, "--work-dir",
-                    work / "tta-mnist", "--recipe-args", recipe_args, "--out", out], lambda o=out: read_mnist(o)))
+    rows.append(
+        Row(
+            "mnist_convnet",
+            s,
+            90,
+            [
+                py,
+                TTA,
+                "--recipe",
+                "mnist_convnet",
+                "--dataset",
+                data["mnist"],
+                "--target",
+                0.993,
+                "--baseline",
+                "off",
+                "--seeds",
+                s,
+                "--device",
+                "cuda",
+                "--accelerate-config",
+                CONFIGS_DIR / "single_gpu.yaml",
+                "--eval-every-steps",
+                100,
+                "--goal-seconds",
+                3,
+                "--work-dir",
+                work / "tta-mnist",
+                "--recipe-args",
+                recipe_args,
+                "--out",
+                out,
+            ],
+            lambda o=out: read_mnist(o),
+        )
+    )
     out = work / "cifar_vs_airbench.json"
-    rows.append(Row("cifar_cnn_vs_airbench94", s, 150, [py, TTA, "--recipe", "cifar_cnn", "--dataset", data["cifar10"],
-                    "--target", "baseline", "--baseline-kind", "airbench94", "--seeds", s, "--device", "cuda",
-                    "--accelerate-config", work / "single_gpu_fp16.yaml", "--goal-ratio", 0.667, "--work-dir",
-                    work / "tta-cifar", "--recipe-args", recipe_args, "--out", out], lambda o=out: read_cifar(o)))
+    rows.append(
+        Row(
+            "cifar_cnn_vs_airbench94",
+            s,
+            150,
+            [
+                py,
+                TTA,
+                "--recipe",
+                "cifar_cnn",
+                "--dataset",
+                data["cifar10"],
+                "--target",
+                "baseline",
+                "--baseline-kind",
+                "airbench94",
+                "--seeds",
+                s,
+                "--device",
+                "cuda",
+                "--accelerate-config",
+                work / "single_gpu_fp16.yaml",
+                "--goal-ratio",
+                0.667,
+                "--work-dir",
+                work / "tta-cifar",
+                "--recipe-args",
+                recipe_args,
+                "--out",
+                out,
+            ],
+            lambda o=out: read_cifar(o),
+        )
+    )
 
     cfg = recipe_config("finetune_folder", ["--dataset", data["flowers"], "--image-size", "224"])
     same = ["--epochs", 3, "--batch-size", cfg.batch_size, "--seed", s, "--val-fraction", 0.15]
     run = work / "photo-recipe"
-    rows.append(Row("photo/recipe", s, 60, launch("finetune_folder", ["--dataset", data["flowers"], "--image-size",
-                    224, *same, "--eval-every", 99, "--report-to", "none", "--output-dir", run]),
-                    lambda r=run: read_rate(r)))
+    rows.append(
+        Row(
+            "photo/recipe",
+            s,
+            60,
+            launch(
+                "finetune_folder",
+                [
+                    "--dataset",
+                    data["flowers"],
+                    "--image-size",
+                    224,
+                    *same,
+                    "--eval-every",
+                    99,
+                    "--report-to",
+                    "none",
+                    "--output-dir",
+                    run,
+                ],
+            ),
+            lambda r=run: read_rate(r),
+        )
+    )
     out, workers = work / "photo-baseline.json", max(0, min(8, (os.cpu_count() or 1) - 1))  # the recipe's default
-    rows.append(Row("photo/baseline", s, 60, [py, BASELINE, "--data", data["flowers"], "--model", cfg.model, "--crop",
-                    224, *same, "--workers", workers, "--threads", 1, "--device", "cuda", "--out", out],
-                    lambda o=out: read_baseline(o)))
+    rows.append(
+        Row(
+            "photo/baseline",
+            s,
+            60,
+            [
+                py,
+                BASELINE,
+                "--data",
+                data["flowers"],
+                "--model",
+                cfg.model,
+                "--crop",
+                224,
+                *same,
+                "--workers",
+                workers,
+                "--threads",
+                1,
+                "--device",
+                "cuda",
+                "--out",
+                out,
+            ],
+            lambda o=out: read_baseline(o),
+        )
+    )
 
-    checks = {"mnist_convnet": ("mnist", 1, 60), "fashion_mnist_mlp": ("fashion_mnist", 1, 60),
-              "cifar_cnn": ("cifar10", 2, 60), "finetune_folder": ("flowers", 4, 70)}
+    checks = {
+        "mnist_convnet": ("mnist", 1, 60),
+        "fashion_mnist_mlp": ("fashion_mnist", 1, 60),
+        "cifar_cnn": ("cifar10", 2, 60),
+        "finetune_folder": ("flowers", 4, 70),
+    }
     for recipe, (folder, epochs, steps) in checks.items():
         out = work / f"hot_path-{recipe}.json"
-        argv = ["--dataset", data[folder], "--epochs", epochs, "--max-steps", steps, "--log-every", 25, *own,
-                "--output-dir", work / f"hot_path-{recipe}"]
-        rows.append(Row(f"hot_path/{recipe}", s, 45, launch(Path(__file__), ["--sync-check", recipe, out, *argv]),
-                        lambda o=out: read_sync(o)))
+        argv = [
+            "--dataset",
+            data[folder],
+            "--epochs",
+            epochs,
+            "--max-steps",
+            steps,
+            "--log-every",
+            25,
+            *own,
+            "--output-dir",
+            work / f"hot_path-{recipe}",
+        ]
+        rows.append(
+            Row(
+                f"hot_path/{recipe}",
+                s,
+                45,
+                launch(Path(__file__), ["--sync-check", recipe, out, *argv]),
+                lambda o=out: read_sync(o),
+            )
+        )
 
-    levers = {"host": ([], ()), "device": (["--data-on-device"], ()),
-              "device+compile": (["--data-on-device"], ("--dynamo_backend", "inductor"))}
+    levers = {
+        "host": ([], ()),
+        "device": (["--data-on-device"], ()),
+        "device+compile": (["--data-on-device"], ("--dynamo_backend", "inductor")),
+    }
     sizes = {"mnist_convnet": ("mnist", 200, 40, 75), "cifar_cnn": ("cifar10", 40, 5, 120)}
     for lever in levers:
         for recipe, (folder, steps, every, compile_budget) in sizes.items():
             flags, extra = levers[lever]
             run = work / f"throughput-{recipe}-{lever}"
-            argv = ["--dataset", data[folder], "--epochs", 1, "--max-steps", steps, "--log-every", every, *own,
-                    *flags, "--output-dir", run]
+            argv = [
+                "--dataset",
+                data[folder],
+                "--epochs",
+                1,
+                "--max-steps",
+                steps,
+                "--log-every",
+                every,
+                *own,
+                *flags,
+                "--output-dir",
+                run,
+            ]
             compiled = bool(extra)
-            rows.append(Row(f"throughput/{recipe}/{lever}", s, compile_budget if compiled else 30,
-                            launch(recipe, argv, extra=extra), lambda r=run, c=compiled: read_rate(r, c),
-                            {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{recipe}")} if compiled else None))
+            rows.append(
+                Row(
+                    f"throughput/{recipe}/{lever}",
+                    s,
+                    compile_budget if compiled else 30,
+                    launch(recipe, argv, extra=extra),
+                    lambda r=run, c=compiled: read_rate(r, c),
+                    {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{recipe}")} if compiled else None,
+                )
+            )
     return [r for r in rows if not args.only or any(r.name.startswith(p) for p in args.only)]
 
 
@@ -173,8 +344,9 @@ def run_group(cmd, env, log: Path, timeout: float):
     stopped) the whole group is stopped, so no launcher's worker goes on using the GPU in the next row."""
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -211,8 +383,11 @@ def run_row(row: Row, work: Path, env: dict, stop_at: float) -> dict:
         result, goal, passed, data = row.read()
         rec.update(result=result, goal=goal, data=data, status="ok" if passed is None else "PASS" if passed else "MISS")
     except Exception as err:  # reported in its row; the other rows still count
-        rec.update(status="timeout" if code == "timeout" else "failed", goal="-",
-                   result=str(err) if code == "timeout" else f"exit {code}: {last_error(log)} ({type(err).__name__})")
+        rec.update(
+            status="timeout" if code == "timeout" else "failed",
+            goal="-",
+            result=str(err) if code == "timeout" else f"exit {code}: {last_error(log)} ({type(err).__name__})",
+        )
     print(f"{rec['status']} ({wall:.0f} s)", flush=True)
     return rec
 
@@ -221,25 +396,40 @@ def derived(rows: dict) -> list[dict]:
     """The ratios between rows: photo recipe / baseline, data on device / host, compiled / eager."""
     pairs = [("photo: recipe / baseline", "photo/recipe", "photo/baseline", ">= 1.0x")]
     for t in ("throughput/mnist_convnet/", "throughput/cifar_cnn/"):
-        pairs += [(t + "device / host", t + "device", t + "host", "-"),
-                  (t + "compiled / eager (data on device)", t + "device+compile", t + "device", "-")]
+        pairs += [
+            (t + "device / host", t + "device", t + "host", "-"),
+            (t + "compiled / eager (data on device)", t + "device+compile", t + "device", "-"),
+        ]
     out = []
     for name, a, b, goal in [p for p in pairs if p[1] in rows or p[2] in rows]:
         ra, rb = ((rows.get(k, {}).get("data") or {}) for k in (a, b))
         ra, rb = (r.get("samples_per_s") or r.get("images_per_s") for r in (ra, rb))
         ratio = ra / rb if ra and rb else None
-        out.append({"name": name, "seed": rows.get(a, rows.get(b))["seed"], "goal": goal,
-                    "status": "-" if ratio is None else "ok" if goal == "-" else "PASS" if ratio >= 1.0 else "MISS",
-                    "result": f"{ratio:.2f}x" if ratio else f"n/a: {a} {rows.get(a, {}).get('status', 'not asked')}, "
-                                                             f"{b} {rows.get(b, {}).get('status', 'not asked')}"})
+        out.append(
+            {
+                "name": name,
+                "seed": rows.get(a, rows.get(b))["seed"],
+                "goal": goal,
+                "status": "-" if ratio is None else "ok" if goal == "-" else "PASS" if ratio >= 1.0 else "MISS",
+                "result": f"{ratio:.2f}x"
+                if ratio
+                else f"n/a: {a} {rows.get(a, {}).get('status', 'not asked')}, "
+                f"{b} {rows.get(b, {}).get('status', 'not asked')}",
+            }
+        )
     return out
 
 
 def table(report: dict) -> list[str]:
     v, m = report["versions"], report["machine"]
-    lines = [f"GPU report {report['created'][:10]}: {m['gpu']}; torch {v['torch']} (CUDA {v['cuda']}, cuDNN "
-             f"{v['cudnn']}), accelerate {v['accelerate']}, torchvision {v['torchvision']}, python {v['python']}",
-             machine_line(m), "", "| row | seed | result | goal | status | s (budget) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"GPU report {report['created'][:10]}: {m['gpu']}; torch {v['torch']} (CUDA {v['cuda']}, cuDNN "
+        f"{v['cudnn']}), accelerate {v['accelerate']}, torchvision {v['torchvision']}, python {v['python']}",
+        machine_line(m),
+        "",
+        "| row | seed | result | goal | status | s (budget) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["rows"] + report["ratios"]:
         took = f"{r['wall_s']:.0f} ({r['budget_s']})" if "wall_s" in r else f"- ({r.get('budget_s', '-')})"
         cells = [r["name"], r["seed"], r["result"], r["goal"], r["status"], took]
@@ -261,8 +451,9 @@ def sync_check(recipe: str, out: str, argv: list[str]) -> int:
         end_step(self)  # under the mode set after the step before: a checked step's end is checked too
         state["checked"] += state["on"]
         state["step"] = nxt = self.global_step + 1
-        state["on"] = bool(nxt % self.cfg.log_every and nxt < self.ckpt.total_steps
-                           and self.ckpt.mid_epoch())  # this step was not the epoch's last
+        state["on"] = bool(
+            nxt % self.cfg.log_every and nxt < self.ckpt.total_steps and self.ckpt.mid_epoch()
+        )  # this step was not the epoch's last
         torch.cuda.set_sync_debug_mode("error" if state["on"] else "default")
 
     def unchecked_close(self, err):  # the run's ending (summary.json after an error) is not the hot path
@@ -277,8 +468,11 @@ def sync_check(recipe: str, out: str, argv: list[str]) -> int:
         if "synchronizing" not in str(err):
             raise
         frames = [f for f in traceback.extract_tb(err.__traceback__) if f.filename != __file__][-4:]
-        result.update(sync=True, exit=1, where=" <- ".join(
-            f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)))
+        result.update(
+            sync=True,
+            exit=1,
+            where=" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)),
+        )
     result.update(checked=state["checked"], step=state["step"])
     Path(out).write_text(json.dumps(result) + "\n")
     print(json.dumps(result))
@@ -290,41 +484,54 @@ def main(argv=None) -> int:
     if argv[:1] == ["--sync-check"]:  # the hot-path row's process (launched by this script)
         return sync_check(argv[1], argv[2], argv[3:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-root", type=Path, default=REPO.parent / "shared" / "data",
-                   help="the folder holding mnist/, cifar10/ and flowers/ (default: ../shared/data)")
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        default=REPO.parent / "shared" / "data",
+        help="the folder holding mnist/, cifar10/ and flowers/ (default: ../shared/data)",
+    )
     p.add_argument("--seed", type=int, default=1, help="every row's seed")
     p.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="row name prefixes, comma-separated")
     p.add_argument("--deadline-s", type=float, default=450, help="stop starting or running rows after this")
     p.add_argument("--work-dir", type=Path, help="decoded data, runs and logs (default: a new temporary folder)")
-    p.add_argument("--out-json", type=Path, default=REPO / "benchmarks" / "results" /
-                   f"gpu_report-{socket.gethostname()}.json")
+    p.add_argument(
+        "--out-json", type=Path, default=REPO / "benchmarks" / "results" / f"gpu_report-{socket.gethostname()}.json"
+    )
     p.add_argument("--dry-run", action="store_true", help="print every command with its time budget and exit")
     args = p.parse_args(argv)
     root = args.data_root.resolve()
     missing = [f"{root / k}/" for k in FOLDERS if not (root / k).is_dir()]
     if missing:
         what = "the folder does not exist" if not root.is_dir() else "it lacks " + ", ".join(missing)
-        bad_input(f"--data-root {root}: {what}. The report reads MNIST, CIFAR-10 and the flower photos from "
-                  f"{', '.join(f + '/' for f in FOLDERS)} under one folder, laid out as ../shared/data is (see its "
-                  "README.md); pass --data-root with the folder that holds them.")
+        bad_input(
+            f"--data-root {root}: {what}. The report reads MNIST, CIFAR-10 and the flower photos from "
+            f"{', '.join(f + '/' for f in FOLDERS)} under one folder, laid out as ../shared/data is (see its "
+            "README.md); pass --data-root with the folder that holds them."
+        )
     args.data_root = root
     t0 = time.perf_counter()
     work = args.work_dir or Path(tempfile.gettempdir()) / f"gpu_report-{os.getpid()}"
     if args.dry_run:
         rows = plan(args, work)
-        print(f"dry run: {len(rows)} rows, one command each, budgets {sum(r.budget_s for r in rows)} s in all, the "
-              f"whole stopped at {args.deadline_s:.0f} s; work dir {work}")
+        print(
+            f"dry run: {len(rows)} rows, one command each, budgets {sum(r.budget_s for r in rows)} s in all, the "
+            f"whole stopped at {args.deadline_s:.0f} s; work dir {work}"
+        )
         for r in rows:
-            print(f"[{r.name}] budget {r.budget_s} s, seed {r.seed}{'; ' + r.skip if r.skip else ''}:\n  "
-                  f"{' '.join(f'{k}={v}' for k, v in (r.env or {}).items())}{' ' if r.env else ''}"
-                  f"{shlex.join(map(str, r.cmd))}")
+            print(
+                f"[{r.name}] budget {r.budget_s} s, seed {r.seed}{'; ' + r.skip if r.skip else ''}:\n  "
+                f"{' '.join(f'{k}={v}' for k, v in (r.env or {}).items())}{' ' if r.env else ''}"
+                f"{shlex.join(map(str, r.cmd))}"
+            )
         return 0
     if not torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        bad_input(f"benchmarks/gpu_report.py measures the project's GPU figures and needs a CUDA GPU, but torch "
-                  f"{torch.__version__} sees none here (CUDA_VISIBLE_DEVICES={visible!r}). "
-                  "Run it on a machine with one; `python benchmarks/gpu_report.py --dry-run` lists every command it "
-                  "would run, with its time budget, on any machine.")
+        bad_input(
+            f"benchmarks/gpu_report.py measures the project's GPU figures and needs a CUDA GPU, but torch "
+            f"{torch.__version__} sees none here (CUDA_VISIBLE_DEVICES={visible!r}). "
+            "Run it on a machine with one; `python benchmarks/gpu_report.py --dry-run` lists every command it "
+            "would run, with its time budget, on any machine."
+        )
     stop_children_on_term()  # a stopped report leaves no recipe training
     load, stop_at = warn_if_busy(), t0 + args.deadline_s
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -333,8 +540,14 @@ def main(argv=None) -> int:
     env = recipe_env(work, threads=None, cache_dir=work / "decoded-cache")
     print(f"gpu report: {torch.cuda.get_device_name(0)}, work dir {work}", flush=True)
     rows = [run_row(r, work, env, stop_at) for r in plan(args, work)]
-    report = {**provenance("gpu_report", argv, "cuda", load), "data_root": str(root), "work_dir": str(work),
-              "seed": args.seed, "deadline_s": args.deadline_s, "rows": rows}
+    report = {
+        **provenance("gpu_report", argv, "cuda", load),
+        "data_root": str(root),
+        "work_dir": str(work),
+        "seed": args.seed,
+        "deadline_s": args.deadline_s,
+        "rows": rows,
+    }
     report["versions"].update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
     report["ratios"] = derived({r["name"]: r for r in rows})
     report["wall_s"], report["finished"] = round(time.perf_counter() - t0, 1), datetime.now().isoformat("seconds")

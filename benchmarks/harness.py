@@ -29,18 +29,35 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from common.data.augment import BatchTransform, batch_generator, channel_stats  # noqa: E402
-from common.tools.launching import (import_recipe, launch_command, read_run, recipe_config, recipe_env,  # noqa: E402
-                              recipe_path, run_logged, shipped_recipes, stop_children_on_term)
+from common.tools.launching import (  # noqa: E402
+    import_recipe,
+    launch_command,
+    read_run,
+    recipe_config,
+    recipe_env,
+    recipe_path,
+    run_logged,
+    shipped_recipes,
+    stop_children_on_term,
+)
 from common.tools.machine import load_average, machine_info, versions  # noqa: E402
 
 NUM_CLASSES = 10
 # Image shape of each recipe's default Hub dataset (a recipe reads its shape from the data).
-DATASET_SHAPES = {"ylecun/mnist": (1, 28, 28), "mnist": (1, 28, 28), "zalando-datasets/fashion_mnist": (1, 28, 28),
-                  "fashion_mnist": (1, 28, 28), "uoft-cs/cifar10": (3, 32, 32), "cifar10": (3, 32, 32)}
+DATASET_SHAPES = {
+    "ylecun/mnist": (1, 28, 28),
+    "mnist": (1, 28, 28),
+    "zalando-datasets/fashion_mnist": (1, 28, 28),
+    "fashion_mnist": (1, 28, 28),
+    "uoft-cs/cifar10": (3, 32, 32),
+    "cifar10": (3, 32, 32),
+}
 # --tiny: a small model of each shipped recipe (recipe flags), batch 32, 4 steps logged one by one.
 TINY_MODEL = {"fashion_mnist_mlp": "--hidden 32", "mnist_convnet": "--width 8", "cifar_cnn": "--widths 8,16,16"}
-PRESETS = {False: dict(steps=30, log_every=5, repeats=5, warmup=2),
-           True: dict(steps=4, log_every=1, repeats=2, warmup=1)}
+PRESETS = {
+    False: dict(steps=30, log_every=5, repeats=5, warmup=2),
+    True: dict(steps=4, log_every=1, repeats=2, warmup=1),
+}
 
 
 def bad_input(message: str):
@@ -53,8 +70,11 @@ def warn_if_busy() -> list | None:
     """The load average now, with a warning when other work shares the cores (the numbers are then low and noisy)."""
     load = load_average()
     if load and load[0] > 0.5 * (os.cpu_count() or 1):
-        print(f"warning: the machine is busy (load average {load[0]} on {os.cpu_count()} CPUs): the numbers will be "
-              "low and noisy; compare only what was measured in one run, on an idle machine", file=sys.stderr)
+        print(
+            f"warning: the machine is busy (load average {load[0]} on {os.cpu_count()} CPUs): the numbers will be "
+            "low and noisy; compare only what was measured in one run, on an idle machine",
+            file=sys.stderr,
+        )
     return load
 
 
@@ -62,22 +82,29 @@ def split_recipe_args(text: str) -> list[str]:
     try:
         return shlex.split(text)
     except ValueError as err:
-        bad_input(f"--recipe-args {text!r} cannot be split like a shell line ({err}). Quote it as one string, e.g. "
-                  "--recipe-args \"--channels 3 --image-size 32\".")
+        bad_input(
+            f"--recipe-args {text!r} cannot be split like a shell line ({err}). Quote it as one string, e.g. "
+            '--recipe-args "--channels 3 --image-size 32".'
+        )
 
 
 def provenance(study: str, argv, device, load_start) -> dict:
     """The command, when, the machine (load average at the start and now, the end) and the library versions."""
-    return {"benchmark": study, "created": datetime.now().isoformat(timespec="seconds"),
-            "command": shlex.join([f"benchmarks/{study}.py", *(sys.argv[1:] if argv is None else argv)]),
-            "machine": {**machine_info(device), "load_average_start": load_start, "load_average_end": load_average()},
-            "versions": versions()}
+    return {
+        "benchmark": study,
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join([f"benchmarks/{study}.py", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": {**machine_info(device), "load_average_start": load_start, "load_average_end": load_average()},
+        "versions": versions(),
+    }
 
 
 def machine_line(m: dict) -> str:
-    return (f"machine: {m['gpu'] or m['cpu']}, {m['cpus_usable']} CPUs, {m['torch_num_threads']} torch threads, flags "
-            f"{' '.join(m['cpu_flags']) or '-'}, native bf16: {m['cpu_bf16_support']}, load average "
-            f"{m['load_average_start']} -> {m['load_average_end']}")
+    return (
+        f"machine: {m['gpu'] or m['cpu']}, {m['cpus_usable']} CPUs, {m['torch_num_threads']} torch threads, flags "
+        f"{' '.join(m['cpu_flags']) or '-'}, native bf16: {m['cpu_bf16_support']}, load average "
+        f"{m['load_average_start']} -> {m['load_average_end']}"
+    )
 
 
 def save(report: dict, path: Path) -> None:
@@ -103,8 +130,9 @@ class PerSampleImages(torch.utils.data.Dataset):
         if isinstance(item, bytes):
             return self.transform(Image.open(io.BytesIO(item))), int(self.labels[i])
         arr = item.numpy()
-        return self.transform(Image.fromarray(arr[0] if arr.shape[0] == 1 else arr.transpose(1, 2, 0))), \
-            int(self.labels[i])
+        return self.transform(Image.fromarray(arr[0] if arr.shape[0] == 1 else arr.transpose(1, 2, 0))), int(
+            self.labels[i]
+        )
 
 
 def first_line(err: Exception) -> str:
@@ -116,8 +144,9 @@ def main(study: str, doc: str, argv, measure, add_args=lambda p: None) -> int:
     returns its ratios, {key: (label, value, op, target)}."""
     if argv is None:
         stop_children_on_term()  # a stopped benchmark leaves no recipe training
-    p = argparse.ArgumentParser(prog=f"{study}.py", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"{study}.py", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--recipe", required=True, help="a recipe name (recipes/<name>.py) or a recipe file")
     p.add_argument("--recipe-args", default="", help='recipe flags for every row, e.g. "--width 32 --batch-size 256"')
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda when a GPU is visible")
@@ -132,25 +161,36 @@ def main(study: str, doc: str, argv, measure, add_args=lambda p: None) -> int:
     args = p.parse_args(argv)
     args.recipe_path = recipe_path(args.recipe)
     if not args.recipe_path.is_file():
-        bad_input(f"--recipe {args.recipe}: there is no {args.recipe_path}. Name a shipped recipe "
-                  f"({', '.join(shipped_recipes())}) or give the path of a recipe file.")
+        bad_input(
+            f"--recipe {args.recipe}: there is no {args.recipe_path}. Name a shipped recipe "
+            f"({', '.join(shipped_recipes())}) or give the path of a recipe file."
+        )
     for key, value in PRESETS[args.tiny].items():
         if getattr(args, key, 0) is None:
             setattr(args, key, value)
     args.recipe_argv = split_recipe_args(args.recipe_args)
     if args.tiny:  # the user's own flags come last and win
         args.recipe_argv = [*TINY_MODEL.get(args.recipe_path.stem, "").split(), "--batch-size", "32", *args.recipe_argv]
-    counts = {f"--{k.replace('_', '-')}": v for k, v in vars(args).items()
-              if k in ("steps", "log_every", "runs", "repeats", "timeout", "warmup", "seed_workers")}
+    counts = {
+        f"--{k.replace('_', '-')}": v
+        for k, v in vars(args).items()
+        if k in ("steps", "log_every", "runs", "repeats", "timeout", "warmup", "seed_workers")
+    }
     if min(v - (k not in ("--warmup", "--seed-workers")) for k, v in counts.items()) < 0:
-        bad_input(f"{', '.join(f'{k} {v}' for k, v in counts.items())}: --warmup and --seed-workers must be at "
-                  "least 0, the others at least 1.")
+        bad_input(
+            f"{', '.join(f'{k} {v}' for k, v in counts.items())}: --warmup and --seed-workers must be at "
+            "least 0, the others at least 1."
+        )
     if args.steps < 2 * args.log_every or args.steps % args.log_every:
-        bad_input(f"--steps {args.steps} must be a multiple of --log-every {args.log_every} and at least twice it: "
-                  "the first window is warm-up and is dropped, the others are timed. Pass e.g. "
-                  f"--steps {max(2, math.ceil(args.steps / args.log_every)) * args.log_every}.")
-    args.out_json = args.out_json or REPO / "benchmarks" / "results" / \
-        f"{study}-{args.recipe_path.stem}-{socket.gethostname()}.json"
+        bad_input(
+            f"--steps {args.steps} must be a multiple of --log-every {args.log_every} and at least twice it: "
+            "the first window is warm-up and is dropped, the others are timed. Pass e.g. "
+            f"--steps {max(2, math.ceil(args.steps / args.log_every)) * args.log_every}."
+        )
+    args.out_json = (
+        args.out_json
+        or REPO / "benchmarks" / "results" / f"{study}-{args.recipe_path.stem}-{socket.gethostname()}.json"
+    )
     return Bench(study, args).run(measure, argv)
 
 
@@ -180,17 +220,21 @@ def write_parquet(root: Path, images: torch.Tensor, labels: torch.Tensor) -> lis
         pngs.append(buf.getvalue())
     (root / "data").mkdir(parents=True, exist_ok=True)
     features = Features({"image": Image(), "label": ClassLabel(names=[f"class_{k}" for k in range(NUM_CLASSES)])})
-    Dataset.from_dict({"image": [{"bytes": b, "path": None} for b in pngs], "label": labels.tolist()},
-                      features=features).to_parquet(str(root / "data" / "train-00000-of-00001.parquet"))
+    Dataset.from_dict(
+        {"image": [{"bytes": b, "path": None} for b in pngs], "label": labels.tolist()}, features=features
+    ).to_parquet(str(root / "data" / "train-00000-of-00001.parquet"))
     return pngs
 
 
 def batch_transform(cfg, images):
     """The recipe's on-device augmentation (common.data.augment.BatchTransform), from its config and these images
     (cifar_cnn's alternating flip, made in its loader, is timed here as a random flip on the device)."""
-    return BatchTransform(*channel_stats(images), translate=getattr(cfg, "translate", 0),
-                          flip=getattr(cfg, "flip", "none") != "none",
-                          channels_last=getattr(cfg, "channels_last", False))
+    return BatchTransform(
+        *channel_stats(images),
+        translate=getattr(cfg, "translate", 0),
+        flip=getattr(cfg, "flip", "none") != "none",
+        channels_last=getattr(cfg, "channels_last", False),
+    )
 
 
 def time_rounds(runners: dict, warmup: int, repeats: int, steps: int, device) -> dict:
@@ -220,14 +264,24 @@ def time_windows(step, steps: int, window: int, device) -> list[float]:
 def summarize(samples_per_s: list[float], **info) -> dict:
     """Median samples/s over the timed windows or rounds, their spread ((max - min) / median), and the list."""
     med = statistics.median(samples_per_s)
-    return {"samples_per_s": med, "spread": (max(samples_per_s) - min(samples_per_s)) / med, "n": len(samples_per_s),
-            "samples_per_s_each": [round(v, 3) for v in samples_per_s], **info}
+    return {
+        "samples_per_s": med,
+        "spread": (max(samples_per_s) - min(samples_per_s)) / med,
+        "n": len(samples_per_s),
+        "samples_per_s_each": [round(v, 3) for v in samples_per_s],
+        **info,
+    }
 
 
 def timed_row(seconds: list[float], samples: int, processes: int = 1, threads: int | None = None, **info) -> dict:
     """A row timed in this process (or its spawned ranks): ``samples`` samples in each of ``seconds``."""
-    return summarize([samples / s for s in seconds], source="timed in the benchmark", processes=processes,
-                     threads=threads or torch.get_num_threads(), **info)
+    return summarize(
+        [samples / s for s in seconds],
+        source="timed in the benchmark",
+        processes=processes,
+        threads=threads or torch.get_num_threads(),
+        **info,
+    )
 
 
 def new_model(module, cfg, shape, device, channels_last: bool | None = None):
@@ -246,7 +300,7 @@ def tensor_batches(images, labels, batch: int, seed: int, rank: int = 0, world: 
     while True:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(n // (batch * world)):
-            idx = perm[(i * world + rank) * batch:(i * world + rank + 1) * batch]
+            idx = perm[(i * world + rank) * batch : (i * world + rank + 1) * batch]
             yield epoch, i, images[idx], labels[idx]
         epoch += 1
 
@@ -277,6 +331,7 @@ def raw_step(module, cfg, shape, device, stream, transform, rank: int = 0, world
         packed.tolist()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -293,21 +348,29 @@ class Bench:
         self.module = import_recipe(args.recipe_path, prefix="_bench_recipe")
         missing = [n for n in ("Config", "build_model", "build_optimizer", "main") if not hasattr(self.module, n)]
         if missing:
-            bad_input(f"{args.recipe_path} has no {', '.join(missing)}: the benchmark uses the recipe's Config, "
-                      "build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, model).")
+            bad_input(
+                f"{args.recipe_path} has no {', '.join(missing)}: the benchmark uses the recipe's Config, "
+                "build_model(cfg, in_shape, num_classes) and build_optimizer(cfg, model)."
+            )
         try:
             self.cfg = cfg = recipe_config(args.recipe_path, args.recipe_argv)
         except SystemExit:
-            bad_input(f"--recipe-args {shlex.join(args.recipe_argv)!r} is not a valid command line for the recipe "
-                      "(its message is above).")
+            bad_input(
+                f"--recipe-args {shlex.join(args.recipe_argv)!r} is not a valid command line for the recipe "
+                "(its message is above)."
+            )
         if cfg.grad_accum != 1:
-            bad_input(f"--grad-accum {cfg.grad_accum}: the plain-PyTorch rows take one optimizer step per batch; "
-                      "benchmark with --grad-accum 1.")
+            bad_input(
+                f"--grad-accum {cfg.grad_accum}: the plain-PyTorch rows take one optimizer step per batch; "
+                "benchmark with --grad-accum 1."
+            )
         c, h, w = DATASET_SHAPES.get(cfg.dataset, (0, 0, 0))  # the recipe's flags, where given, say otherwise
         self.shape = (cfg.channels or c, cfg.image_size or h, cfg.image_size or w)
         if not min(self.shape):
-            bad_input(f"the recipe's default dataset {cfg.dataset!r} has no known image shape: give the synthetic "
-                      "images one with --recipe-args \"--channels C --image-size S\".")
+            bad_input(
+                f"the recipe's default dataset {cfg.dataset!r} has no known image shape: give the synthetic "
+                'images one with --recipe-args "--channels C --image-size S".'
+            )
         # Enough images that --steps fit in the recipe's first epoch after it holds out --val-fraction: an epoch
         # end (evaluation, checkpoint) inside a timed window would be timed too.
         self.num_images = math.ceil((args.steps + 1) * cfg.batch_size / (1 - cfg.val_fraction)) + 1
@@ -333,10 +396,28 @@ class Bench:
         args, runs = self.args, []
         for k in range(args.runs):
             run_dir, log = self.work / "runs" / f"{name}-{k}", self.work / "runs" / f"{name}-{k}.log"
-            own = ["--dataset", self.dataset, "--output-dir", run_dir, "--cache-dir", self.work / "cache",
-                   "--max-steps", args.steps, "--log-every", args.log_every, "--epochs", 1]
-            cmd = launch_command(args.recipe_path, [*args.recipe_argv, *own], nproc=0 if nproc == 1 else nproc,
-                                 config="cpu_2proc.yaml", threads=threads, extra_launch=["--num_processes", nproc])
+            own = [
+                "--dataset",
+                self.dataset,
+                "--output-dir",
+                run_dir,
+                "--cache-dir",
+                self.work / "cache",
+                "--max-steps",
+                args.steps,
+                "--log-every",
+                args.log_every,
+                "--epochs",
+                1,
+            ]
+            cmd = launch_command(
+                args.recipe_path,
+                [*args.recipe_argv, *own],
+                nproc=0 if nproc == 1 else nproc,
+                config="cpu_2proc.yaml",
+                threads=threads,
+                extra_launch=["--num_processes", nproc],
+            )
             env = recipe_env(self.work, threads=threads, cpu_only=self.device.type == "cpu")
             code, wall = run_logged(cmd, env, log, args.timeout)
             written = read_run(run_dir)
@@ -344,14 +425,27 @@ class Bench:
             if code != 0 or not windows:
                 tail = "\n".join(log.read_text().splitlines()[-15:])
                 raise RuntimeError(f"exit {code}, {len(windows)} timed windows; command: {shlex.join(cmd)}\n{tail}")
-            runs.append({"run_dir": str(run_dir), "command": shlex.join(cmd), "log": str(log),
-                         "process_wall_s": round(wall, 1), "windows": [w["train/samples_per_sec"] for w in windows],
-                         "data_wait_fraction": [w.get("train/data_wait_fraction") for w in windows],
-                         **{k: written["summary"].get(k) for k in ("status", "precision", "processes", "device")}})
+            runs.append(
+                {
+                    "run_dir": str(run_dir),
+                    "command": shlex.join(cmd),
+                    "log": str(log),
+                    "process_wall_s": round(wall, 1),
+                    "windows": [w["train/samples_per_sec"] for w in windows],
+                    "data_wait_fraction": [w.get("train/data_wait_fraction") for w in windows],
+                    **{k: written["summary"].get(k) for k in ("status", "precision", "processes", "device")},
+                }
+            )
         waits = [w for r in runs for w in r["data_wait_fraction"] if w is not None]
-        return summarize([w for r in runs for w in r["windows"]], source="metrics.jsonl", processes=nproc,
-                         threads=threads, data_wait_fraction=statistics.median(waits) if waits else None,
-                         global_batch=self.cfg.batch_size, runs=runs)
+        return summarize(
+            [w for r in runs for w in r["windows"]],
+            source="metrics.jsonl",
+            processes=nproc,
+            threads=threads,
+            data_wait_fraction=statistics.median(waits) if waits else None,
+            global_batch=self.cfg.batch_size,
+            runs=runs,
+        )
 
     def raw_row(self, threads: int, stream_of=None, transform=True) -> dict:
         """raw_step in this process at ``threads`` threads, over tensor batches of the images (or ``stream_of()``)."""
@@ -359,8 +453,9 @@ class Bench:
         torch.set_num_threads(threads)
         try:
             for k in range(args.runs):
-                stream = stream_of() if stream_of else tensor_batches(self.images, self.labels, cfg.batch_size,
-                                                                      cfg.seed + k)
+                stream = (
+                    stream_of() if stream_of else tensor_batches(self.images, self.labels, cfg.batch_size, cfg.seed + k)
+                )
                 step = raw_step(self.module, cfg, self.shape, self.device, stream, transform and self.transform)
                 windows += time_windows(step, args.steps, args.log_every, self.device)
         finally:
@@ -389,23 +484,44 @@ class Bench:
             model = new_model(self.module, cfg, self.shape, torch.device("cpu"))
             self.cnn = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
             params = sum(p.numel() for p in model.parameters())
-            print(f"{self.study}: {args.recipe_path.stem}, {type(model).__name__} {params:,} params, {self.num_images} "
-                  f"synthetic images {self.shape}, global batch {cfg.batch_size}, {args.steps} steps in windows of "
-                  f"{args.log_every} (first dropped), device {self.device}, {torch.get_num_threads()} threads")
+            print(
+                f"{self.study}: {args.recipe_path.stem}, {type(model).__name__} {params:,} params, {self.num_images} "
+                f"synthetic images {self.shape}, global batch {cfg.batch_size}, {args.steps} steps in windows of "
+                f"{args.log_every} (first dropped), device {self.device}, {torch.get_num_threads()} threads"
+            )
             ratios = judge(measure(self))
-            keep = ("steps", "log_every", "runs", "repeats", "warmup", "tiny", "seed_workers", "compile_backend",
-                    "skip")
+            keep = (
+                "steps",
+                "log_every",
+                "runs",
+                "repeats",
+                "warmup",
+                "tiny",
+                "seed_workers",
+                "compile_backend",
+                "skip",
+            )
             report = {
-                **provenance(self.study, argv, self.device, load_start), "recipe": args.recipe_path.stem,
+                **provenance(self.study, argv, self.device, load_start),
+                "recipe": args.recipe_path.stem,
                 "recipe_file": str(args.recipe_path),
-                "settings": {"recipe_args": args.recipe_argv,
-                             "config": {k: v for k, v in vars(cfg).items() if k != "explicit"},
-                             "model": type(model).__name__, "params": params, "input_shape": list(self.shape),
-                             "num_images": self.num_images, "global_batch": cfg.batch_size,
-                             "precision": "fp32 (levers: as named)", "dataset_write_s": round(write_s, 1),
-                             "work_dir": str(self.work) if args.work_dir else None,
-                             **{k: v for k, v in vars(args).items() if k in keep}},
-                "rows": self.rows, **self.extra, "ratios": ratios, "skipped": self.skipped,
+                "settings": {
+                    "recipe_args": args.recipe_argv,
+                    "config": {k: v for k, v in vars(cfg).items() if k != "explicit"},
+                    "model": type(model).__name__,
+                    "params": params,
+                    "input_shape": list(self.shape),
+                    "num_images": self.num_images,
+                    "global_batch": cfg.batch_size,
+                    "precision": "fp32 (levers: as named)",
+                    "dataset_write_s": round(write_s, 1),
+                    "work_dir": str(self.work) if args.work_dir else None,
+                    **{k: v for k, v in vars(args).items() if k in keep},
+                },
+                "rows": self.rows,
+                **self.extra,
+                "ratios": ratios,
+                "skipped": self.skipped,
                 "wall_s": round(time.perf_counter() - t_start, 1),
             }
         print(f"\n{format_table(report)}\n")
@@ -418,16 +534,27 @@ def judge(table: dict) -> dict:
     out = {}
     for key, (label, value, op, target) in table.items():
         ok = op is not None and value is not None and (value >= target if op == ">=" else value <= target)
-        out[key] = {"label": label, "value": value, "op": op, "target": target,
-                    "status": "n/a" if value is None else "info" if op is None else "PASS" if ok else "MISS"}
+        out[key] = {
+            "label": label,
+            "value": value,
+            "op": op,
+            "target": target,
+            "status": "n/a" if value is None else "info" if op is None else "PASS" if ok else "MISS",
+        }
     return out
 
 
 def format_table(report: dict) -> str:
-    lines = [machine_line(report["machine"]), "",
-             f"{'row':<26}{'samples/s':>12}{'spread':>8}{'n':>4}{'procs':>6}{'thr':>5}  source"]
-    lines += [f"{key:<26}{v['samples_per_s']:>12,.1f}{v['spread']:>8.1%}{v['n']:>4}{v['processes']:>6}{v['threads']:>5}"
-              f"  {v['source']}" for key, v in report["rows"].items()]
+    lines = [
+        machine_line(report["machine"]),
+        "",
+        f"{'row':<26}{'samples/s':>12}{'spread':>8}{'n':>4}{'procs':>6}{'thr':>5}  source",
+    ]
+    lines += [
+        f"{key:<26}{v['samples_per_s']:>12,.1f}{v['spread']:>8.1%}{v['n']:>4}{v['processes']:>6}{v['threads']:>5}"
+        f"  {v['source']}"
+        for key, v in report["rows"].items()
+    ]
     width = max(len(r["label"]) for r in report["ratios"].values())
     lines += ["", f"{'ratio':<{width}}{'value':>9}  {'target':<8}result"]
     for r in report["ratios"].values():

@@ -53,9 +53,9 @@ import torchvision  # noqa: E402
 from PIL import Image  # noqa: E402
 from torchvision import transforms as T  # noqa: E402
 
-from common.errors import DataError  # noqa: E402
 from common.data.folders import scan  # noqa: E402
 from common.data.splits import ImageSplit, hold_out  # noqa: E402
+from common.errors import DataError  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -93,11 +93,17 @@ def the_split(data: Path, val_fraction: float, seed: int):
         val = s.splits["validation"]
         return paths, train.labels, [str(val.base / f) for f in val.files], val.labels, s.class_names
     n = len(paths)
-    train_part, val_part = hold_out(ImageSplit(torch.zeros(n, 1, 1, 1, dtype=torch.uint8),
-                                               torch.tensor(train.labels)), val_fraction, seed)
+    train_part, val_part = hold_out(
+        ImageSplit(torch.zeros(n, 1, 1, 1, dtype=torch.uint8), torch.tensor(train.labels)), val_fraction, seed
+    )
     pick = lambda index, xs: [xs[i] for i in index.tolist()]  # noqa: E731
-    return (pick(train_part.index, paths), pick(train_part.index, train.labels), pick(val_part.index, paths),
-            pick(val_part.index, train.labels), s.class_names)
+    return (
+        pick(train_part.index, paths),
+        pick(train_part.index, train.labels),
+        pick(val_part.index, paths),
+        pick(val_part.index, train.labels),
+        s.class_names,
+    )
 
 
 def bad(message: str):
@@ -152,16 +158,23 @@ def main(argv=None) -> int:
     val_ds = Files(val_files[rank::world], val_labels[rank::world], eval_tf)  # no padding: each image counted once
     sampler = torch.utils.data.DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     per_rank = args.batch_size // world
-    train_loader = torch.utils.data.DataLoader(train_ds, per_rank, sampler=sampler, num_workers=args.workers,
-                                               pin_memory=args.device == "cuda")
+    train_loader = torch.utils.data.DataLoader(
+        train_ds, per_rank, sampler=sampler, num_workers=args.workers, pin_memory=args.device == "cuda"
+    )
     val_loader = torch.utils.data.DataLoader(val_ds, per_rank, num_workers=args.workers)
-    print(f"rank {rank} of world size {world}: {len(sampler)} training images per epoch, {len(val_ds)} validation "
-          f"images, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"rank {rank} of world size {world}: {len(sampler)} training images per epoch, {len(val_ds)} validation "
+        f"images, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     if main_rank:
-        print(f"machine: {os.cpu_count()} CPUs, flags {' '.join(cpu_flags()) or '-'}, load average "
-              f"{[round(x, 2) for x in os.getloadavg()]}; torch {torch.__version__}, torchvision "
-              f"{torchvision.__version__}; {len(train_files)} train / {len(val_files)} val images, "
-              f"{len(classes)} classes; {args.model}, batch {args.batch_size}, lr {lr:g}", flush=True)
+        print(
+            f"machine: {os.cpu_count()} CPUs, flags {' '.join(cpu_flags()) or '-'}, load average "
+            f"{[round(x, 2) for x in os.getloadavg()]}; torch {torch.__version__}, torchvision "
+            f"{torchvision.__version__}; {len(train_files)} train / {len(val_files)} val images, "
+            f"{len(classes)} classes; {args.model}, batch {args.batch_size}, lr {lr:g}",
+            flush=True,
+        )
 
     torch.manual_seed(args.seed)
     model = torchvision.models.get_model(args.model, weights=None, num_classes=len(classes)).to(device)
@@ -211,19 +224,40 @@ def main(argv=None) -> int:
         accuracy = correct / count
         curve.append(round(accuracy, 4))
         if main_rank:
-            print(f"epoch {epoch + 1}/{args.epochs}: lr {epoch_lr:.4g}, train loss {loss_sum / seen:.4f} "
-                  f"({int(seen)} images, {t1 - t0:.1f} s, {seen / (t1 - t0):.1f} images/s), val accuracy "
-                  f"{accuracy:.4f} ({int(correct)}/{int(count)}, {t2 - t1:.1f} s), {time.time() - start:.1f} s "
-                  "since launch", flush=True)
+            print(
+                f"epoch {epoch + 1}/{args.epochs}: lr {epoch_lr:.4g}, train loss {loss_sum / seen:.4f} "
+                f"({int(seen)} images, {t1 - t0:.1f} s, {seen / (t1 - t0):.1f} images/s), val accuracy "
+                f"{accuracy:.4f} ({int(correct)}/{int(count)}, {t2 - t1:.1f} s), {time.time() - start:.1f} s "
+                "since launch",
+                flush=True,
+            )
     wall_s = time.time() - start
-    result = {"model": args.model, "epochs": args.epochs, "crop": args.crop, "batch": args.batch_size, "lr": lr,
-              "seed": args.seed, "val_accuracy": accuracy, "val_count": int(count), "train_count": len(train_files),
-              "val_accuracy_per_epoch": curve, "wall_s": round(wall_s, 2), "wall_from": start_kind,
-              "train_s": round(train_s, 2), "eval_s": round(eval_s, 2), "images_per_s": round(trained / train_s, 2),
-              "processes": world, "threads": args.threads, "workers": args.workers,
-              "label_smoothing": args.label_smoothing, "warmup_epochs": args.warmup_epochs,
-              "torch": torch.__version__, "torchvision": torchvision.__version__, "cpu_flags": cpu_flags(),
-              "data": str(args.data)}
+    result = {
+        "model": args.model,
+        "epochs": args.epochs,
+        "crop": args.crop,
+        "batch": args.batch_size,
+        "lr": lr,
+        "seed": args.seed,
+        "val_accuracy": accuracy,
+        "val_count": int(count),
+        "train_count": len(train_files),
+        "val_accuracy_per_epoch": curve,
+        "wall_s": round(wall_s, 2),
+        "wall_from": start_kind,
+        "train_s": round(train_s, 2),
+        "eval_s": round(eval_s, 2),
+        "images_per_s": round(trained / train_s, 2),
+        "processes": world,
+        "threads": args.threads,
+        "workers": args.workers,
+        "label_smoothing": args.label_smoothing,
+        "warmup_epochs": args.warmup_epochs,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cpu_flags": cpu_flags(),
+        "data": str(args.data),
+    }
     if main_rank:
         print(json.dumps(result), flush=True)
         if args.out:

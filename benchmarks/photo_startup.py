@@ -61,9 +61,26 @@ def build(folder: Path, n: int) -> None:
 
 def launch(folder: Path, cache: Path, out: Path, log: Path) -> dict:
     """One launch to the first step; its seconds to the first step, wall seconds and peak RSS in MB."""
-    cmd = [sys.executable, str(REPO / "recipes" / "finetune_folder.py"), "--dataset", str(folder),
-           "--image-size", "32", "--batch-size", "32", "--max-steps", "1", "--val-fraction", "0",
-           "--cache-dir", str(cache), "--output-dir", str(out), "--workers", "0"]
+    cmd = [
+        sys.executable,
+        str(REPO / "recipes" / "finetune_folder.py"),
+        "--dataset",
+        str(folder),
+        "--image-size",
+        "32",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "1",
+        "--val-fraction",
+        "0",
+        "--cache-dir",
+        str(cache),
+        "--output-dir",
+        str(out),
+        "--workers",
+        "0",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     with open(log, "w") as f:
@@ -76,8 +93,12 @@ def launch(folder: Path, cache: Path, out: Path, log: Path) -> dict:
     timing = json.loads((out / "summary.json").read_text())["timing"]
     # versions before timing.first_step_at recorded when the training loop began (train_start), a moment earlier
     mark = "first_step_at" if timing.get("first_step_at") else "train_start"
-    return {"first_step_s": round(timing[mark] - t0, 2), "wall_s": round(wall, 2), "measured_to": mark,
-            "peak_rss_mb": round(usage.ru_maxrss / 1024)}
+    return {
+        "first_step_s": round(timing[mark] - t0, 2),
+        "wall_s": round(wall, 2),
+        "measured_to": mark,
+        "peak_rss_mb": round(usage.ru_maxrss / 1024),
+    }
 
 
 def main(argv=None) -> int:
@@ -85,8 +106,9 @@ def main(argv=None) -> int:
     p.add_argument("--root", type=Path, required=True, help="where the folders are written (and reused)")
     p.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000, 100000, 1000000])
     p.add_argument("--later", type=int, default=2, help="later launches per size (the median is reported)")
-    p.add_argument("--out-json", type=Path,
-                   default=REPO / "benchmarks" / "results" / f"photo-startup-{socket.gethostname()}.json")
+    p.add_argument(
+        "--out-json", type=Path, default=REPO / "benchmarks" / "results" / f"photo-startup-{socket.gethostname()}.json"
+    )
     args = p.parse_args(argv)
     load = warn_if_busy()
     rows = []
@@ -99,18 +121,25 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             first = launch(folder, tmp / "cache", tmp / "run-first", tmp / "first.log")
-            later = sorted((launch(folder, tmp / "cache", tmp / f"run-{k}", tmp / f"later-{k}.log")
-                            for k in range(args.later)), key=lambda r: r["first_step_s"])
+            later = sorted(
+                (launch(folder, tmp / "cache", tmp / f"run-{k}", tmp / f"later-{k}.log") for k in range(args.later)),
+                key=lambda r: r["first_step_s"],
+            )
         rows.append({"files": n, "first": first, "later": later[len(later) // 2], "later_all": later})
-        print(f"{n:>9,} files: first launch {first['first_step_s']} s ({first['peak_rss_mb']} MB), later "
-              f"{rows[-1]['later']['first_step_s']} s ({rows[-1]['later']['peak_rss_mb']} MB)", file=sys.stderr)
+        print(
+            f"{n:>9,} files: first launch {first['first_step_s']} s ({first['peak_rss_mb']} MB), later "
+            f"{rows[-1]['later']['first_step_s']} s ({rows[-1]['later']['peak_rss_mb']} MB)",
+            file=sys.stderr,
+        )
     report = {**provenance("photo_startup", argv, "cpu", load), "rows": rows}
     print(machine_line(report["machine"]))
     print("\n| files | first launch: s to first step | peak MB | later launch: s to first step | peak MB |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['files']:,} | {r['first']['first_step_s']} | {r['first']['peak_rss_mb']} | "
-              f"{r['later']['first_step_s']} | {r['later']['peak_rss_mb']} |")
+        print(
+            f"| {r['files']:,} | {r['first']['first_step_s']} | {r['first']['peak_rss_mb']} | "
+            f"{r['later']['first_step_s']} | {r['later']['peak_rss_mb']} |"
+        )
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
     args.out_json.write_text(json.dumps(report, indent=1))
     return 0

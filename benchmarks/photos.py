@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--recipe-args", default="", help="extra flags for the recipe (its defaults otherwise)")
     p.add_argument("--skip-baseline", action="store_true", help="time the recipe only")
     p.add_argument("--work-dir", type=Path, help="keep runs and logs here (default: a temporary folder)")
-    p.add_argument("--out-json", type=Path, default=REPO / "benchmarks" / "results" / f"photos-{socket.gethostname()}.json")
+    p.add_argument(
+        "--out-json", type=Path, default=REPO / "benchmarks" / "results" / f"photos-{socket.gethostname()}.json"
+    )
     args = p.parse_args(argv)
     from common.tools.launching import recipe_config
 
@@ -66,28 +68,63 @@ def main(argv=None) -> int:
     env = recipe_env(work, threads=1)
     rows = []
     for seed in args.seeds:
-        common = ["--epochs", cfg.epochs, "--batch-size", cfg.batch_size, "--seed", seed,
-                  "--val-fraction", args.val_fraction]
+        common = [
+            "--epochs",
+            cfg.epochs,
+            "--batch-size",
+            cfg.batch_size,
+            "--seed",
+            seed,
+            "--val-fraction",
+            args.val_fraction,
+        ]
         row = {"seed": seed}
         if not args.skip_baseline:
             out = work / f"baseline-{seed}.json"
-            cmd = [shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun",
-                   f"--nproc_per_node={args.nproc}", str(REPO / "benchmarks" / "photo_baseline.py"),
-                   "--data", str(args.data), "--model", cfg.model, "--crop", cfg.image_size,
-                   "--workers", args.baseline_workers, "--threads", 1, "--out", out, *common]
+            cmd = [
+                shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun",
+                f"--nproc_per_node={args.nproc}",
+                str(REPO / "benchmarks" / "photo_baseline.py"),
+                "--data",
+                str(args.data),
+                "--model",
+                cfg.model,
+                "--crop",
+                cfg.image_size,
+                "--workers",
+                args.baseline_workers,
+                "--threads",
+                1,
+                "--out",
+                out,
+                *common,
+            ]
             code, wall, rss = timed([str(c) for c in cmd], env, work / f"baseline-{seed}.log")
             res = json.loads(out.read_text()) if code == 0 else {}
-            row["baseline"] = {"exit": code, "wall_s": round(wall, 1), "peak_rss_mb": round(rss),
-                               "val_accuracy": res.get("val_accuracy")}
+            row["baseline"] = {
+                "exit": code,
+                "wall_s": round(wall, 1),
+                "peak_rss_mb": round(rss),
+                "val_accuracy": res.get("val_accuracy"),
+            }
         run = work / f"recipe-{seed}"
         shutil.rmtree(run, ignore_errors=True)
-        cmd = launch_command("finetune_folder", ["--dataset", args.data, *common, *args.recipe_args.split(),
-                                                 "--output-dir", run], nproc=args.nproc, precision=None)
+        cmd = launch_command(
+            "finetune_folder",
+            ["--dataset", args.data, *common, *args.recipe_args.split(), "--output-dir", run],
+            nproc=args.nproc,
+            precision=None,
+        )
         code, wall, rss = timed(cmd, env, work / f"recipe-{seed}.log")
         summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
-        row["recipe"] = {"exit": code, "wall_s": round(wall, 1), "peak_rss_mb": round(rss),
-                         "val_accuracy": summary.get("final", {}).get("val/accuracy"),
-                         "precision": summary.get("precision"), "run_dir_mb": round(folder_mb(run), 1)}
+        row["recipe"] = {
+            "exit": code,
+            "wall_s": round(wall, 1),
+            "peak_rss_mb": round(rss),
+            "val_accuracy": summary.get("final", {}).get("val/accuracy"),
+            "precision": summary.get("precision"),
+            "run_dir_mb": round(folder_mb(run), 1),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     write_report(args, cfg, rows, load, argv)
@@ -96,20 +133,34 @@ def main(argv=None) -> int:
 
 def write_report(args, cfg, rows: list[dict], load, argv=None) -> None:
     """The markdown table (printed) and the JSON file of a finished set of rows."""
-    report = {**provenance("photos", argv, "cpu", load), "data": str(args.data), "nproc": args.nproc,
-              "settings": {"model": cfg.model, "epochs": cfg.epochs, "crop": cfg.image_size,
-                           "batch": cfg.batch_size, "val_fraction": args.val_fraction}, "rows": rows}
-    lines = [machine_line(report["machine"]),
-             f"{args.data}: {cfg.model}, {cfg.epochs} epochs, crop {cfg.image_size}, global batch {cfg.batch_size}, "
-             f"{args.nproc} processes x 1 thread, {args.val_fraction:.0%} held out",
-             "| seed | baseline acc | baseline wall | recipe acc | recipe wall | wall ratio | peak RSS (MB) b / r |",
-             "|---|---|---|---|---|---|---|"]
+    report = {
+        **provenance("photos", argv, "cpu", load),
+        "data": str(args.data),
+        "nproc": args.nproc,
+        "settings": {
+            "model": cfg.model,
+            "epochs": cfg.epochs,
+            "crop": cfg.image_size,
+            "batch": cfg.batch_size,
+            "val_fraction": args.val_fraction,
+        },
+        "rows": rows,
+    }
+    lines = [
+        machine_line(report["machine"]),
+        f"{args.data}: {cfg.model}, {cfg.epochs} epochs, crop {cfg.image_size}, global batch {cfg.batch_size}, "
+        f"{args.nproc} processes x 1 thread, {args.val_fraction:.0%} held out",
+        "| seed | baseline acc | baseline wall | recipe acc | recipe wall | wall ratio | peak RSS (MB) b / r |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         b, c = r.get("baseline", {}), r["recipe"]
         ratio = c["wall_s"] / b["wall_s"] if b.get("wall_s") else float("nan")
-        lines.append(f"| {r['seed']} | {b.get('val_accuracy', float('nan')):.4f} | {b.get('wall_s', float('nan'))} s | "
-                     f"{c['val_accuracy'] or float('nan'):.4f} | {c['wall_s']} s | {ratio:.2f}x | "
-                     f"{b.get('peak_rss_mb', '-')} / {c['peak_rss_mb']} |")
+        lines.append(
+            f"| {r['seed']} | {b.get('val_accuracy', float('nan')):.4f} | {b.get('wall_s', float('nan'))} s | "
+            f"{c['val_accuracy'] or float('nan'):.4f} | {c['wall_s']} s | {ratio:.2f}x | "
+            f"{b.get('peak_rss_mb', '-')} / {c['peak_rss_mb']} |"
+        )
     print("\n".join(lines))
     report["table"] = lines
     args.out_json.parent.mkdir(parents=True, exist_ok=True)

@@ -35,8 +35,9 @@ def add_args(p):
 def skip_list(text: str) -> list[str]:
     skip = sorted({s.strip() for s in text.split(",") if s.strip()})
     if set(skip) - set(LEVERS):
-        harness.bad_input(f"--skip {','.join(sorted(set(skip) - set(LEVERS)))}: unknown; the levers are "
-                          f"{', '.join(LEVERS)}.")
+        harness.bad_input(
+            f"--skip {','.join(sorted(set(skip) - set(LEVERS)))}: unknown; the levers are {', '.join(LEVERS)}."
+        )
     return skip
 
 
@@ -56,13 +57,14 @@ def pure_step(bench, x, y, bf16=False, channels_last=None, compile_backend=None)
         F.cross_entropy(logits.float(), y, label_smoothing=getattr(cfg, "label_smoothing", 0.0)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
     return step
 
 
 def pure_rows(bench) -> dict:
     """pure_compute and the levers on it, in turns. A lever that fails is reported with its reason."""
-    from common.train.accelerator import cpu_bf16_support
     from common.data.augment import batch_generator
+    from common.train.accelerator import cpu_bf16_support
 
     args, cfg, device, batch = bench.args, bench.cfg, bench.device, bench.cfg.batch_size
     x = bench.transform.train(bench.images[:batch].to(device), batch_generator(cfg.seed, 0, 0, 0))
@@ -75,11 +77,18 @@ def pure_rows(bench) -> dict:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(bench.work / "inductor-cache"))
     candidates = {
         "bf16": ({"row": "pure_bf16", "native_bf16": native}, dict(bf16=True)),
-        "channels_last": ({"row": "pure_contiguous" if cl_default else "pure_channels_last",
-                           "recipe_default": cl_default}, dict(channels_last=not cl_default)),
-        "compile": ({"row": "pure_compiled", "backend": args.compile_backend,
-                     "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"]},
-                    dict(compile_backend=args.compile_backend)),
+        "channels_last": (
+            {"row": "pure_contiguous" if cl_default else "pure_channels_last", "recipe_default": cl_default},
+            dict(channels_last=not cl_default),
+        ),
+        "compile": (
+            {
+                "row": "pure_compiled",
+                "backend": args.compile_backend,
+                "inductor_cache": os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            },
+            dict(compile_backend=args.compile_backend),
+        ),
     }
     for name, (lever, how) in candidates.items():
         if name in args.skip:
@@ -97,17 +106,21 @@ def pure_rows(bench) -> dict:
                 bench.skipped[lever["row"]] = f"failed: {lever['reason']}"
 
     seconds = harness.time_rounds(runners, args.warmup, args.repeats, args.log_every, device)
-    out = {name: harness.timed_row(s, args.log_every * batch, global_batch=batch,
-                                   ms_per_step=1000 * statistics.median(s) / args.log_every)
-           for name, s in seconds.items()}
+    out = {
+        name: harness.timed_row(
+            s, args.log_every * batch, global_batch=batch, ms_per_step=1000 * statistics.median(s) / args.log_every
+        )
+        for name, s in seconds.items()
+    }
     for name, lever in levers.items():
         if lever.get("row") in out:
             speedup = out[lever["row"]]["samples_per_s"] / out["pure_compute"]["samples_per_s"]
             # channels_last is always reported as channels_last / contiguous, whichever the recipe uses
             lever.update(status="ok", speedup=1 / speedup if lever.get("recipe_default") else speedup)
     if "pure_compiled" in out:
-        levers["compile"]["compile_s"] = max(0.0, levers["compile"]["first_step_s"]
-                                             - out["pure_compiled"]["ms_per_step"] / 1000)
+        levers["compile"]["compile_s"] = max(
+            0.0, levers["compile"]["first_step_s"] - out["pure_compiled"]["ms_per_step"] / 1000
+        )
     return out
 
 
@@ -120,17 +133,31 @@ def measure(bench) -> dict:
     bf16, cl, compiled = (levers.get(k, {}) for k in LEVERS)
     return {
         "recipe_vs_pure_compute": ("recipe / pure compute", bench.ratio("recipe", "pure_compute"), ">=", 0.90),
-        "accelerate_overhead_1proc_pct": ("recipe overhead vs raw PyTorch, 1 proc (%)",
-                                          bench.overhead_pct("recipe", "raw_torch"), "<=", 3.0),
-        "bf16_vs_fp32": (f"bf16 autocast / fp32, pure step{'' if bf16.get('native_bf16', True) else ' (emulated)'}",
-                         bench.ratio("pure_bf16", "pure_compute"),
-                         *((">=", 1.3 if bench.cnn else 1.0) if bf16.get("native_bf16") else (None, None))),
-        "channels_last_vs_contiguous": (f"channels_last / contiguous, pure step (recipe: "
-                                        f"{'channels_last' if cl.get('recipe_default') else 'contiguous'})",
-                                        cl.get("speedup"), None, None),
-        "compile_vs_eager": (f"torch.compile ({bench.args.compile_backend}) / eager, pure step, steady state "
-                             f"(compile {compiled.get('compile_s', math.nan):.1f} s apart)",
-                             bench.ratio("pure_compiled", "pure_compute"), None, None),
+        "accelerate_overhead_1proc_pct": (
+            "recipe overhead vs raw PyTorch, 1 proc (%)",
+            bench.overhead_pct("recipe", "raw_torch"),
+            "<=",
+            3.0,
+        ),
+        "bf16_vs_fp32": (
+            f"bf16 autocast / fp32, pure step{'' if bf16.get('native_bf16', True) else ' (emulated)'}",
+            bench.ratio("pure_bf16", "pure_compute"),
+            *((">=", 1.3 if bench.cnn else 1.0) if bf16.get("native_bf16") else (None, None)),
+        ),
+        "channels_last_vs_contiguous": (
+            f"channels_last / contiguous, pure step (recipe: "
+            f"{'channels_last' if cl.get('recipe_default') else 'contiguous'})",
+            cl.get("speedup"),
+            None,
+            None,
+        ),
+        "compile_vs_eager": (
+            f"torch.compile ({bench.args.compile_backend}) / eager, pure step, steady state "
+            f"(compile {compiled.get('compile_s', math.nan):.1f} s apart)",
+            bench.ratio("pure_compiled", "pure_compute"),
+            None,
+            None,
+        ),
     }
 
 

@@ -1,11 +1,11 @@
 """Time to accuracy: wall time until a recipe first reaches a validation accuracy, beside the script a user would
 otherwise run (the baseline), on the same split, threads and machine, over several seeds (median, mean, spread).
 The recipe is launched as users launch it and timed to the eval_time of its first metrics.jsonl row with
-eval/accuracy >= --target, from summary.json's timing.train_start, less its timing.compile_s. The baseline trains
+eval/accuracy >= --target, from summary.json's timing.train_start. The baseline trains
 in this process on the recipe's own split (BASELINES: pytorch/examples mnist/main.py, the CIFAR-10 notebook this
 project grew from, or airbench94) and is timed to the end of its first evaluation at >= --baseline-target, from
 the start of its first step; with --target baseline both sides are timed to the accuracy it ends with. Both times
-include every evaluation up to the crossing; the one-time decode and the compile are excluded; all are reported
+include every evaluation up to the crossing; the one-time decode is excluded; all are reported
 (the whole rule: benchmarks/README.md). Ratio = baseline / recipe time, a lower bound (">=") when the baseline
 misses its target.
 
@@ -35,68 +35,110 @@ import time
 import types
 from pathlib import Path
 
-from harness import (REPO, PerSampleImages, bad_input, machine_line, provenance, save,  # first: the repo on sys.path
-                     split_recipe_args, warn_if_busy)
-
 import airbench94
 import torch
 import torch.nn.functional as F
+from harness import (  # first: the repo on sys.path
+    REPO,
+    PerSampleImages,
+    bad_input,
+    machine_line,
+    provenance,
+    save,
+    split_recipe_args,
+    warn_if_busy,
+)
 from torch import nn
 from torchvision import transforms
 
 from common.data.decoded import load_image_data
 from common.errors import RecipeError
-from common.tools.launching import (launch_command, read_run, recipe_config, recipe_env, run_logged, shipped_recipes,
-                              stop_children_on_term)
+from common.tools.launching import (
+    launch_command,
+    read_run,
+    recipe_config,
+    recipe_env,
+    run_logged,
+    shipped_recipes,
+    stop_children_on_term,
+)
 
 # Flags the benchmark sets itself on the recipe command line (per seed, per run directory).
 OWN_FLAGS = ("--dataset", "--output-dir", "--seed", "--eval-every-steps", "--resume-from")
 BASELINES = {
-    "mnist_example": dict(batch_size=64, test_batch_size=1000, lr=1.0, gamma=0.7, mean=0.1307, std=0.3081,
-                          log_interval=10, epochs=14, optimizer="Adadelta lr 1.0",
-                          model="pytorch/examples mnist Net: conv32 conv64 maxpool dropout 0.25, fc 128 dropout "
-                                "0.5, log_softmax + NLL",
-                          schedule="StepLR(step_size=1, gamma=0.7) per epoch",
-                          pipeline="per-sample PIL + ToTensor + Normalize in a torch DataLoader"),
-    "cifar_notebook": dict(batch_size=128, test_batch_size=1000, lr=0.1, momentum=0.9, weight_decay=5e-4, t_max=10,
-                           mean=0.5, std=0.5, log_interval=10, epochs=3,
-                           model="SimpleCNN: 3 x (conv3x3 BN ReLU maxpool) 64-128-256, fc 512 dropout 0.5, fc",
-                           optimizer="SGD lr 0.1 momentum 0.9 weight decay 5e-4",
-                           schedule="CosineAnnealingLR(T_max=10) per epoch, 3 epochs run",
-                           pipeline="per-sample PIL + RandomCrop(32, padding=4) + RandomHorizontalFlip + ToTensor "
-                                    "+ Normalize(0.5, 0.5) in a torch DataLoader"),
-    "airbench94": dict(batch_size=1024, epochs=10, model="airbench94 (benchmarks/airbench94.py), the paper's method "
-                       "in plain PyTorch", optimizer="SGD Nesterov, BatchNorm biases at 64x the LR, Lookahead",
-                       schedule="warm-up from 0.2 over 23%, linear to 0.07, 9.9 epochs; one evaluation, at the end",
-                       pipeline="the whole set on the device, augmented per batch"),
+    "mnist_example": dict(
+        batch_size=64,
+        test_batch_size=1000,
+        lr=1.0,
+        gamma=0.7,
+        mean=0.1307,
+        std=0.3081,
+        log_interval=10,
+        epochs=14,
+        optimizer="Adadelta lr 1.0",
+        model="pytorch/examples mnist Net: conv32 conv64 maxpool dropout 0.25, fc 128 dropout 0.5, log_softmax + NLL",
+        schedule="StepLR(step_size=1, gamma=0.7) per epoch",
+        pipeline="per-sample PIL + ToTensor + Normalize in a torch DataLoader",
+    ),
+    "cifar_notebook": dict(
+        batch_size=128,
+        test_batch_size=1000,
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=5e-4,
+        t_max=10,
+        mean=0.5,
+        std=0.5,
+        log_interval=10,
+        epochs=3,
+        model="SimpleCNN: 3 x (conv3x3 BN ReLU maxpool) 64-128-256, fc 512 dropout 0.5, fc",
+        optimizer="SGD lr 0.1 momentum 0.9 weight decay 5e-4",
+        schedule="CosineAnnealingLR(T_max=10) per epoch, 3 epochs run",
+        pipeline="per-sample PIL + RandomCrop(32, padding=4) + RandomHorizontalFlip + ToTensor "
+        "+ Normalize(0.5, 0.5) in a torch DataLoader",
+    ),
+    "airbench94": dict(
+        batch_size=1024,
+        epochs=10,
+        model="airbench94 (benchmarks/airbench94.py), the paper's method in plain PyTorch",
+        optimizer="SGD Nesterov, BatchNorm biases at 64x the LR, Lookahead",
+        schedule="warm-up from 0.2 over 23%, linear to 0.07, 9.9 epochs; one evaluation, at the end",
+        pipeline="the whole set on the device, augmented per batch",
+    ),
 }
 
 
-def crossing_report(points: list[dict], target: float, compile_s: float | None = None) -> dict:
+def crossing_report(points: list[dict], target: float) -> dict:
     """The first crossing: the first point (evaluation order) with "accuracy" >= target. Missing or NaN accuracies
     never count; a later dip does not matter: the first crossing is when a user could have stopped. Returns
     reached, time_to_target_s, step, accuracy, evals up to the crossing, best accuracy, and eval_s_included: every
-    point's eval_s up to the crossing plus the post_eval_s of the points before it (None if unknown); with
-    ``compile_s`` (the recipe's) also time_to_target_with_compile_s, the time a user waited."""
-    accs = {k: p["accuracy"] for k, p in enumerate(points)
-            if p.get("accuracy") is not None and not math.isnan(p["accuracy"])}
+    point's eval_s up to the crossing plus the post_eval_s of the points before it (None if unknown)."""
+    accs = {
+        k: p["accuracy"]
+        for k, p in enumerate(points)
+        if p.get("accuracy") is not None and not math.isnan(p["accuracy"])
+    }
     i = next((k for k, acc in accs.items() if acc >= target), None)
     upto = points[: i + 1] if i is not None else points
     parts = [p.get("eval_s") for p in upto] + [p.get("post_eval_s", 0.0) for p in upto[:-1]]
     if i is None and upto:
         parts.append(upto[-1].get("post_eval_s", 0.0))
     at = points[i] if i is not None else {}
-    report = {"reached": i is not None, "time_to_target_s": at.get("time_s"), "step": at.get("step"),
-              "accuracy": at.get("accuracy"), "evals": len(upto), "best_accuracy": max(accs.values(), default=None),
-              "eval_s_included": sum(parts) if upto and None not in parts else None}
-    if compile_s is not None:
-        report["time_to_target_with_compile_s"] = at["time_s"] + compile_s if at else None
+    report = {
+        "reached": i is not None,
+        "time_to_target_s": at.get("time_s"),
+        "step": at.get("step"),
+        "accuracy": at.get("accuracy"),
+        "evals": len(upto),
+        "best_accuracy": max(accs.values(), default=None),
+        "eval_s_included": sum(parts) if upto and None not in parts else None,
+    }
     return report
 
 
-def recipe_eval_points(rows: list[dict], train_start: float, compile_s: float = 0.0) -> list[dict]:
+def recipe_eval_points(rows: list[dict], train_start: float) -> list[dict]:
     """The eval rows of a recipe's metrics.jsonl as points: time_s from train_start to when the evaluation
-    finished (eval_time, else the row's time), compile excluded; step, accuracy, loss, eval_s (eval_seconds) and
+    finished (eval_time, else the row's time); step, accuracy, loss, eval_s (eval_seconds) and
     post_eval_s (what the recipe does after logging an evaluation: TensorBoard images, best/ weights, checkpoint).
     Estimated where not recorded: the seconds beyond training in the row's own gap (eval_s) and the next row's
     (post_eval_s), at the median seconds per step of the gaps with no evaluation on either side (else None)."""
@@ -106,8 +148,9 @@ def recipe_eval_points(rows: list[dict], train_start: float, compile_s: float = 
         gaps.append((row["time"] - prev_t, step - prev_step))
         prev_t, prev_step = row["time"], step
     is_eval = ["eval/accuracy" in row for row in rows]
-    rates = [dt / ds for k, (dt, ds) in enumerate(gaps)
-             if k > 0 and ds > 0 and not is_eval[k] and not is_eval[k - 1]]  # gap 0 holds the warm-up
+    rates = [
+        dt / ds for k, (dt, ds) in enumerate(gaps) if k > 0 and ds > 0 and not is_eval[k] and not is_eval[k - 1]
+    ]  # gap 0 holds the warm-up
     rate = statistics.median(rates) if rates else None
 
     def excess(k):
@@ -115,10 +158,18 @@ def recipe_eval_points(rows: list[dict], train_start: float, compile_s: float = 
             return None
         return max(0.0, gaps[k][0] - rate * max(gaps[k][1], 0)) if k < len(rows) else 0.0
 
-    return [{"time_s": row.get("eval_time", row["time"]) - train_start - compile_s, "step": row.get("step"),
-             "accuracy": float(row["eval/accuracy"]), "loss": row.get("eval/loss"),
-             "eval_s": row.get("eval_seconds", excess(k)), "post_eval_s": excess(k + 1)}
-            for k, row in enumerate(rows) if is_eval[k]]
+    return [
+        {
+            "time_s": row.get("eval_time", row["time"]) - train_start,
+            "step": row.get("step"),
+            "accuracy": float(row["eval/accuracy"]),
+            "loss": row.get("eval/loss"),
+            "eval_s": row.get("eval_seconds", excess(k)),
+            "post_eval_s": excess(k + 1),
+        }
+        for k, row in enumerate(rows)
+        if is_eval[k]
+    ]
 
 
 def read_recipe_run(run_dir: Path) -> dict:
@@ -129,17 +180,28 @@ def read_recipe_run(run_dir: Path) -> dict:
     if not summary:
         raise RuntimeError(f"the recipe run {run_dir} wrote no summary.json, so it did not finish.")
     if summary.get("status", "completed") not in ("completed", "target_missed"):  # target_missed: trained to its end
-        raise RuntimeError(f"the recipe run {run_dir} ended with status {summary.get('status')!r}, so it did not "
-                           "train to the end.")
+        raise RuntimeError(
+            f"the recipe run {run_dir} ended with status {summary.get('status')!r}, so it did not train to the end."
+        )
     if "train_start" not in timing:
-        raise RuntimeError(f"{run_dir}/summary.json has no timing.train_start, which the time to target is measured "
-                           "from.")
-    return {**run, "train_start": float(timing["train_start"]), "compile_s": float(timing.get("compile_s") or 0.0)}
+        raise RuntimeError(
+            f"{run_dir}/summary.json has no timing.train_start, which the time to target is measured from."
+        )
+    return {**run, "train_start": float(timing["train_start"])}
 
 
 def spread(values: list[float]) -> dict | None:
-    return {"median": statistics.median(values), "mean": statistics.fmean(values), "min": min(values),
-            "max": max(values), "n": len(values)} if values else None
+    return (
+        {
+            "median": statistics.median(values),
+            "mean": statistics.fmean(values),
+            "min": min(values),
+            "max": max(values),
+            "n": len(values),
+        }
+        if values
+        else None
+    )
 
 
 def seed_list(text: str) -> list[int]:
@@ -156,27 +218,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, choices=shipped_recipes())
     p.add_argument("--dataset", required=True, help="dataset folder (or Hub id), e.g. ../shared/data/mnist")
-    p.add_argument("--target", required=True, help="validation accuracy for the recipe, e.g. 0.993, or 'baseline': "
-                   "both sides timed to the accuracy the baseline ends its epochs with")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="validation accuracy for the recipe, e.g. 0.993, or 'baseline': "
+        "both sides timed to the accuracy the baseline ends its epochs with",
+    )
     p.add_argument("--baseline-target", type=float, help="validation accuracy for the baseline (default: --target)")
     p.add_argument("--seeds", type=seed_list, default="1,2,3", help="comma-separated (>= 3 for a median worth quoting)")
-    p.add_argument("--nproc", type=int, default=1, choices=[1, 2], help="recipe processes (2: accelerate launch with "
-                   "accelerate_configs/cpu_2proc.yaml; 2 GPUs with --device cuda)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="recipe processes (2: accelerate launch with "
+        "accelerate_configs/cpu_2proc.yaml; 2 GPUs with --device cuda)",
+    )
     p.add_argument("--accelerate-config", help="launch the recipe with this config instead; --nproc must match it")
     p.add_argument("--recipe-args", default="", help='extra recipe flags, one string, e.g. "--channels 3"')
-    p.add_argument("--eval-every-steps", type=int, default=0, help="also evaluate every N recipe steps (0: at epoch "
-                   "ends only), and the baseline after as many training images")
+    p.add_argument(
+        "--eval-every-steps",
+        type=int,
+        default=0,
+        help="also evaluate every N recipe steps (0: at epoch "
+        "ends only), and the baseline after as many training images",
+    )
     p.add_argument("--max-baseline-epochs", type=int, help="default: the baseline's own (MNIST 14, CIFAR 3)")
     p.add_argument("--baseline", default="on", choices=["on", "off"])
-    p.add_argument("--baseline-kind", choices=list(BASELINES), help="default: mnist_example, cifar_notebook for "
-                   "cifar_cnn; airbench94 (evaluated once, at its end) for cifar_cnn with --target baseline")
+    p.add_argument(
+        "--baseline-kind",
+        choices=list(BASELINES),
+        help="default: mnist_example, cifar_notebook for "
+        "cifar_cnn; airbench94 (evaluated once, at its end) for cifar_cnn with --target baseline",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads in all: the baseline's, "
-                   "split evenly over the recipe's processes (default: every CPU)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads in all: the baseline's, split evenly over the recipe's processes (default: every CPU)",
+    )
     p.add_argument("--goal-seconds", type=float, help="print PASS/MISS for the mean recipe time against this")
     p.add_argument("--goal-ratio", type=float, help="print PASS/MISS for the mean ratio against this")
-    p.add_argument("--goal-e", type=float, help="print PASS/MISS for every seed: final accuracy >= --target and "
-                   "launch to exit <= this many E (the baseline's first epoch, same run)")
+    p.add_argument(
+        "--goal-e",
+        type=float,
+        help="print PASS/MISS for every seed: final accuracy >= --target and "
+        "launch to exit <= this many E (the baseline's first epoch, same run)",
+    )
     p.add_argument("--timeout", type=int, default=3600, help="seconds one recipe run may take")
     p.add_argument("--work-dir", type=Path, help="keep the decoded cache, runs and logs here (default: temporary)")
     p.add_argument("--out", type=Path, help="JSON report (default benchmarks/results/time_to_accuracy-<recipe>.json)")
@@ -187,8 +276,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.target_from_baseline = args.target == "baseline"
     if args.target_from_baseline:
         if args.baseline != "on" or args.baseline_target is not None:
-            bad_input("--target baseline takes the target from the baseline's final accuracy: it needs --baseline on "
-                      "and no --baseline-target.")
+            bad_input(
+                "--target baseline takes the target from the baseline's final accuracy: it needs --baseline on "
+                "and no --baseline-target."
+            )
         args.target = args.baseline_target = math.inf  # set per seed, once the baseline has run
     else:
         try:
@@ -198,24 +289,33 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.baseline_target = args.target if args.baseline_target is None else args.baseline_target
         for flag, value in (("--target", args.target), ("--baseline-target", args.baseline_target)):
             if 1 < value <= 100:
-                bad_input(f"{flag} {value:g} looks like a percentage; accuracies here are fractions. Pass {flag} "
-                          f"{value / 100:g}.")
+                bad_input(
+                    f"{flag} {value:g} looks like a percentage; accuracies here are fractions. Pass {flag} "
+                    f"{value / 100:g}."
+                )
             if not 0 < value <= 1:
                 bad_input(f"{flag} {value:g} is not an accuracy: pass a fraction in (0, 1], e.g. 0.99.")
     if args.eval_every_steps < 0 or min(args.max_baseline_epochs, args.threads, args.timeout) < 1:
-        bad_input("--eval-every-steps must be >= 0 (0 = at epoch ends only), --max-baseline-epochs, --threads and "
-                  "--timeout >= 1.")
-    if args.goal_e is not None and (args.baseline != "on" or args.baseline_kind != "mnist_example"
-                                    or args.target_from_baseline or args.goal_e <= 0):
-        bad_input("--goal-e needs the MNIST script's baseline (--baseline on, --baseline-kind mnist_example: E is its "
-                  "first epoch), a fixed --target and a positive number of E.")
+        bad_input(
+            "--eval-every-steps must be >= 0 (0 = at epoch ends only), --max-baseline-epochs, --threads and "
+            "--timeout >= 1."
+        )
+    if args.goal_e is not None and (
+        args.baseline != "on" or args.baseline_kind != "mnist_example" or args.target_from_baseline or args.goal_e <= 0
+    ):
+        bad_input(
+            "--goal-e needs the MNIST script's baseline (--baseline on, --baseline-kind mnist_example: E is its "
+            "first epoch), a fixed --target and a positive number of E."
+        )
     if args.threads < args.nproc:
         bad_input(f"--threads {args.threads} < --nproc {args.nproc}: every recipe process needs a thread.")
     args.recipe_argv = split_recipe_args(args.recipe_args)
     own = [a for a in args.recipe_argv if a.split("=", 1)[0] in OWN_FLAGS]
     if own:
-        bad_input(f"--recipe-args sets {', '.join(own)}, which the benchmark sets itself for every seed. Use the "
-                  "benchmark's --dataset, --seeds and --eval-every-steps instead.")
+        bad_input(
+            f"--recipe-args sets {', '.join(own)}, which the benchmark sets itself for every seed. Use the "
+            "benchmark's --dataset, --seeds and --eval-every-steps instead."
+        )
     if args.accelerate_config and not Path(args.accelerate_config).is_file():
         bad_input(f"--accelerate-config {args.accelerate_config} is not a file (e.g. accelerate_configs/cpu.yaml).")
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
@@ -230,8 +330,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def data_config(args, seed: int, cache_dir: Path):
     """The settings load_image_data reads, as the recipe will have them for this dataset and seed."""
     cfg = args.recipe_cfg
-    return types.SimpleNamespace(**{**vars(cfg), "dataset": args.dataset, "seed": seed,
-                                    "cache_dir": cfg.cache_dir or str(cache_dir)})
+    return types.SimpleNamespace(
+        **{**vars(cfg), "dataset": args.dataset, "seed": seed, "cache_dir": cfg.cache_dir or str(cache_dir)}
+    )
 
 
 def load_split(args, seed: int, cache_dir: Path):
@@ -241,8 +342,10 @@ def load_split(args, seed: int, cache_dir: Path):
     except RecipeError as err:
         bad_input(str(err))
     if data.val is None:
-        bad_input(f"{args.dataset} has no validation split and --val-fraction is 0, so there is nothing to measure "
-                  "accuracy on. Drop --val-fraction 0 from --recipe-args.")
+        bad_input(
+            f"{args.dataset} has no validation split and --val-fraction is 0, so there is nothing to measure "
+            "accuracy on. Drop --val-fraction 0 from --recipe-args."
+        )
     return data.train, data.val
 
 
@@ -250,27 +353,54 @@ def baseline_model(kind: str, channels: int, height: int, width: int, num_classe
     """The baseline script's (model, optimizer, scheduler, loss), written from its description."""
     spec = BASELINES[kind]
     if kind == "mnist_example":  # mnist/main.py's Net, layer for layer: log-probabilities out, nll_loss
-        model = nn.Sequential(nn.Conv2d(channels, 32, 3, 1), nn.ReLU(), nn.Conv2d(32, 64, 3, 1), nn.ReLU(),
-                              nn.MaxPool2d(2), nn.Dropout(0.25), nn.Flatten(),
-                              nn.Linear(64 * ((height - 4) // 2) * ((width - 4) // 2), 128), nn.ReLU(),  # 9216 at 28
-                              nn.Dropout(0.5), nn.Linear(128, num_classes), nn.LogSoftmax(dim=1))
+        model = nn.Sequential(
+            nn.Conv2d(channels, 32, 3, 1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, 1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Dropout(0.25),
+            nn.Flatten(),
+            nn.Linear(64 * ((height - 4) // 2) * ((width - 4) // 2), 128),
+            nn.ReLU(),  # 9216 at 28
+            nn.Dropout(0.5),
+            nn.Linear(128, num_classes),
+            nn.LogSoftmax(dim=1),
+        )
         optimizer = torch.optim.Adadelta(model.parameters(), lr=spec["lr"])
         return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, spec["gamma"]), F.nll_loss
 
     def block(c_in, c_out):  # the CIFAR notebook's SimpleCNN: logits out, CrossEntropyLoss
         return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2, 2)]
 
-    model = nn.Sequential(*block(channels, 64), *block(64, 128), *block(128, 256), nn.Flatten(),
-                          nn.Linear(256 * (height // 8) * (width // 8), 512), nn.ReLU(), nn.Dropout(0.5),
-                          nn.Linear(512, num_classes))
-    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"],
-                                weight_decay=spec["weight_decay"])
-    return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=spec["t_max"]), \
-        F.cross_entropy
+    model = nn.Sequential(
+        *block(channels, 64),
+        *block(64, 128),
+        *block(128, 256),
+        nn.Flatten(),
+        nn.Linear(256 * (height // 8) * (width // 8), 512),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.Linear(512, num_classes),
+    )
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=spec["lr"], momentum=spec["momentum"], weight_decay=spec["weight_decay"]
+    )
+    return model, optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=spec["t_max"]), F.cross_entropy
 
 
-def run_baseline(train, val, target: float, *, seed: int, max_epochs: int, eval_every_steps: int = 0,
-                 device: str = "cpu", log=lambda msg: None, kind: str = "mnist_example") -> dict:
+def run_baseline(
+    train,
+    val,
+    target: float,
+    *,
+    seed: int,
+    max_epochs: int,
+    eval_every_steps: int = 0,
+    device: str = "cpu",
+    log=lambda msg: None,
+    kind: str = "mnist_example",
+) -> dict:
     """Train the baseline ``kind`` on ``train`` (an ImageSplit), evaluating on ``val`` at every epoch end and every
     ``eval_every_steps`` steps, until the first evaluation at >= target or ``max_epochs``. Returns the crossing
     report plus the curve, epochs run and training seconds."""
@@ -279,14 +409,22 @@ def run_baseline(train, val, target: float, *, seed: int, max_epochs: int, eval_
     normalize = transforms.Normalize((spec["mean"],) * channels, (spec["std"],) * channels)
     transform = eval_transform = transforms.Compose([transforms.ToTensor(), normalize])
     if kind == "cifar_notebook":
-        transform = transforms.Compose([transforms.RandomCrop(height, padding=4), transforms.RandomHorizontalFlip(),
-                                        transforms.ToTensor(), normalize])
+        transform = transforms.Compose(
+            [
+                transforms.RandomCrop(height, padding=4),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                normalize,
+            ]
+        )
     # The script's loader settings: on CUDA 1 worker and pinned memory. It shuffles the training set only on CUDA
     # (a quirk of its kwargs); this baseline shuffles on every device, as any user would.
     extra = {"num_workers": 1, "pin_memory": True} if dev.type == "cuda" else {}
     # One private in-memory copy of each split's rows, as torchvision's MNIST holds its tensor.
-    train_set, val_set = (PerSampleImages(split.images.contiguous(), split.labels.contiguous(), tf)
-                          for split, tf in ((train, transform), (val, eval_transform)))
+    train_set, val_set = (
+        PerSampleImages(split.images.contiguous(), split.labels.contiguous(), tf)
+        for split, tf in ((train, transform), (val, eval_transform))
+    )
     num_classes = int(max(train_set.labels.max(), val_set.labels.max())) + 1
     torch.manual_seed(seed)
     train_loader = torch.utils.data.DataLoader(train_set, batch_size=spec["batch_size"], shuffle=True, **extra)
@@ -307,8 +445,16 @@ def run_baseline(train, val, target: float, *, seed: int, max_epochs: int, eval_
                 correct += output.argmax(dim=1).eq(labels).sum().item()
         model.train()
         now, acc = time.perf_counter(), correct / len(val)
-        curve.append({"time_s": now - t0, "step": step, "epoch": round(epochs_done, 3), "accuracy": acc,
-                      "loss": loss / len(val), "eval_s": now - e0})
+        curve.append(
+            {
+                "time_s": now - t0,
+                "step": step,
+                "epoch": round(epochs_done, 3),
+                "accuracy": acc,
+                "loss": loss / len(val),
+                "eval_s": now - e0,
+            }
+        )
         log(f"  baseline step {step} (epoch {epochs_done:.2f}): accuracy {acc:.4f} at {now - t0:.1f} s")
         return acc >= target
 
@@ -332,51 +478,98 @@ def run_baseline(train, val, target: float, *, seed: int, max_epochs: int, eval_
         scheduler.step()
         if eval_point(epoch + 1):
             break
-    return {**crossing_report(curve, target), "eval_s_total": sum(p["eval_s"] for p in curve),
-            "epochs_run": round(step / len(train_loader), 3), "steps": step, "train_wall_s": time.perf_counter() - t0,
-            "eval_every_steps": eval_every_steps, "curve": curve, "max_epochs": max_epochs}
+    return {
+        **crossing_report(curve, target),
+        "eval_s_total": sum(p["eval_s"] for p in curve),
+        "epochs_run": round(step / len(train_loader), 3),
+        "steps": step,
+        "train_wall_s": time.perf_counter() - t0,
+        "eval_every_steps": eval_every_steps,
+        "curve": curve,
+        "max_epochs": max_epochs,
+    }
 
 
 def run_airbench(train, val, target: float, *, seed: int, device: str = "cpu", **_) -> dict:
     """airbench94 on the same split (benchmarks/airbench94.py), timed as the paper times it: training, then one
     evaluation at the end (its time included, as in run_baseline)."""
-    r = airbench94.train_once(train.images, train.labels, val.images, val.labels, seed, torch.device(device),
-                              int(max(train.labels.max(), val.labels.max())) + 1)
-    point = {"time_s": r["train_s"] + r["eval_s"], "step": r["steps"], "epoch": airbench94.HYP["epochs"],
-             "accuracy": r["accuracy_tta"], "accuracy_without_tta": r["accuracy"], "eval_s": r["eval_s"]}
-    return {**crossing_report([point], target), "eval_s_total": r["eval_s"], "epochs_run": airbench94.HYP["epochs"],
-            "steps": r["steps"], "train_wall_s": point["time_s"], "eval_every_steps": 0, "curve": [point],
-            "max_epochs": math.ceil(airbench94.HYP["epochs"])}
+    r = airbench94.train_once(
+        train.images,
+        train.labels,
+        val.images,
+        val.labels,
+        seed,
+        torch.device(device),
+        int(max(train.labels.max(), val.labels.max())) + 1,
+    )
+    point = {
+        "time_s": r["train_s"] + r["eval_s"],
+        "step": r["steps"],
+        "epoch": airbench94.HYP["epochs"],
+        "accuracy": r["accuracy_tta"],
+        "accuracy_without_tta": r["accuracy"],
+        "eval_s": r["eval_s"],
+    }
+    return {
+        **crossing_report([point], target),
+        "eval_s_total": r["eval_s"],
+        "epochs_run": airbench94.HYP["epochs"],
+        "steps": r["steps"],
+        "train_wall_s": point["time_s"],
+        "eval_every_steps": 0,
+        "curve": [point],
+        "max_epochs": math.ceil(airbench94.HYP["epochs"]),
+    }
 
 
 def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path) -> dict:
     own = ["--dataset", args.dataset, "--output-dir", run_dir, "--seed", seed]
     if args.eval_every_steps:  # only when asked: 0 is the recipes' epoch-end default anyway
         own += ["--eval-every-steps", args.eval_every_steps]
-    config, threads = args.accelerate_config or ("cpu_2proc.yaml" if args.nproc == 2 else None), \
-        args.threads // args.nproc
-    cmd = launch_command(args.recipe, [*own, *args.recipe_argv], nproc=args.nproc if config else 0, config=config,
-                         precision=None, threads=threads)  # the config's precision
+    config, threads = (
+        args.accelerate_config or ("cpu_2proc.yaml" if args.nproc == 2 else None),
+        args.threads // args.nproc,
+    )
+    cmd = launch_command(
+        args.recipe,
+        [*own, *args.recipe_argv],
+        nproc=args.nproc if config else 0,
+        config=config,
+        precision=None,
+        threads=threads,
+    )  # the config's precision
     # the benchmark's decoded cache; the recipe's Accelerator sees no GPU on --device cpu
     env = recipe_env(threads=threads, cache_dir=cache_dir, cpu_only=args.device == "cpu", offline=False)
     log = run_dir.with_name(run_dir.name + ".log")
     code, wall = run_logged(cmd, env, log, args.timeout)
     if code == "timeout":
-        raise RuntimeError(f"the recipe run for seed {seed} took over --timeout {args.timeout} s and was stopped "
-                           f"(its output: {log}).")
+        raise RuntimeError(
+            f"the recipe run for seed {seed} took over --timeout {args.timeout} s and was stopped (its output: {log})."
+        )
     try:
         run = read_recipe_run(run_dir)
     except (RuntimeError, json.JSONDecodeError) as err:
         tail = "\n".join(log.read_text().splitlines()[-40:])
         raise RuntimeError(f"{err}\ncommand: {shlex.join(cmd)}\nexit {code}; the end of {log}:\n{tail}") from None
-    points = recipe_eval_points(run["rows"], run["train_start"], run["compile_s"])
+    points = recipe_eval_points(run["rows"], run["train_start"])
     final = (run["summary"].get("final") or {}).get("val/accuracy")
-    return {**crossing_report(points, args.target, run["compile_s"]), "compile_s": run["compile_s"],
-            "eval_s_included_is_estimate": True, "process_wall_s": wall, "final_accuracy": final,
-            "exit_code": code, "status": run["summary"].get("status", "completed"),
-            "global_batch": run["config"].get("batch_size"), "command": shlex.join(cmd), "log": str(log),
-            "config": {k: run["config"][k] for k in ("val_fraction", "channels", "image_size", "seed", "epochs",
-                                                     "batch_size") if k in run["config"]}, "curve": points}
+    return {
+        **crossing_report(points, args.target),
+        "eval_s_included_is_estimate": True,
+        "process_wall_s": wall,
+        "final_accuracy": final,
+        "exit_code": code,
+        "status": run["summary"].get("status", "completed"),
+        "global_batch": run["config"].get("batch_size"),
+        "command": shlex.join(cmd),
+        "log": str(log),
+        "config": {
+            k: run["config"][k]
+            for k in ("val_fraction", "channels", "image_size", "seed", "epochs", "batch_size")
+            if k in run["config"]
+        },
+        "curve": points,
+    }
 
 
 def fmt_side(side: dict | None, epochs: bool = False) -> str:
@@ -400,10 +593,15 @@ def ratio_of(recipe: dict, baseline: dict | None) -> tuple[float | None, bool]:
 
 def print_report(report: dict) -> None:
     s, sm, seeds = report["settings"], report["summary"], report["seeds"]
-    goal = ("each seed's baseline final accuracy (both sides)" if s["target"] == "baseline"
-            else f"{s['target']:.2%} vs the baseline to {s['baseline_target']:.2%}")
-    print(f"\ntime to accuracy: {s['recipe']} to {goal}; baseline {s['baseline_recipe']['model']}; validation "
-          f"split of {s['dataset']}")
+    goal = (
+        "each seed's baseline final accuracy (both sides)"
+        if s["target"] == "baseline"
+        else f"{s['target']:.2%} vs the baseline to {s['baseline_target']:.2%}"
+    )
+    print(
+        f"\ntime to accuracy: {s['recipe']} to {goal}; baseline {s['baseline_recipe']['model']}; validation "
+        f"split of {s['dataset']}"
+    )
     rows = [("seed", "recipe", "baseline", "ratio")]
     for r in seeds:
         ratio = "-" if r["ratio"] is None else f"{'>=' if r['ratio_is_lower_bound'] else ''}{r['ratio']:.1f}x"
@@ -411,42 +609,65 @@ def print_report(report: dict) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)))
-    for name, key, unit in (("recipe time", "recipe_time_s", " s"), ("baseline time", "baseline_time_s", " s"),
-                            ("ratio", "ratio", "x")):
+    for name, key, unit in (
+        ("recipe time", "recipe_time_s", " s"),
+        ("baseline time", "baseline_time_s", " s"),
+        ("ratio", "ratio", "x"),
+    ):
         v = sm[key]
         bound = " (lower bound: a baseline missed its target)" if key == "ratio" and sm["ratio_is_lower_bound"] else ""
-        print(f"  {name}: no seed reached the target" if v is None else
-              f"  {name}: median {v['median']:.2f}{unit}, mean {v['mean']:.2f}{unit}, spread {v['min']:.2f}-"
-              f"{v['max']:.2f}{unit} over {v['n']} of {len(seeds)} seeds{bound}")
+        print(
+            f"  {name}: no seed reached the target"
+            if v is None
+            else f"  {name}: median {v['median']:.2f}{unit}, mean {v['mean']:.2f}{unit}, spread {v['min']:.2f}-"
+            f"{v['max']:.2f}{unit} over {v['n']} of {len(seeds)} seeds{bound}"
+        )
 
     def seconds(values):
         return ", ".join("-" if v is None else f"{v:.1f}" for v in values) + " s"
 
-    print(f"  excluded: decode {report['decode_s']:.1f} s (once), recipe compile "
-          f"{seconds(r['recipe']['compile_s'] for r in seeds)}")
-    print(f"  evaluation included: recipe {seconds(r['recipe']['eval_s_included'] for r in seeds)} (partly estimated), "
-          f"baseline {seconds(r['baseline']['eval_s_included'] if r['baseline'] else None for r in seeds)}")
-    print(f"  {machine_line(report['machine'])}; the recipe: {s['nproc']} process(es) x {s['threads'] // s['nproc']}"
-          " thread(s)")
+    print(f"  excluded: decode {report['decode_s']:.1f} s (once)")
+    print(
+        f"  evaluation included: recipe {seconds(r['recipe']['eval_s_included'] for r in seeds)} (partly estimated), "
+        f"baseline {seconds(r['baseline']['eval_s_included'] if r['baseline'] else None for r in seeds)}"
+    )
+    print(
+        f"  {machine_line(report['machine'])}; the recipe: {s['nproc']} process(es) x {s['threads'] // s['nproc']}"
+        " thread(s)"
+    )
     if any(r["e_s"] for r in seeds):
-        print("  launch to exit (the whole command: imports, data, training, evaluations, saves) against E (the "
-              "baseline's first epoch with its evaluation, same run):")
+        print(
+            "  launch to exit (the whole command: imports, data, training, evaluations, saves) against E (the "
+            "baseline's first epoch with its evaluation, same run):"
+        )
         for r in seeds:
             acc, e, in_e = r["recipe"]["final_accuracy"], r["e_s"], r["wall_in_e"]
-            print(f"    seed {r['seed']}: final {'-' if acc is None else f'{acc:.2%}'} in "
-                  f"{r['recipe']['process_wall_s']:.1f} s = {'-' if not e else f'{in_e:.2f} E (E = {e:.1f} s)'}")
+            print(
+                f"    seed {r['seed']}: final {'-' if acc is None else f'{acc:.2%}'} in "
+                f"{r['recipe']['process_wall_s']:.1f} s = {'-' if not e else f'{in_e:.2f} E (E = {e:.1f} s)'}"
+            )
     if s.get("goal_e") is not None:
-        ok = [r["wall_in_e"] is not None and r["wall_in_e"] <= s["goal_e"] and
-              (r["recipe"]["final_accuracy"] or 0) >= s["target"] for r in seeds]
-        print(f"  goal every seed >= {s['target']:.2%} within {s['goal_e']:g} E: {'PASS' if all(ok) else 'MISS'} "
-              f"({sum(ok)} of {len(ok)} seeds)")
-    for name, goal, key, op in (("recipe time", s["goal_seconds"], "recipe_time_s", "<="),
-                                ("ratio", s["goal_ratio"], "ratio", ">=")):
+        ok = [
+            r["wall_in_e"] is not None
+            and r["wall_in_e"] <= s["goal_e"]
+            and (r["recipe"]["final_accuracy"] or 0) >= s["target"]
+            for r in seeds
+        ]
+        print(
+            f"  goal every seed >= {s['target']:.2%} within {s['goal_e']:g} E: {'PASS' if all(ok) else 'MISS'} "
+            f"({sum(ok)} of {len(ok)} seeds)"
+        )
+    for name, goal, key, op in (
+        ("recipe time", s["goal_seconds"], "recipe_time_s", "<="),
+        ("ratio", s["goal_ratio"], "ratio", ">="),
+    ):
         if goal is not None:
             mean = sm[key]["mean"] if sm[key] and sm[key]["n"] == len(seeds) else None
             ok = mean is not None and (mean <= goal if op == "<=" else mean >= goal)
-            print(f"  goal {name} {op} {goal:g}: {'PASS' if ok else 'MISS'} (mean "
-                  f"{'-' if mean is None else f'{mean:.2f}'})")
+            print(
+                f"  goal {name} {op} {goal:g}: {'PASS' if ok else 'MISS'} (mean "
+                f"{'-' if mean is None else f'{mean:.2f}'})"
+            )
 
 
 def run_seed(args, seed: int, work: Path, cache_dir: Path) -> dict:
@@ -460,26 +681,45 @@ def run_seed(args, seed: int, work: Path, cache_dir: Path) -> dict:
     if args.baseline == "on":
         train, val = load_split(args, seed, cache_dir)  # the recipe's Config and seed: the split it trained on
         # baseline steps between mid-epoch evaluations: as many training images as the recipe's cadence
-        cadence = args.eval_every_steps and max(1, round(args.eval_every_steps * args.recipe_cfg.batch_size
-                                                         / BASELINES[args.baseline_kind]["batch_size"]))
+        cadence = args.eval_every_steps and max(
+            1, round(args.eval_every_steps * args.recipe_cfg.batch_size / BASELINES[args.baseline_kind]["batch_size"])
+        )
         print(f"seed {seed}: baseline (eval every {f'{cadence} steps' if cadence else 'epoch'}) ...", flush=True)
         run = run_airbench if args.baseline_kind == "airbench94" else run_baseline
-        baseline = run(train, val, args.baseline_target, seed=seed, max_epochs=args.max_baseline_epochs,
-                       eval_every_steps=cadence, device=args.device, log=lambda msg: print(msg, flush=True),
-                       kind=args.baseline_kind)
+        baseline = run(
+            train,
+            val,
+            args.baseline_target,
+            seed=seed,
+            max_epochs=args.max_baseline_epochs,
+            eval_every_steps=cadence,
+            device=args.device,
+            log=lambda msg: print(msg, flush=True),
+            kind=args.baseline_kind,
+        )
         if args.target_from_baseline and baseline["curve"]:  # both sides: time to the baseline's final accuracy
             final = baseline["curve"][-1]["accuracy"]
             baseline.update(crossing_report(baseline["curve"], final), target=final)
-            recipe.update(crossing_report(recipe["curve"], final, recipe["compile_s"]), target=final)
+            recipe.update(crossing_report(recipe["curve"], final), target=final)
             print(f"  target: the baseline's final accuracy {final:.4f}\n  recipe: {fmt_side(recipe)}", flush=True)
         print(f"  baseline: {fmt_side(baseline, True)}", flush=True)
     ratio, lower = ratio_of(recipe, baseline)
     # E: the MNIST script's first epoch with its evaluation (not a mid-epoch point of --eval-every-steps)
-    e = next((p["time_s"] for p in baseline["curve"] if p["epoch"] >= 1), None) \
-        if baseline and args.baseline_kind == "mnist_example" else None
+    e = (
+        next((p["time_s"] for p in baseline["curve"] if p["epoch"] >= 1), None)
+        if baseline and args.baseline_kind == "mnist_example"
+        else None
+    )
     wall_e = recipe["process_wall_s"] / e if e else None
-    return {"seed": seed, "recipe": recipe, "baseline": baseline, "ratio": ratio, "ratio_is_lower_bound": lower,
-            "e_s": e, "wall_in_e": wall_e}
+    return {
+        "seed": seed,
+        "recipe": recipe,
+        "baseline": baseline,
+        "ratio": ratio,
+        "ratio_is_lower_bound": lower,
+        "e_s": e,
+        "wall_in_e": wall_e,
+    }
 
 
 def main(argv=None) -> int:
@@ -488,15 +728,21 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(args.threads)
-    with (contextlib.nullcontext(args.work_dir) if args.work_dir
-          else tempfile.TemporaryDirectory(prefix="time_to_accuracy-", ignore_cleanup_errors=True)) as work:
+    with (
+        contextlib.nullcontext(args.work_dir)
+        if args.work_dir
+        else tempfile.TemporaryDirectory(prefix="time_to_accuracy-", ignore_cleanup_errors=True)
+    ) as work:
         work = Path(work)
         # A fresh cache by default, so that the decode measured here is a real first decode; one filled before
         # (--work-dir or --cache-dir reused) makes it a cache read, and the report says so.
         cache_dir = Path(data_config(args, args.seeds[0], work / "decoded-cache").cache_dir)
         cache_was_warm = cache_dir.is_dir() and any(cache_dir.iterdir())
-        print(f"decoding {args.dataset} into {cache_dir}"
-              f"{' (already filled: this measures a cache read)' if cache_was_warm else ''} ...", flush=True)
+        print(
+            f"decoding {args.dataset} into {cache_dir}"
+            f"{' (already filled: this measures a cache read)' if cache_was_warm else ''} ...",
+            flush=True,
+        )
         t0 = time.perf_counter()
         load_split(args, args.seeds[0], cache_dir)  # a dataset it cannot read: bad input, exit 2
         decode_s = time.perf_counter() - t0
@@ -513,24 +759,42 @@ def main(argv=None) -> int:
     from_baseline = "baseline" if args.target_from_baseline else None
     report = {
         **provenance("time_to_accuracy", argv, args.device, load_start),
-        "settings": {"recipe": args.recipe, "dataset": args.dataset, "target": from_baseline or args.target,
-                     "baseline_target": from_baseline or args.baseline_target, "seeds": args.seeds,
-                     "nproc": args.nproc, "device": args.device, "threads": args.threads,
-                     "recipe_args": args.recipe_argv, "accelerate_config": args.accelerate_config,
-                     "eval_every_steps": args.eval_every_steps, "max_baseline_epochs": args.max_baseline_epochs,
-                     "baseline": args.baseline, "goal_seconds": args.goal_seconds, "goal_ratio": args.goal_ratio,
-                     "goal_e": args.goal_e,
-                     "baseline_recipe": {"kind": args.baseline_kind, **BASELINES[args.baseline_kind]},
-                     "timing": "time to target = end of the first evaluation at >= target minus the start of the "
-                               "first training step; evaluations included, decode, compile and setup excluded"},
-        "decode_s": decode_s, "decode_cache_was_warm": cache_was_warm, "seeds": per_seed,
-        "summary": {"recipe_time_s": spread(reached("recipe")), "baseline_time_s": spread(reached("baseline")),
-                    "wall_in_e": spread([r["wall_in_e"] for r in per_seed if r["wall_in_e"] is not None]),
-                    "final_accuracy": spread([r["recipe"]["final_accuracy"] for r in per_seed
-                                              if r["recipe"]["final_accuracy"] is not None]),
-                    "ratio": spread([r["ratio"] for r in per_seed if r["ratio"] is not None]),
-                    "ratio_is_lower_bound": any(r["ratio_is_lower_bound"] for r in per_seed),
-                    "recipe_reached": len(reached("recipe")), "baseline_reached": len(reached("baseline"))},
+        "settings": {
+            "recipe": args.recipe,
+            "dataset": args.dataset,
+            "target": from_baseline or args.target,
+            "baseline_target": from_baseline or args.baseline_target,
+            "seeds": args.seeds,
+            "nproc": args.nproc,
+            "device": args.device,
+            "threads": args.threads,
+            "recipe_args": args.recipe_argv,
+            "accelerate_config": args.accelerate_config,
+            "eval_every_steps": args.eval_every_steps,
+            "max_baseline_epochs": args.max_baseline_epochs,
+            "baseline": args.baseline,
+            "goal_seconds": args.goal_seconds,
+            "goal_ratio": args.goal_ratio,
+            "goal_e": args.goal_e,
+            "baseline_recipe": {"kind": args.baseline_kind, **BASELINES[args.baseline_kind]},
+            "timing": "time to target = end of the first evaluation at >= target minus the start of the "
+            "first training step; evaluations included, decode and setup excluded",
+        },
+        "decode_s": decode_s,
+        "decode_cache_was_warm": cache_was_warm,
+        "seeds": per_seed,
+        "summary": {
+            "recipe_time_s": spread(reached("recipe")),
+            "baseline_time_s": spread(reached("baseline")),
+            "wall_in_e": spread([r["wall_in_e"] for r in per_seed if r["wall_in_e"] is not None]),
+            "final_accuracy": spread(
+                [r["recipe"]["final_accuracy"] for r in per_seed if r["recipe"]["final_accuracy"] is not None]
+            ),
+            "ratio": spread([r["ratio"] for r in per_seed if r["ratio"] is not None]),
+            "ratio_is_lower_bound": any(r["ratio_is_lower_bound"] for r in per_seed),
+            "recipe_reached": len(reached("recipe")),
+            "baseline_reached": len(reached("baseline")),
+        },
     }
     print_report(report)
     save(report, args.out)

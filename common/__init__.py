@@ -3,7 +3,9 @@
 import sys
 
 if sys.platform == "win32":  # signals, fcntl locks and the launcher's process handling are POSIX
-    sys.stderr.write("error: these recipes run on Linux and macOS. On Windows, use WSL 2 (Windows Subsystem for "
-                     "Linux: `wsl --install`, then follow README's setup inside it); native Windows lacks the file "
-                     "locks and signals that keep runs safe to stop, resume and share.\n")
+    sys.stderr.write(
+        "error: these recipes run on Linux and macOS. On Windows, use WSL 2 (Windows Subsystem for "
+        "Linux: `wsl --install`, then follow README's setup inside it); native Windows lacks the file "
+        "locks and signals that keep runs safe to stop, resume and share.\n"
+    )
     raise SystemExit(2)

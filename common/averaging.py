@@ -52,8 +52,9 @@ def load_tensors(checkpoint_dir: Path, name: str, missing: str) -> dict:
 
     path = checkpoint_dir / name
     if not path.is_file():
-        raise RecipeError(f"The checkpoint {checkpoint_dir} has no {name} {missing}, or start a new run with a new "
-                          "--output-dir.")
+        raise RecipeError(
+            f"The checkpoint {checkpoint_dir} has no {name} {missing}, or start a new run with a new --output-dir."
+        )
     return load_file(str(path))
 
 
@@ -67,8 +68,9 @@ class EMA:
             return
         from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-        self.averaged = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay),
-                                      use_buffers=True)
+        self.averaged = AveragedModel(
+            accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True
+        )
         self.module = self.averaged.module  # the model's copy that holds the average
         accelerator.register_save_state_pre_hook(lambda models, weights, out_dir: self.save(Path(out_dir)))
         accelerator.register_load_state_pre_hook(lambda models, in_dir: self.load(Path(in_dir)))
@@ -97,8 +99,11 @@ class EMA:
         save_tensors(self.accelerator.is_main_process, self.averaged.state_dict(), checkpoint_dir / EMA_FILE)
 
     def load(self, checkpoint_dir: Path) -> None:
-        state = load_tensors(checkpoint_dir, EMA_FILE, "(the weight average): it was written without --ema-decay. "
-                             "Resume it with --ema-decay 0")
+        state = load_tensors(
+            checkpoint_dir,
+            EMA_FILE,
+            "(the weight average): it was written without --ema-decay. Resume it with --ema-decay 0",
+        )
         device = self.averaged.n_averaged.device
         self.averaged.load_state_dict({k: v.to(device) for k, v in state.items()})
 
@@ -106,8 +111,11 @@ class EMA:
 class Lookahead:
     def __init__(self, accelerator, model: nn.Module, total_steps: int, every: int = 5, base: float = 0.95):
         self.every, self.base, self.total, self.steps = every, base, max(1, total_steps), 0
-        self.live = [t for t in (*accelerator.unwrap_model(model).parameters(),
-                                 *accelerator.unwrap_model(model).buffers()) if t.is_floating_point()]
+        self.live = [
+            t
+            for t in (*accelerator.unwrap_model(model).parameters(), *accelerator.unwrap_model(model).buffers())
+            if t.is_floating_point()
+        ]
         self.slow = [t.detach().clone() for t in self.live] if every else []
         if every:
             self.is_main = accelerator.is_main_process
@@ -115,7 +123,7 @@ class Lookahead:
             accelerator.register_load_state_pre_hook(lambda models, in_dir: self.load(Path(in_dir)))
 
     def decay(self, step: int) -> float:
-        return self.base ** self.every * (step / self.total) ** 3
+        return self.base**self.every * (step / self.total) ** 3
 
     @torch.no_grad()
     def step(self) -> None:
@@ -136,10 +144,16 @@ class Lookahead:
 
     def load(self, checkpoint_dir: Path) -> None:
         path = checkpoint_dir / STATE_FILE
-        state = load_tensors(checkpoint_dir, STATE_FILE, "(the Lookahead weight average), so it was written without "
-                             "averaging or by an older version. Resume it with --lookahead-every 0")
+        state = load_tensors(
+            checkpoint_dir,
+            STATE_FILE,
+            "(the Lookahead weight average), so it was written without "
+            "averaging or by an older version. Resume it with --lookahead-every 0",
+        )
         if len(state) != len(self.slow) + 1:
-            raise RecipeError(f"{path} holds {len(state) - 1} averaged tensors, this model has {len(self.slow)}: "
-                              "the checkpoint belongs to another model. Resume with the run's own settings.")
+            raise RecipeError(
+                f"{path} holds {len(state) - 1} averaged tensors, this model has {len(self.slow)}: "
+                "the checkpoint belongs to another model. Resume with the run's own settings."
+            )
         self.steps = int(state["steps"][0])
         torch._foreach_copy_(self.slow, [state[f"slow.{i}"].to(s.device, s.dtype) for i, s in enumerate(self.slow)])

@@ -18,7 +18,9 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.config_checks import MONITOR_MODES, check
 from common.errors import ConfigError, report
+from common.files import write_atomic
 from common.flag_hints import hint
 
 
@@ -46,76 +48,50 @@ RESUME_MUST_MATCH = {  # taken from the checkpoint when not given; another value
 RESUME_APPLIED = {"lr", "weight_decay", "momentum", "betas"}  # put over the restored optimizer state, and printed
 RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: accepted without a word
     "epochs",  # the resume notes the new LR curve itself
-    "cache_dir", "data_on_device", "workers", "eval_batch_size", "max_steps", "eval_every", "eval_every_steps",
-    "target_accuracy", "output_dir", "resume_from", "checkpoint_every", "keep_checkpoints", "log_every",
-    "progress_every_s", "report_to", "profile", "timeout_s",
+    "cache_dir",
+    "data_on_device",
+    "workers",
+    "eval_batch_size",
+    "max_steps",
+    "eval_every",
+    "eval_every_steps",
+    "target_accuracy",
+    "output_dir",
+    "resume_from",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "log_every",
+    "progress_every_s",
+    "report_to",
+    "profile",
+    "timeout_s",
 }
 # --eval-only takes every setting from the run's config.json except these, which are this command line's own;
 # of those it takes, a given value that differs is refused when it decides the held-out split.
-EVAL_OWN = {"cache_dir", "data_on_device", "workers", "eval_batch_size", "target_accuracy", "eval_only", "checkpoint",
-            "output_dir", "resume_from", "report_to", "profile", "timeout_s"}
+EVAL_OWN = {
+    "cache_dir",
+    "data_on_device",
+    "workers",
+    "eval_batch_size",
+    "target_accuracy",
+    "eval_only",
+    "checkpoint",
+    "output_dir",
+    "resume_from",
+    "report_to",
+    "profile",
+    "timeout_s",
+}
 DECIDES_SPLIT = {"val_fraction", "seed"}
 
 
-@dataclass(frozen=True)
-class LRRule:
-    """How a recipe's default --lr follows --batch-size, declared once in its Config next to the lr knob
-    (a plain class attribute, not a field: not a flag, not saved), e.g. ``lr_rule = LRRule("linear", 1024)``.
-
-    ``batch``: the global batch the default --lr was tuned at. ``kind``: ``"linear"`` (lr x B/batch) for SGD
-    (Goyal et al. 2017, "k times the batch, k times the LR"); ``"sqrt"`` (lr x sqrt(B/batch)) for Adam-family
-    optimizers (Malladi et al. 2022, the square-root scaling rule). Either is a first guess for a batch the recipe
-    was not tuned at, not a tuned value (the linear rule is known to break down at very large batches); an --lr
-    the user gives (command line or --config file) is taken as given. ``build_parser``
-    appends the rule to the --lr help; ``parse_config`` applies it and records what it did in ``cfg.lr_note``."""
-
-    kind: str
-    batch: int
-
-    def __post_init__(self):
-        assert self.kind in ("linear", "sqrt") and self.batch >= 1, self
-
-    def factor(self, batch_size: int) -> float:
-        ratio = batch_size / self.batch
-        return ratio if self.kind == "linear" else ratio ** 0.5
-
-    def formula(self, lr: float, batch_size: int) -> str:
-        """e.g. '1.5 x 32/1024' or '0.01 x sqrt(32/256)'."""
-        ratio = f"{batch_size}/{self.batch}"
-        return f"{lr:g} x {ratio if self.kind == 'linear' else f'sqrt({ratio})'}"
-
-    def help(self) -> str:
-        """What the --lr help adds, after the recipe's own words."""
-        how = "linearly (lr x B/{0})" if self.kind == "linear" else "by its square root (lr x sqrt(B/{0}))"
-        return (f" at --batch-size {self.batch}; follows the batch {how.format(self.batch)} when --batch-size is "
-                "changed and --lr is not given")
-
-
-def follow_batch(cfg, lr_source: str = "") -> str:
-    """Set ``cfg.lr`` by the recipe's ``lr_rule`` when --batch-size differs from the batch the default --lr
-    was tuned at and --lr was not given; return what was done, for ``cfg.lr_note`` and the startup line.
-    ``lr_source``: where a given --lr came from ('' = not given). Idempotent: it scales the field's default,
-    never ``cfg.lr``, so a second call cannot scale twice."""
-    rule = getattr(cfg, "lr_rule", None)
-    if lr_source:
-        return lr_source
-    if rule is None:
-        return "the recipe's default"
-    if cfg.batch_size == rule.batch:
-        return f"the default, tuned at batch {rule.batch}"
-    default = next(f.default for f in dataclasses.fields(cfg) if f.name == "lr")
-    cfg.lr = default * rule.factor(cfg.batch_size)
-    return f"{rule.formula(default, cfg.batch_size)}, {rule.kind} rule"
-
-
-MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation produces, and which way is better
-
-
-DATASET_HELP = ("Hub dataset id, a local clone of a Hub repo (parquet files), or an image folder read by "
-                "torchvision's ImageFolder rules: the class is the first folder under the split root and every "
-                "image below it belongs to it (any depth, any folder name); train/, val/|valid/|validation/ and "
-                "test/ are splits only at the top level beside train/, else the whole folder is train; hidden "
-                "files and non-images are skipped and counted")
+DATASET_HELP = (
+    "Hub dataset id, a local clone of a Hub repo (parquet files), or an image folder read by "
+    "torchvision's ImageFolder rules: the class is the first folder under the split root and every "
+    "image below it belongs to it (any depth, any folder name); train/, val/|valid/|validation/ and "
+    "test/ are splits only at the top level beside train/, else the whole folder is train; hidden "
+    "files and non-images are skipped and counted"
+)
 
 
 @dataclass
@@ -126,16 +102,24 @@ class CommonConfig:
     dataset: str = knob("", DATASET_HELP)
     image_column: str = knob("", "image column name ('' = detect: image, img)")
     label_column: str = knob("", "label column name ('' = detect: label, labels)")
-    val_fraction: float = knob(0.1, "fraction of train held out for validation when the dataset has no validation split")
+    val_fraction: float = knob(
+        0.1, "fraction of train held out for validation when the dataset has no validation split"
+    )
     image_size: int = knob(0, "resize images to this square size (0 = keep; all images must then share one size)")
-    channels: int = knob(0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = RGB if any image is in "
-                            "colour, else grayscale)")
+    channels: int = knob(
+        0, "convert images to 1 (grayscale) or 3 (RGB) channels (0 = RGB if any image is in colour, else grayscale)"
+    )
     cache_dir: str = knob("", "where decoded uint8 tensors are cached ('' = ~/.cache/accelerate-recipes)")
-    data_on_device: bool = knob(False, "keep the whole decoded dataset on the accelerator (GPU) instead of host memory "
-                                "(unless given: on a GPU when it takes under a quarter of the free memory)")
+    data_on_device: bool = knob(
+        False,
+        "keep the whole decoded dataset on the accelerator (GPU) instead of host memory "
+        "(unless given: on a GPU when it takes under a quarter of the free memory)",
+    )
     # --- train ---
     epochs: int = knob(2, "number of passes over the training split")  # resume notes the new LR curve
-    batch_size: int = knob(128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps")
+    batch_size: int = knob(
+        128, "GLOBAL batch size per optimizer step, split evenly over processes and accumulation steps"
+    )
     eval_batch_size: int = knob(1000, "global batch size for evaluation")
     lr: float = knob(1e-3, "peak learning rate")
     lr_rule = None  # how the default --lr follows --batch-size: a recipe's LRRule; None keeps it at every batch
@@ -151,8 +135,11 @@ class CommonConfig:
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
     label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
-    max_steps: int = knob(0, "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
-                         "is still planned for all epochs, so a stopped run can be resumed exactly")
+    max_steps: int = knob(
+        0,
+        "stop after this many optimizer steps in total (0 = run all epochs); the LR schedule "
+        "is still planned for all epochs, so a stopped run can be resumed exactly",
+    )
     # --- eval ---
     eval_every: int = knob(1, "evaluate on the validation split every N epochs")
     eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)")
@@ -164,17 +151,27 @@ class CommonConfig:
     resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path")
     checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)")
     keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)")
-    monitor: str = knob("eval/accuracy", "metric that decides the best model kept in best/",
-                        choices=list(MONITOR_MODES))
-    mode: str = knob("auto", "whether a larger or smaller --monitor value is better (auto: accuracy max, loss min)",
-                     choices=["auto", "max", "min"])
+    monitor: str = knob(
+        "eval/accuracy", "metric that decides the best model kept in best/", choices=list(MONITOR_MODES)
+    )
+    mode: str = knob(
+        "auto",
+        "whether a larger or smaller --monitor value is better (auto: accuracy max, loss min)",
+        choices=["auto", "max", "min"],
+    )
     # --- logging ---
     log_every: int = knob(10, "log train loss, LR and throughput every N optimizer steps")
-    progress_every_s: float = knob(30.0, "when output is not a terminal (nohup, SLURM), print a progress line this "
-                                   "often, in seconds (0 = at every --log-every step)")
-    report_to: str = knob("tensorboard", "where the metrics go besides <run dir>/metrics.jsonl: Accelerate trackers, "
-                          "comma-separated (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, "
-                          "trackio), 'all' (every one installed) or 'none'")
+    progress_every_s: float = knob(
+        30.0,
+        "when output is not a terminal (nohup, SLURM), print a progress line this "
+        "often, in seconds (0 = at every --log-every step)",
+    )
+    report_to: str = knob(
+        "tensorboard",
+        "where the metrics go besides <run dir>/metrics.jsonl: Accelerate trackers, "
+        "comma-separated (tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, "
+        "trackio), 'all' (every one installed) or 'none'",
+    )
     profile: int = knob(0, "record N optimizer steps with the PyTorch profiler into <run dir>/profile (0 = off)")
     timeout_s: int = knob(600, "seconds a collective may wait before the job fails instead of hanging")
 
@@ -205,7 +202,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear paragraph, exit code 2, no traceback
         self.print_usage(sys.stderr)
         if message.startswith("unrecognized arguments"):  # another recipe's knob, another script's flag
-            message += hint(message, set(self._option_string_actions))
+            shared = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(CommonConfig)}
+            message += hint(message, set(self._option_string_actions), shared)
         self.exit(report(ConfigError(f"{message}. Run with --help to see every option and its default.")))
 
 
@@ -231,16 +229,21 @@ def described(cls, name: str) -> dict:
 
 
 def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
-    parser = _Parser(description=description, formatter_class=_HelpFormatter,
-                     allow_abbrev=False)
+    parser = _Parser(description=description, formatter_class=_HelpFormatter, allow_abbrev=False)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         typ, meta = hints[f.name], described(cls, f.name)
         flag = "--" + f.name.replace("_", "-")
         if f.name in cls.not_read:
             names = {flag, "--" + f.name, "--no-" + f.name.replace("_", "-"), "--no_" + f.name}
-            parser.add_argument(*sorted(names), dest=f.name, default=f.default, nargs="?", help=argparse.SUPPRESS,
-                                action=functools.partial(_NotRead, why=cls.not_read[f.name]))
+            parser.add_argument(
+                *sorted(names),
+                dest=f.name,
+                default=f.default,
+                nargs="?",
+                help=argparse.SUPPRESS,
+                action=functools.partial(_NotRead, why=cls.not_read[f.name]),
+            )
             continue
         kwargs = {"default": f.default, "help": meta.get("help", ""), "dest": f.name}
         if f.name == "lr" and getattr(cls, "lr_rule", None):  # every recipe with a rule states it, in the same words
@@ -261,9 +264,12 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
             parser.add_argument(flag, **kwargs)
         if alias:
             parser.add_argument(alias, **{**kwargs, "help": argparse.SUPPRESS})
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="YAML or JSON file of settings (e.g. a run's config.json); flags on the command line "
-                             "override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="YAML or JSON file of settings (e.g. a run's config.json); flags on the command line override it",
+    )
     return parser
 
 
@@ -277,19 +283,24 @@ def _from_file(cls, path: str) -> dict:
     try:
         loaded = yaml.safe_load(Path(path).expanduser().read_text())  # JSON is YAML too
     except OSError as err:
-        raise ConfigError(f"--config {path}: cannot read it ({err.strerror or err}). Pass an existing YAML or "
-                          "JSON file.") from None
+        raise ConfigError(
+            f"--config {path}: cannot read it ({err.strerror or err}). Pass an existing YAML or JSON file."
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"--config {path} is not valid YAML or JSON ({str(err).splitlines()[0]}).") from None
     if not isinstance(loaded, dict):
-        raise ConfigError(f"--config {path} must hold a mapping of setting names to values (like a run's "
-                          "config.json), not {type(loaded).__name__}.")
+        raise ConfigError(
+            f"--config {path} must hold a mapping of setting names to values (like a run's "
+            "config.json), not {type(loaded).__name__}."
+        )
     fields = {f.name for f in dataclasses.fields(cls)}
     names = {k: k.replace("-", "_") for k in loaded}
     unknown = sorted(k for k, name in names.items() if name not in fields)
     if unknown:
-        raise ConfigError(f"--config {path} has settings this recipe does not know: {', '.join(unknown)}. Remove "
-                          "them (python <recipe> --help lists every setting).")
+        raise ConfigError(
+            f"--config {path} has settings this recipe does not know: {', '.join(unknown)}. Remove "
+            "them (python <recipe> --help lists every setting)."
+        )
     return {names[key]: received(cls, names[key], value, f"--config {path}", key) for key, value in loaded.items()}
 
 
@@ -300,8 +311,10 @@ def received(cls, name: str, value, where: str, key: str | None = None):
     key = key or name
     typ, default = typing.get_type_hints(cls)[name], {f.name: f.default for f in dataclasses.fields(cls)}[name]
     wanted = TYPE_WORDS.get(typ, f"a {getattr(typ, '__name__', typ)}")
-    fix = (f"Give it {wanted} (e.g. `{key}: {json.dumps(default)}`, the recipe's default) or delete the line to "
-           "keep the default.")
+    fix = (
+        f"Give it {wanted} (e.g. `{key}: {json.dumps(default)}`, the recipe's default) or delete the line to "
+        "keep the default."
+    )
     if value is None:  # `lr:` with nothing after it, or `lr: null`
         raise ConfigError(f"{where}: {key} has no value (`{key}:` with nothing after it, or null). {fix}")
     try:
@@ -317,21 +330,12 @@ def received(cls, name: str, value, where: str, key: str | None = None):
         raise ConfigError(f"{where}: {key} = {value!r} is not {wanted}. {fix}") from None
     choices = described(cls, name).get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{where}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it to one "
-                          "of them in the file (one written by an older version may hold a value this setting no "
-                          "longer takes).")
+        raise ConfigError(
+            f"{where}: {key} = {value!r} is not one of {', '.join(map(str, choices))}. Set it to one "
+            "of them in the file (one written by an older version may hold a value this setting no "
+            "longer takes)."
+        )
     return value
-
-
-def validate_received(cfg, where: str) -> None:
-    """After settings were taken from a run's files (a resume, --eval-only): the same checks as the command line's,
-    said as the file's fault."""
-    try:
-        validate(cfg)
-    except ConfigError as err:
-        raise ConfigError(f"The settings recorded in {where} are not valid: {err} The file was changed or damaged "
-                          "since the run wrote it; start a new run with a new --output-dir, or restore the file.") \
-            from None
 
 
 def parse_config(cls, argv=None, description: str = ""):
@@ -355,14 +359,16 @@ def parse_config(cls, argv=None, description: str = ""):
             if "lr" in from_file and not lr_source:
                 lr_source = f"as given in {config_file}"
         cfg = cls(**values)
-        validate(cfg)  # first: the rule needs a valid --batch-size
+        check(cfg)  # first: the rule needs a valid --batch-size
     except ConfigError as err:
-        raise SystemExit(report(err))  # it may quote a key of the --config file: escaped
+        raise SystemExit(report(err)) from None  # it may quote a key of the --config file: escaped
     cfg.explicit = given  # not a dataclass field: not saved, not logged
     # The same command gives the same lr, so --resume-from latest resumes with the lr the run started with.
     # NOTE: a run started before recipes had a rule, at another batch and without --lr, resumes with the rule's
     # lr (applied over the checkpoint's, and printed so); give its old --lr to keep it.
-    cfg.lr_note = follow_batch(cfg, lr_source)  # not a field either: the startup line shows it
+    rule = getattr(cfg, "lr_rule", None)  # common.schedules.LRRule, or None: the LR stays at every batch
+    # not a field either: the startup line shows it
+    cfg.lr_note = lr_source or (rule.follow(cfg) if rule is not None else "the recipe's default")
     try:
         cfg.settle()
     except ConfigError as err:
@@ -370,66 +376,9 @@ def parse_config(cls, argv=None, description: str = ""):
     return cfg
 
 
-def validate(cfg) -> None:
-    """Reject values that would crash later or train silently wrong."""
-    def need(cond, msg):
-        if not cond:
-            raise ConfigError(msg)
-
-    need(cfg.epochs >= 1, f"--epochs must be at least 1 (got {cfg.epochs}); pass e.g. --epochs 2.")
-    need(cfg.lr > 0, f"--lr must be positive (got {cfg.lr}); pass e.g. --lr 1e-3.")
-    need(cfg.weight_decay >= 0, f"--weight-decay must be >= 0 (got {cfg.weight_decay}).")
-    need(cfg.batch_size >= 1, f"--batch-size must be at least 1 (got {cfg.batch_size}).")
-    need(cfg.eval_batch_size >= 1, f"--eval-batch-size must be at least 1 (got {cfg.eval_batch_size}).")
-    need(cfg.grad_accum >= 1, f"--grad-accum must be at least 1 (got {cfg.grad_accum}).")
-    need(0 <= cfg.val_fraction < 1, f"--val-fraction must be in [0, 1) (got {cfg.val_fraction}).")
-    need(0 <= cfg.warmup_fraction < 1, f"--warmup-fraction must be in [0, 1) (got {cfg.warmup_fraction}).")
-    need(0 <= cfg.warmup_start <= 1 and 0 <= cfg.final_lr <= 1, f"--warmup-start and --final-lr are fractions of "
-         f"--lr in [0, 1] (got {cfg.warmup_start} and {cfg.final_lr}).")
-    need(0 <= getattr(cfg, "label_smoothing", 0) < 1,
-         f"--label-smoothing must be in [0, 1) (got {getattr(cfg, 'label_smoothing', 0)}).")
-    need(getattr(cfg, "lookahead_every", 0) >= 0,
-         f"--lookahead-every must be >= 0 (got {getattr(cfg, 'lookahead_every', 0)}); 0 turns the average off.")
-    need(cfg.eval_every_steps >= 0, f"--eval-every-steps must be >= 0 (got {cfg.eval_every_steps}); 0 turns it off.")
-    need(cfg.progress_every_s >= 0, f"--progress-every-s must be >= 0 (got {cfg.progress_every_s}).")
-    need(cfg.max_grad_norm >= 0, f"--max-grad-norm must be >= 0 (got {cfg.max_grad_norm}); 0 turns clipping off.")
-    need(cfg.channels in (0, 1, 3), f"--channels must be 0 (keep), 1 or 3 (got {cfg.channels}).")
-    need(cfg.image_size >= 0, f"--image-size must be >= 0 (got {cfg.image_size}); 0 keeps the data's size.")
-    need(cfg.keep_checkpoints >= 1, f"--keep-checkpoints must be at least 1 (got {cfg.keep_checkpoints}).")
-    need(cfg.log_every >= 1, f"--log-every must be at least 1 (got {cfg.log_every}).")
-    need(cfg.eval_every >= 1, f"--eval-every must be at least 1 (got {cfg.eval_every}).")
-    need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (got {cfg.checkpoint_every}).")
-    need(cfg.max_steps >= 0, f"--max-steps must be >= 0 (got {cfg.max_steps}).")
-    need(0 <= cfg.target_accuracy <= 1, f"--target-accuracy is a fraction in [0, 1] (got {cfg.target_accuracy}); "
-         "pass e.g. 0.99 for 99%.")
-    need(cfg.profile >= 0, f"--profile takes a number of optimizer steps to record, >= 0 (got {cfg.profile}).")
-    from common.train.tracking import trackers_from
-
-    trackers_from(cfg.report_to)  # an unknown or uninstalled tracker: an error now, not a run that logs nowhere
-    need(cfg.timeout_s >= 10, f"--timeout-s must be at least 10 seconds (got {cfg.timeout_s}).")
-    need(not (cfg.eval_only and not cfg.checkpoint), "--eval-only needs --checkpoint <run or checkpoint directory> "
-         "naming the weights to evaluate.")
-    if cfg.mode == "auto":  # loss: lower is better; accuracy: higher
-        cfg.mode = MONITOR_MODES[cfg.monitor]
-    need(not (cfg.resume_from and cfg.eval_only), "--resume-from and --eval-only can't be combined; "
-         "use --checkpoint to pick the weights to evaluate.")
-
-
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
 def save_config(cfg, path: Path) -> None:
-    from common.files import write_atomic
-
     write_atomic(path, json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
-
-
-def sanitize_for_hparams(cfg_dict: dict) -> dict:
-    """TensorBoard hparams take only int/float/str/bool: drop None, stringify the rest."""
-    out = {}
-    for key, value in cfg_dict.items():
-        if value is None:
-            continue
-        out[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
-    return out

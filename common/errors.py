@@ -15,11 +15,11 @@ import sys
 from datetime import timedelta
 
 EXIT_OK = 0
-EXIT_CHECK_FAILED = 1    # a tool's own check failed (export: onnxruntime disagrees with PyTorch)
-EXIT_BAD_INPUT = 2       # bad data, config, checkpoint or path
-EXIT_NONFINITE = 3       # the loss became NaN/inf; nothing written after the last good checkpoint
-EXIT_TARGET_MISSED = 4   # --target-accuracy was not reached
-EXIT_PREEMPTED = 75      # stopped by a signal (or a lost launcher) after writing a checkpoint; rerun to resume
+EXIT_CHECK_FAILED = 1  # a tool's own check failed (export: onnxruntime disagrees with PyTorch)
+EXIT_BAD_INPUT = 2  # bad data, config, checkpoint or path
+EXIT_NONFINITE = 3  # the loss became NaN/inf; nothing written after the last good checkpoint
+EXIT_TARGET_MISSED = 4  # --target-accuracy was not reached
+EXIT_PREEMPTED = 75  # stopped by a signal (or a lost launcher) after writing a checkpoint; rerun to resume
 
 
 class RecipeError(Exception):
@@ -158,6 +158,10 @@ class Preempted(Exception):
 
 
 # how a run ended (summary.json's ``status``) -> its exit code: the endings that are no error, then each error's own
-EXIT_CODES = {"running": EXIT_OK, "completed": EXIT_OK, "target_missed": EXIT_TARGET_MISSED, "crashed": 1,
-              **{end.status: end.exit_code for end in (RecipeError, StorageError, NonFiniteLoss, Unfinished,
-                                                             Preempted)}}
+EXIT_CODES = {
+    "running": EXIT_OK,
+    "completed": EXIT_OK,
+    "target_missed": EXIT_TARGET_MISSED,
+    "crashed": 1,
+    **{end.status: end.exit_code for end in (RecipeError, StorageError, NonFiniteLoss, Unfinished, Preempted)},
+}

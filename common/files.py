@@ -31,10 +31,10 @@ def temp_name(path: Path) -> Path:
 
 
 def move_aside(path: Path, name: str) -> Path:
-    """Rename ``path`` to ``name`` in its folder, or to ``name.2``, ``name.3``, ... when an earlier copy holds
-    that name (the same checkpoint damaged twice): the earlier copy is kept. ``os.replace`` onto it would fail
-    on a folder with files ("Directory not empty") and silently replace an empty one. One writer per run
-    directory (common.train.rundir), so nothing takes the name between the check and the rename. Returns the new path."""
+    """Rename ``path`` to ``name`` in its folder, or to ``name.2``, ``name.3``, ... when an earlier copy holds that
+    name (the same checkpoint damaged twice): the earlier copy is kept. ``os.replace`` onto it would fail on a folder
+    with files ("Directory not empty") and silently replace an empty one. One writer per run directory
+    (common.train.rundir), so nothing takes the name between the check and the rename. Returns the new path."""
     target, n = path.with_name(name), 1
     while os.path.lexists(target):
         n += 1

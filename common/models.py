@@ -7,7 +7,9 @@ from torch import nn
 
 from common.errors import ConfigError, DataError
 
-RESIZE_HINT = "Pass --image-size N to resize the images (and --channels 1 or 3), or pick the recipe whose model fits the data."
+RESIZE_HINT = (
+    "Pass --image-size N to resize the images (and --channels 1 or 3), or pick the recipe whose model fits the data."
+)
 
 
 class MLP(nn.Module):
@@ -40,7 +42,10 @@ class ConvNet(nn.Module):
         super().__init__()
         c, h, w = in_shape
         if h < 4 or w < 4:
-            raise DataError(f"The data can't feed this model: ConvNet needs images of at least 4x4 pixels, got {h}x{w}. {RESIZE_HINT}")
+            raise DataError(
+                f"The data can't feed this model: ConvNet needs images of at least 4x4 pixels, got {h}x{w}. "
+                f"{RESIZE_HINT}"
+            )
         layers, c_in = [], c
         for c_out in (width, 2 * width):
             for _ in range(depth):
@@ -48,7 +53,9 @@ class ConvNet(nn.Module):
                 c_in = c_out
             layers.append(nn.MaxPool2d(2))
         self.features = nn.Sequential(*layers)
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * width * (h // 4) * (w // 4), num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Dropout(dropout), nn.Linear(2 * width * (h // 4) * (w // 4), num_classes)
+        )
 
     def forward(self, x):
         return self.head(self.features(x))
@@ -64,13 +71,28 @@ class LeanConvNet(nn.Module):
         super().__init__()
         c, h, w = in_shape
         if h < 14 or w < 14:
-            raise DataError(f"The data can't feed this model: LeanConvNet needs images of at least 14x14 pixels, got {h}x{w}. {RESIZE_HINT}")
+            raise DataError(
+                f"The data can't feed this model: LeanConvNet needs images of at least 14x14 pixels, got {h}x{w}. "
+                f"{RESIZE_HINT}"
+            )
         self.features = nn.Sequential(
-            nn.Conv2d(c, width, 5, bias=False), nn.MaxPool2d(2), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
-            nn.Conv2d(width, 2 * width, 3, bias=False), nn.MaxPool2d(2), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True))
+            nn.Conv2d(c, width, 5, bias=False),
+            nn.MaxPool2d(2),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width, 2 * width, 3, bias=False),
+            nn.MaxPool2d(2),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
+        )
         size = (((h - 4) // 2 - 2) // 2) * (((w - 4) // 2 - 2) // 2)
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * width * size, hidden), nn.ReLU(inplace=True),
-                                  nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * width * size, hidden),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(hidden, num_classes),
+        )
 
     def forward(self, x):
         return self.head(self.features(x))
@@ -118,12 +140,22 @@ class CifarCNN(nn.Module):
     three ConvGroups, a global max pool and a linear head scaled by 1/9. 0.71 GFLOP per 32x32 training
     image (forward + backward)."""
 
-    def __init__(self, in_shape, num_classes: int, widths=(64, 256, 256), bn_momentum: float = 0.4,
-                 head_scale: float = 1 / 9, dirac: bool = True):
+    def __init__(
+        self,
+        in_shape,
+        num_classes: int,
+        widths=(64, 256, 256),
+        bn_momentum: float = 0.4,
+        head_scale: float = 1 / 9,
+        dirac: bool = True,
+    ):
         super().__init__()
         c, h, w = in_shape
         if h < 16 or w < 16:
-            raise DataError(f"The data can't feed this model: CifarCNN needs images of at least 16x16 pixels, got {h}x{w}. {RESIZE_HINT}")
+            raise DataError(
+                f"The data can't feed this model: CifarCNN needs images of at least 16x16 pixels, got {h}x{w}. "
+                f"{RESIZE_HINT}"
+            )
         self.whiten = nn.Conv2d(c, 2 * c * 2 * 2, 2, padding=0, bias=True)  # every eigenvector of 2x2 patches, +-
         self.whiten.weight.requires_grad_(False)  # set by init_whitening; the bias trains
         self.act = nn.GELU()
@@ -148,8 +180,9 @@ def parse_ints(text: str, flag: str = "") -> tuple[int, ...]:
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise ConfigError(f"{flag or 'the value'} {text!r} is not a comma-separated list of positive integers; pass "
-                          "e.g. 64,256,256.")
+        raise ConfigError(
+            f"{flag or 'the value'} {text!r} is not a comma-separated list of positive integers; pass e.g. 64,256,256."
+        )
     return values
 
 
@@ -160,8 +193,10 @@ def parse_floats(text: str, flag: str = "", count: int = 0) -> tuple[float, ...]
     except ValueError:
         values = ()
     if not values or (count and len(values) != count):
-        raise ConfigError(f"{flag or 'the value'} {text!r} is not a comma-separated list of "
-                          f"{count or 'some'} numbers; pass e.g. {','.join(['0.9', '0.999'][:count or 2])}.")
+        raise ConfigError(
+            f"{flag or 'the value'} {text!r} is not a comma-separated list of "
+            f"{count or 'some'} numbers; pass e.g. {','.join(['0.9', '0.999'][: count or 2])}."
+        )
     return values
 
 
@@ -208,7 +243,7 @@ class CPUSyncBatchNorm(nn.BatchNorm2d):
         stats = all_reduce(torch.cat([xf.sum((0, 2, 3)), (xf * xf).sum((0, 2, 3)), count]))
         total = stats[-1]
         mean = stats[:c] / total
-        var = stats[c:2 * c] / total - mean * mean
+        var = stats[c : 2 * c] / total - mean * mean
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -227,8 +262,9 @@ def convert_sync_batchnorm(model: nn.Module, device: torch.device) -> nn.Module:
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
     for name, child in model.named_children():
         if isinstance(child, nn.BatchNorm2d) and not isinstance(child, CPUSyncBatchNorm):
-            new = CPUSyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
-                                   child.track_running_stats)
+            new = CPUSyncBatchNorm(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            )
             new.load_state_dict(child.state_dict())
             if child.affine:  # a frozen scale stays frozen
                 new.weight.requires_grad_(child.weight.requires_grad)

@@ -20,20 +20,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.vision import head
 
-def sgd_with_bias_groups(model: nn.Module, lr: float, momentum: float, weight_decay: float,
-                         bias_lr_scale: float = 1.0, early_params=(), early_epochs: int = 0):
+
+def sgd_with_bias_groups(
+    model: nn.Module,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    bias_lr_scale: float = 1.0,
+    early_params=(),
+    early_epochs: int = 0,
+):
     frozen_ids = {id(p) for p in early_params}
-    norm_ids = {id(p) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                for p in m.parameters(recurse=False)}
+    norm_ids = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        for p in m.parameters(recurse=False)
+    }
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [
-        {"name": "weights", "params": [p for p in trainable if id(p) not in norm_ids | frozen_ids],
-         "lr": lr, "weight_decay": weight_decay},
-        {"name": "norm_biases", "params": [p for p in trainable if id(p) in norm_ids and id(p) not in frozen_ids],
-         "lr": lr * bias_lr_scale, "weight_decay": weight_decay / bias_lr_scale},
-        {"name": "early", "params": [p for p in trainable if id(p) in frozen_ids],
-         "lr": lr, "weight_decay": weight_decay, "train_epochs": early_epochs},
+        {
+            "name": "weights",
+            "params": [p for p in trainable if id(p) not in norm_ids | frozen_ids],
+            "lr": lr,
+            "weight_decay": weight_decay,
+        },
+        {
+            "name": "norm_biases",
+            "params": [p for p in trainable if id(p) in norm_ids and id(p) not in frozen_ids],
+            "lr": lr * bias_lr_scale,
+            "weight_decay": weight_decay / bias_lr_scale,
+        },
+        {
+            "name": "early",
+            "params": [p for p in trainable if id(p) in frozen_ids],
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "train_epochs": early_epochs,
+        },
     ]
-    return torch.optim.SGD([g for g in groups if g["params"]], lr=lr, momentum=momentum, nesterov=momentum > 0,
-                           fused=True)
+    return torch.optim.SGD(
+        [g for g in groups if g["params"]], lr=lr, momentum=momentum, nesterov=momentum > 0, fused=True
+    )
+
+
+def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: float) -> list[dict]:
+    """The head at ``lr``, every other parameter at ``lr * backbone_scale``."""
+    head_name, _ = head(model, num_classes)
+    head_params, body = [], []
+    for name, p in model.named_parameters():
+        (head_params if name.startswith(head_name + ".") else body).append(p)
+    return [{"params": body, "lr": lr * backbone_scale}, {"params": head_params, "lr": lr}]

@@ -1,6 +1,6 @@
 """torchvision's classification models for fine-tuning: built by name with the data's classes, started from a
-weights file or torchvision's pretrained weights, with their own preprocessing, and split into a head and a
-backbone that can learn at a lower rate."""
+weights file or torchvision's pretrained weights, with their own preprocessing; ``head`` names the classifier
+(``common.optimizers.param_groups`` lets the backbone learn at a lower rate)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,13 @@ def check_name(name: str) -> None:
         import difflib
 
         close = difflib.get_close_matches(name, model_names(), n=3)
-        raise ConfigError(f"--model {name!r} is not a torchvision classification model"
-                          + (f" (did you mean {', '.join(close)}?)" if close else "") + ". Pick one of "
-                          f"{', '.join(model_names())} (e.g. resnet18, resnet50, convnext_tiny, efficientnet_b0, "
-                          "mobilenet_v3_large, vit_b_16).")
+        raise ConfigError(
+            f"--model {name!r} is not a torchvision classification model"
+            + (f" (did you mean {', '.join(close)}?)" if close else "")
+            + ". Pick one of "
+            f"{', '.join(model_names())} (e.g. resnet18, resnet50, convnext_tiny, efficientnet_b0, "
+            "mobilenet_v3_large, vit_b_16)."
+        )
 
 
 AUX_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's and inception_v3's auxiliary classifiers
@@ -53,9 +56,11 @@ def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Modu
     if name.startswith("vit_") and image_size:
         patch = int(name.rsplit("_", 1)[1])
         if image_size % patch:
-            raise ConfigError(f"--model {name} cuts each image into {patch}x{patch} patches, so --image-size must be "
-                              f"a multiple of {patch} (got {image_size}); pass e.g. --image-size "
-                              f"{max(patch, round(image_size / patch) * patch)}.")
+            raise ConfigError(
+                f"--model {name} cuts each image into {patch}x{patch} patches, so --image-size must be "
+                f"a multiple of {patch} (got {image_size}); pass e.g. --image-size "
+                f"{max(patch, round(image_size / patch) * patch)}."
+            )
         kwargs["image_size"] = image_size
     try:  # ResNets: each residual branch starts at zero, so the untrained network is shallow and stable (Goyal et
         # al. 2017); the large early losses of a from-scratch start are gone. Other families have no such switch.
@@ -97,8 +102,10 @@ def head(model: nn.Module, num_classes: int) -> tuple[str, nn.Module]:
         if isinstance(module, (nn.Linear, nn.Conv2d)) and out == num_classes:
             found = (name, module)
     if found is None:
-        raise ConfigError(f"Could not find the classifier of {type(model).__name__} (a Linear layer with "
-                          f"{num_classes} outputs). Use a torchvision classification model.")
+        raise ConfigError(
+            f"Could not find the classifier of {type(model).__name__} (a Linear layer with "
+            f"{num_classes} outputs). Use a torchvision classification model."
+        )
     return found
 
 
@@ -106,10 +113,10 @@ def head(model: nn.Module, num_classes: int) -> tuple[str, nn.Module]:
 class Pretrained:
     """Where the starting weights come from and the preprocessing they were trained with."""
 
-    spec: str                # '' (from scratch), DEFAULT or a weights enum name, or a file path
+    spec: str  # '' (from scratch), DEFAULT or a weights enum name, or a file path
     mean: list[float] | None
     std: list[float] | None
-    crop: int | None         # the weights' own crop size (224 for torchvision's ImageNet weights)
+    crop: int | None  # the weights' own crop size (224 for torchvision's ImageNet weights)
 
 
 def resolve(name: str, spec: str) -> Pretrained:
@@ -150,11 +157,16 @@ def weights_entry(name: str, spec: str):
         enum = None
     names = ", ".join(e.name for e in enum) if enum else "none"
     if enum is None or (prefix and prefix != enum.__name__) or (member != "DEFAULT" and member not in enum.__members__):
-        whose = f" (those are weights of another model: {name}'s are {enum.__name__})" if enum and prefix and \
-            prefix != enum.__name__ else ""
-        raise ConfigError(f"--weights {spec!r} is neither a file (.pth, .pt or .safetensors) nor one of torchvision's "
-                          f"weights for {name}{whose}: {names}, or DEFAULT"
-                          f"{f' (also spelled {enum.__name__}.DEFAULT)' if enum else ''}.")
+        whose = (
+            f" (those are weights of another model: {name}'s are {enum.__name__})"
+            if enum and prefix and prefix != enum.__name__
+            else ""
+        )
+        raise ConfigError(
+            f"--weights {spec!r} is neither a file (.pth, .pt or .safetensors) nor one of torchvision's "
+            f"weights for {name}{whose}: {names}, or DEFAULT"
+            f"{f' (also spelled {enum.__name__}.DEFAULT)' if enum else ''}."
+        )
     return enum.DEFAULT if member == "DEFAULT" else enum[member]
 
 
@@ -181,16 +193,18 @@ def check_cached(entry) -> None:
     if not found.startswith(prefix):
         raise ConfigError(
             f"{path} is in torch's hub cache under the name of torchvision's {entry} weights, but its sha256 starts "
-            f"{found[:len(prefix)]}, not {prefix} as the name records ({entry.url}): it is another file or a damaged "
+            f"{found[: len(prefix)]}, not {prefix} as the name records ({entry.url}): it is another file or a damaged "
             "copy, not those weights. Delete it (torchvision then downloads it again, checked), copy the right file "
-            "there, or pass the file you meant with --weights /path/to/file.pth.")
+            "there, or pass the file you meant with --weights /path/to/file.pth."
+        )
 
 
 def fetch_failed(entry, err: Exception) -> ConfigError:
     return ConfigError(
         f"torchvision could not fetch the {entry} weights ({type(err).__name__}: {err}); this machine is probably "
         f"offline. Download {entry.url} on a machine with network access, copy it here, and pass --weights "
-        f"/path/to/{Path(entry.url).name} (or put it in {hub_file(entry).parent}/, where torchvision looks first).")
+        f"/path/to/{Path(entry.url).name} (or put it in {hub_file(entry).parent}/, where torchvision looks first)."
+    )
 
 
 def fetch(name: str, spec: str) -> None:
@@ -200,8 +214,10 @@ def fetch(name: str, spec: str) -> None:
     entry = weights_entry(name, spec)
     if entry is None:
         if not Path(spec).expanduser().is_file():
-            raise ConfigError(f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
-                              "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch.")
+            raise ConfigError(
+                f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
+                "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch."
+            )
         return
     check_cached(entry)
     path = hub_file(entry)
@@ -234,15 +250,19 @@ def _read_state(spec: str, name: str) -> dict:
         else:  # weights_only: a file someone sends you is data, never code
             state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001
-        raise ConfigError(f"Could not read the weights file {path} ({type(err).__name__}: {str(err).splitlines()[0]}). "
-                          "Pass a state_dict saved by torch.save (.pth/.pt) or safetensors (.safetensors), e.g. "
-                          "torchvision's own weight file for the model.") from None
+        raise ConfigError(
+            f"Could not read the weights file {path} ({type(err).__name__}: {str(err).splitlines()[0]}). "
+            "Pass a state_dict saved by torch.save (.pth/.pt) or safetensors (.safetensors), e.g. "
+            "torchvision's own weight file for the model."
+        ) from None
     for key in ("state_dict", "model", "model_state_dict"):  # a training checkpoint that wraps the state_dict
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ConfigError(f"{path} holds no state_dict (a mapping of names to tensors). Save one with "
-                          "torch.save(model.state_dict(), path).")
+        raise ConfigError(
+            f"{path} holds no state_dict (a mapping of names to tensors). Save one with "
+            "torch.save(model.state_dict(), path)."
+        )
     return {k.removeprefix("module."): v for k, v in state.items()}  # DDP-saved files prefix every key
 
 
@@ -259,47 +279,31 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) ->
     unexpected = sorted(k for k in state if k not in own)
     # BatchNorm's step counters: files saved before torch kept them (torchvision's older ImageNet weights among them)
     # lack them, and torch's own load_state_dict starts them at 0, as it does here
-    counters = {name + ".num_batches_tracked" for name, m in model.named_modules()
-                if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats}
+    counters = {
+        name + ".num_batches_tracked"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    }
     missing = sorted(k for k in own if k not in state and k not in counters)
     wrong = [k for k in skipped if k not in head_keys]
     if unexpected or wrong or set(missing) - head_keys:
         shown = (unexpected + wrong + missing)[:4]
-        raise ConfigError(f"The weights in {spec} don't fit --model {name}: {len(missing)} of its tensors are "
-                          f"missing from the file, {len(unexpected)} in the file are not in the model, and "
-                          f"{len(wrong)} have another shape (e.g. {', '.join(shown)}). Pass weights of a {name} "
-                          "(torchvision's own file for it, or one saved from this model).")
+        raise ConfigError(
+            f"The weights in {spec} don't fit --model {name}: {len(missing)} of its tensors are "
+            f"missing from the file, {len(unexpected)} in the file are not in the model, and "
+            f"{len(wrong)} have another shape (e.g. {', '.join(shown)}). Pass weights of a {name} "
+            "(torchvision's own file for it, or one saved from this model)."
+        )
     model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
     shapes = ", ".join(f"{k} {tuple(state[k].shape)} -> {tuple(own[k].shape)}" for k in skipped)
     absent = [k for k in missing if k in head_keys]
-    return (f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
-            + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else "")
-            + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else "")
-            + (f"; left out the auxiliary classifiers ({len(aux)} tensors), which this model is built without"
-               if aux else ""))
-
-
-def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: float) -> list[dict]:
-    """The head at ``lr``, every other parameter at ``lr * backbone_scale``."""
-    head_name, _ = head(model, num_classes)
-    head_params, body = [], []
-    for name, p in model.named_parameters():
-        (head_params if name.startswith(head_name + ".") else body).append(p)
-    return [{"params": body, "lr": lr * backbone_scale}, {"params": head_params, "lr": lr}]
-
-
-def batch_mix(mixup: float, cutmix: float, num_classes: int):
-    """torchvision's MixUp and/or CutMix (one of the two per batch when both are on); None when both are off."""
-    from torchvision.transforms import v2
-
-    mixes = ([v2.MixUp(alpha=mixup, num_classes=num_classes)] if mixup else []) + \
-            ([v2.CutMix(alpha=cutmix, num_classes=num_classes)] if cutmix else [])
-    return None if not mixes else mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
-
-
-def mixed(mix, images: torch.Tensor, labels: torch.Tensor, gen: torch.Generator):
-    """``mix`` applied to a batch, its draws seeded from the batch's generator (torchvision draws from torch's
-    global generator: forked here, so the run's own stream is untouched and a resumed run draws the same)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(gen.initial_seed())  # the CPU one only (no lazy CUDA seeding)
-        return mix(images, labels)
+    return (
+        f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
+        + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else "")
+        + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else "")
+        + (
+            f"; left out the auxiliary classifiers ({len(aux)} tensors), which this model is built without"
+            if aux
+            else ""
+        )
+    )

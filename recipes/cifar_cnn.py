@@ -2,8 +2,9 @@
 
 Measured (README): 90.65% validation on CIFAR-10 (JPEG copy) after 10 epochs (mean of seeds 1-3, 640-650 s on 2 CPU
 cores with avx512_bf16), short of a 92% goal; the paper's own method, run as a baseline, reaches 90.49% there.
-Each part of the method is a flag: the airbench network (common.models) with --whiten-init and --dirac-init, BatchNorm
-biases at --bias-lr-scale 64x (common.optimizers), Lookahead (common.averaging), --flip alternating, --translate, --tta 2.
+Each part of the method is a flag: the airbench network (common.models) with --whiten-init and --dirac-init,
+BatchNorm biases at --bias-lr-scale 64x (common.optimizers), Lookahead (common.averaging), --flip alternating,
+--translate, --tta 2.
 
     accelerate launch recipes/cifar_cnn.py          # one process (CPU or one GPU)
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py   # 2 CPU processes
@@ -24,14 +25,15 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
-from common.data.augment import BatchTransform, channel_stats
-from common.config import CommonConfig, LRRule, knob, parse_config
 from common.averaging import Lookahead
-from common.train.metrics import evaluate
+from common.config import CommonConfig, knob, parse_config
+from common.data.augment import BatchTransform, channel_stats
+from common.errors import ConfigError
 from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
 from common.optimizers import sgd_with_bias_groups
+from common.schedules import LRRule, build_scheduler
+from common.train.metrics import evaluate
 from common.train.run import TrainingRun
-from common.schedules import build_scheduler
 
 RECIPE = "cifar_cnn"
 
@@ -57,14 +59,19 @@ class Config(CommonConfig):
     whiten_bias_epochs: int = knob(3, "train the whitening conv's bias for this many epochs, then hold it still")
     lookahead_every: int = knob(5, "Lookahead weight averaging every N optimizer steps (0 = off)")
     translate: int = knob(2, "random translation of each training image by up to N pixels (reflection padding)")
-    flip: str = knob("alternating", "mirror each image every other epoch, or at random, or never",
-                     choices=["alternating", "random", "none"])
+    flip: str = knob(
+        "alternating",
+        "mirror each image every other epoch, or at random, or never",
+        choices=["alternating", "random", "none"],
+    )
     tta: int = knob(2, "test-time augmentation: 0 none, 1 mirror, 2 mirror and 1-pixel shifts", choices=[0, 1, 2])
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
 
     def __post_init__(self):
         parse_ints(self.widths, "--widths")  # a malformed list fails here, before any data is read
+        if self.lookahead_every < 0:
+            raise ConfigError(f"--lookahead-every must be >= 0 (got {self.lookahead_every}); 0 turns the average off.")
 
 
 def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
@@ -73,8 +80,15 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return sgd_with_bias_groups(model, cfg.lr, cfg.momentum, cfg.weight_decay, cfg.bias_lr_scale,
-                                early_params=[model.whiten.bias], early_epochs=cfg.whiten_bias_epochs)
+    return sgd_with_bias_groups(
+        model,
+        cfg.lr,
+        cfg.momentum,
+        cfg.weight_decay,
+        cfg.bias_lr_scale,
+        early_params=[model.whiten.bias],
+        early_epochs=cfg.whiten_bias_epochs,
+    )
 
 
 def main(argv=None) -> int:
@@ -103,7 +117,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
     optimizer = build_optimizer(cfg, model)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, final_loader)
+        model, optimizer, train_loader, val_loader, final_loader
+    )
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
     steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, steps_per_epoch))
@@ -118,8 +133,15 @@ def train(cfg: Config, run: TrainingRun) -> None:
         return run.report_eval_only(data, validate(final_loader))
 
     # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
-              evaluate=lambda: validate(val_loader))  # called when due; best/ and checkpoints follow
+    run.start(
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        data,
+        transform,  # fresh, or resumed exactly
+        evaluate=lambda: validate(val_loader),
+    )  # called when due; best/ and checkpoints follow
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due

@@ -9,7 +9,8 @@ margin:
     accelerate launch recipes/fashion_mnist_mlp.py --target-accuracy 0.89   # exits 4 if missed
 
 The techniques are flags: --hidden 1024,1024 (width; --dropout 0 by default: at 0.2 its random masks took a quarter
-of a step on a CPU and the 5 seeds ended 0.19 points lower on average), --label-smoothing 0.1, --warmup-fraction 0.05 --schedule cosine (warm-up, then cosine decay to zero within the run), AdamW --lr 4e-3
+of a step on a CPU and the 5 seeds ended 0.19 points lower on average), --label-smoothing 0.1, --warmup-fraction
+0.05 --schedule cosine (warm-up, then cosine decay to zero within the run), AdamW --lr 4e-3
 --weight-decay 1e-4, --batch-size 1024 (a quarter of batch 256's steps, each with a 7.5 MB gradient all-reduce and
 an optimizer pass over 1.9M weights: 12 epochs take the time 6 of batch 256 took, for +0.5 points). No augmentation
 (a random flip cost 0.4 points at 6 epochs), no weight average: the simplest recipe to start from.
@@ -32,12 +33,12 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
+from common.config import CommonConfig, knob, parse_config
 from common.data.augment import BatchTransform, channel_stats
-from common.config import CommonConfig, LRRule, knob, parse_config
-from common.train.metrics import evaluate
 from common.models import MLP, parse_floats, parse_ints
+from common.schedules import LRRule, build_scheduler
+from common.train.metrics import evaluate
 from common.train.run import TrainingRun
-from common.schedules import build_scheduler
 
 RECIPE = "fashion_mnist_mlp"
 
@@ -67,8 +68,13 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=parse_floats(cfg.betas, "--betas", count=2),
-                             weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; masks a NaN step
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=parse_floats(cfg.betas, "--betas", count=2),
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )  # one kernel per step; masks a NaN step
 
 
 def main(argv=None) -> int:
@@ -93,7 +99,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model = build_model(cfg, data.shape, data.num_classes)
     optimizer = build_optimizer(cfg, model)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, final_loader)
+        model, optimizer, train_loader, val_loader, final_loader
+    )
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
 
@@ -105,8 +112,15 @@ def train(cfg: Config, run: TrainingRun) -> None:
         return run.report_eval_only(data, validate(final_loader))
 
     # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
-              evaluate=lambda: validate(val_loader))  # called when due; best/ and checkpoints follow
+    run.start(
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        data,
+        transform,  # fresh, or resumed exactly
+        evaluate=lambda: validate(val_loader),
+    )  # called when due; best/ and checkpoints follow
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due

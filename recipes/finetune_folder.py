@@ -34,15 +34,17 @@ from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common import vision
-from common.data.augment import BatchTransform
 from common.averaging import EMA
-from common.config import CommonConfig, LRRule, knob, parse_config
+from common.config import CommonConfig, knob, parse_config
 from common.console import say
+from common.data.augment import BatchTransform, batch_mix, mixed
+from common.data.photo_sources import load_photos
+from common.data.photos import photo_stats
 from common.errors import ConfigError
+from common.optimizers import param_groups
+from common.schedules import LRRule, build_scheduler
 from common.train.metrics import evaluate
-from common.data.photos import load_photos, photo_stats
 from common.train.run import TrainingRun
-from common.schedules import build_scheduler
 
 RECIPE = "finetune_folder"
 
@@ -50,17 +52,32 @@ RECIPE = "finetune_folder"
 @dataclass
 class Config(CommonConfig):
     # --- yours to change: the defaults of a run ---
-    dataset: str = knob("", "a folder of photos (<dir>/<class>/<image>, optionally under train/ val/ test/), or a "
-                        "Hugging Face image dataset: a Hub id, a local clone, parquet files (README)")
-    model: str = knob("resnet18", "any torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, "
-                      "mobilenet_v3_large, vit_b_16, ...)")
-    weights: str = knob("", "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
-                        ".safetensors state_dict file; heads of another shape are skipped")
-    image_size: int = knob(128, "crop side in pixels: of evaluation, predict and the last training epochs (with "
-                           "--weights, the weights' own unless given)")
-    start_image_size: int = knob(64, "progressive resizing: the first epoch trains on crops of this side, growing "
-                                 "linearly (in steps of 16 px) to --image-size at the last (when not given: half of "
-                                 "--image-size from scratch, off with --weights; 0 = off)")
+    dataset: str = knob(
+        "",
+        "a folder of photos (<dir>/<class>/<image>, optionally under train/ val/ test/), or a "
+        "Hugging Face image dataset: a Hub id, a local clone, parquet files (README)",
+    )
+    model: str = knob(
+        "resnet18",
+        "any torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, "
+        "mobilenet_v3_large, vit_b_16, ...)",
+    )
+    weights: str = knob(
+        "",
+        "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
+        ".safetensors state_dict file; heads of another shape are skipped",
+    )
+    image_size: int = knob(
+        128,
+        "crop side in pixels: of evaluation, predict and the last training epochs (with "
+        "--weights, the weights' own unless given)",
+    )
+    start_image_size: int = knob(
+        64,
+        "progressive resizing: the first epoch trains on crops of this side, growing "
+        "linearly (in steps of 16 px) to --image-size at the last (when not given: half of "
+        "--image-size from scratch, off with --weights; 0 = off)",
+    )
     epochs: int = 32
     eval_every: int = knob(4, "evaluate on the validation split every N epochs (and after the last)")
     batch_size: int = 128
@@ -73,29 +90,45 @@ class Config(CommonConfig):
     label_smoothing: float = 0.1
     min_crop_scale: float = knob(0.25, "smallest area share of a random resized crop (torchvision's default: 0.08)")
     auto_augment: bool = knob(False, "TrivialAugmentWide on each training photo (torchvision's --auto-augment ta_wide)")
-    random_erase: float = knob(0.0, "probability of erasing a random rectangle of each training photo "
-                               "(torchvision's --random-erase; 0 = off)")
+    random_erase: float = knob(
+        0.0, "probability of erasing a random rectangle of each training photo (torchvision's --random-erase; 0 = off)"
+    )
     mixup: float = knob(0.0, "MixUp alpha (torchvision.transforms.v2.MixUp; 0 = off)")
     cutmix: float = knob(0.0, "CutMix alpha (torchvision.transforms.v2.CutMix; 0 = off; with --mixup, one per batch)")
-    tta: int = knob(0, "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
-                    "(evaluation, predict and export alike)", choices=[0, 1])
-    ema_decay: float = knob(0.0, "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
-                            "this decay per step, evaluated and saved instead of the weights (0 = off)")
-    workers: int = knob(-1, "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
-                        "cores less one, at most 8: none on a 2-core machine running 2 processes)")
+    tta: int = knob(
+        0,
+        "test-time augmentation: 0 none, 1 the mean of the photo's and its mirror image's logits "
+        "(evaluation, predict and export alike)",
+        choices=[0, 1],
+    )
+    ema_decay: float = knob(
+        0.0,
+        "keep an exponential moving average of the weights (torch.optim.swa_utils) with "
+        "this decay per step, evaluated and saved instead of the weights (0 = off)",
+    )
+    workers: int = knob(
+        -1,
+        "DataLoader worker processes per process decoding photos (-1 = its share of the CPU "
+        "cores less one, at most 8: none on a 2-core machine running 2 processes)",
+    )
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
-    cache_dir: str = knob("", "where the record that a folder's photos were all readable is kept, so a rerun skips "
-                          "that check ('' = ~/.cache/accelerate-recipes)")
+    cache_dir: str = knob(
+        "",
+        "where the record that a folder's photos were all readable is kept, so a rerun skips "
+        "that check ('' = ~/.cache/accelerate-recipes)",
+    )
     # settings every recipe has that this one does not read: left out of --help, refused when given (a plain class
     # attribute, as lr_rule: not a setting)
     not_read = {
         "channels": "photos are decoded per batch on the host, always as RGB",
-        "data_on_device": "photos are decoded per batch on the host and never kept decoded"}
+        "data_on_device": "photos are decoded per batch on the host and never kept decoded",
+    }
 
     def __post_init__(self):
         if self.start_image_size < 0:
-            raise ConfigError(f"--start-image-size must be >= 0 (got {self.start_image_size}); 0 trains every epoch at "
-                              "--image-size.")
+            raise ConfigError(
+                f"--start-image-size must be >= 0 (got {self.start_image_size}); 0 trains every epoch at --image-size."
+            )
 
     def settle(self):
         if "image_size" not in self.explicit:  # pretrained weights: their own crop (224 for torchvision's ImageNet)
@@ -119,8 +152,7 @@ def train_view(cfg: Config, mean: list[float], side: int):
     loader's workers with its draws seeded per image (exact resume). Yours to change: any torchvision v2 transform."""
     from torchvision.transforms import v2
 
-    steps = [v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True),
-             v2.RandomHorizontalFlip()]
+    steps = [v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True), v2.RandomHorizontalFlip()]
     if cfg.auto_augment:
         steps.append(v2.TrivialAugmentWide())
     if cfg.random_erase:  # filled with the mean colour, as erasing after normalisation fills with 0
@@ -135,8 +167,13 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int) -> torch.optim.Optimizer:
     scale = cfg.backbone_lr_scale if cfg.weights else 1.0
-    return torch.optim.SGD(vision.param_groups(model, num_classes, cfg.lr, scale), lr=cfg.lr, momentum=cfg.momentum,
-                           nesterov=True, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(
+        param_groups(model, num_classes, cfg.lr, scale),
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=True,
+        weight_decay=cfg.weight_decay,
+    )
 
 
 def main(argv=None) -> int:
@@ -154,10 +191,15 @@ def train(cfg: Config, run: TrainingRun) -> None:
     data = run.load_data(load_photos)  # file lists; decoded per batch in the loader's workers
     # the weights' own normalisation, else the photos' (--eval-only: the scored run's)
     mean, std = run.normalisation(
-        lambda: (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train))
+        lambda: (pretrained.mean, pretrained.std) if pretrained.mean else photo_stats(data.train)
+    )
     transform = BatchTransform(mean, std, channels_last=cfg.channels_last)  # normalises on the device
-    train_loader = run.loader(data.train, train=True, train_view=partial(train_view, cfg, mean),  # per epoch
-                              sides=partial(crop_side, cfg))
+    train_loader = run.loader(
+        data.train,
+        train=True,
+        train_view=partial(train_view, cfg, mean),  # per epoch
+        sides=partial(crop_side, cfg),
+    )
     val_loader = run.loader(data.val)
     final_loader = run.loader(data.test) or val_loader
 
@@ -169,10 +211,11 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
     optimizer = build_optimizer(cfg, model, data.num_classes)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, final_loader)
+        model, optimizer, train_loader, val_loader, final_loader
+    )
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
     ema = EMA(accelerator, model, cfg.ema_decay)  # a no-op when off; in every checkpoint when on
-    mix = vision.batch_mix(cfg.mixup, cfg.cutmix, data.num_classes)  # None when both are off
+    mix = batch_mix(cfg.mixup, cfg.cutmix, data.num_classes)  # None when both are off
     scored = ema.module if ema.module is not None else model  # the weights that are evaluated and saved
 
     def validate(loader):
@@ -184,16 +227,23 @@ def train(cfg: Config, run: TrainingRun) -> None:
         return run.report_eval_only(data, validate(final_loader))
 
     # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
-              evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
-              scored=scored)  # the weights evaluated and saved
+    run.start(
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        data,
+        transform,  # fresh, or resumed exactly
+        evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
+        scored=scored,
+    )  # the weights evaluated and saved
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due
             with accelerator.accumulate(model):
                 x = transform.train(images, run.augment_generator())  # normalised (train_view ran in the workers)
                 if mix is not None:  # MixUp / CutMix: mixed images, soft targets
-                    x, labels = vision.mixed(mix, x, labels, run.augment_generator())
+                    x, labels = mixed(mix, x, labels, run.augment_generator())
                 logits = model(x)
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)

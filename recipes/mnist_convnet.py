@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
+from common.config import CommonConfig, knob, parse_config
 from common.data.augment import BatchTransform, channel_stats
-from common.config import CommonConfig, LRRule, knob, parse_config
-from common.train.metrics import evaluate
 from common.models import ConvNet, LeanConvNet, convert_sync_batchnorm, parse_floats
+from common.schedules import LRRule, build_scheduler
+from common.train.metrics import evaluate
 from common.train.run import TrainingRun
-from common.schedules import build_scheduler
 
 RECIPE = "mnist_convnet"
 
@@ -56,14 +56,21 @@ class Config(CommonConfig):
     warmup_fraction: float = 0.2
     label_smoothing: float = 0.1
     translate: int = knob(0, "random translation of each training image by up to N pixels (reflection padding)")
-    model: str = knob("lean", "lean: 5x5 conv, pool, 3x3 conv, pool, hidden linear layer; deep: blocks of --depth 3x3 "
-                      "conv-BN-ReLU layers, each block ending in a pool", choices=["lean", "deep"])
+    model: str = knob(
+        "lean",
+        "lean: 5x5 conv, pool, 3x3 conv, pool, hidden linear layer; deep: blocks of --depth 3x3 "
+        "conv-BN-ReLU layers, each block ending in a pool",
+        choices=["lean", "deep"],
+    )
     width: int = knob(24, "channels of the first conv (block); the second has twice as many")
     hidden: int = knob(256, "units of the hidden linear layer (--model lean)")
     depth: int = knob(2, "conv-BN-ReLU layers per block (--model deep)")
     dropout: float = knob(0.0, "dropout before the last linear layer")
-    channels_last: bool = knob(True, "channels_last memory format for the model and batches (on CPUs the max-pools "
-                               "then take the vectorised path: half the step time here)")
+    channels_last: bool = knob(
+        True,
+        "channels_last memory format for the model and batches (on CPUs the max-pools "
+        "then take the vectorised path: half the step time here)",
+    )
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
 
     def __post_init__(self):
@@ -78,8 +85,13 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=parse_floats(cfg.betas, "--betas", count=2),
-                             weight_decay=cfg.weight_decay, fused=True)  # one kernel per step; masks a NaN step
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=parse_floats(cfg.betas, "--betas", count=2),
+        weight_decay=cfg.weight_decay,
+        fused=True,
+    )  # one kernel per step; masks a NaN step
 
 
 def main(argv=None) -> int:
@@ -107,7 +119,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
     optimizer = build_optimizer(cfg, model)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, final_loader)
+        model, optimizer, train_loader, val_loader, final_loader
+    )
     # Schedule length from the prepared loader (per-process batches), so the LR trace is the same on N processes.
     scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / cfg.grad_accum)))
 
@@ -119,8 +132,15 @@ def train(cfg: Config, run: TrainingRun) -> None:
         return run.report_eval_only(data, validate(final_loader))
 
     # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform,  # fresh, or resumed exactly
-              evaluate=lambda: validate(val_loader))  # called when due; best/ and checkpoints follow
+    run.start(
+        model,
+        optimizer,
+        scheduler,
+        train_loader,
+        data,
+        transform,  # fresh, or resumed exactly
+        evaluate=lambda: validate(val_loader),
+    )  # called when due; best/ and checkpoints follow
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due

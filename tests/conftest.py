@@ -39,7 +39,7 @@ def learnable_images(n: int, num_classes: int, shape, seed: int = 0):
     bh, bw = h // cells, w // cells
     for i, k in enumerate(labels):
         r, q = divmod(int(k), cells)
-        images[i, r * bh:(r + 1) * bh, q * bw:(q + 1) * bw, :] = 200 + rng.integers(0, 55)
+        images[i, r * bh : (r + 1) * bh, q * bw : (q + 1) * bw, :] = 200 + rng.integers(0, 55)
     return images, labels
 
 
@@ -49,8 +49,15 @@ def _pil(arr):
     return Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
 
 
-def write_parquet_dataset(root: Path, splits: dict, num_classes: int = 4, shape=(1, 28, 28),
-                          image_col: str = "image", label_col: str = "label", seed: int = 0) -> Path:
+def write_parquet_dataset(
+    root: Path,
+    splits: dict,
+    num_classes: int = 4,
+    shape=(1, 28, 28),
+    image_col: str = "image",
+    label_col: str = "label",
+    seed: int = 0,
+) -> Path:
     """A folder laid out like a Hub dataset repo: data/<split>-00000-of-00001.parquet."""
     from datasets import ClassLabel, Dataset, Features, Image
 
@@ -58,14 +65,17 @@ def write_parquet_dataset(root: Path, splits: dict, num_classes: int = 4, shape=
     names = [f"class_{k}" for k in range(num_classes)]
     for i, (split, n) in enumerate(splits.items()):
         images, labels = learnable_images(n, num_classes, shape, seed + i)
-        ds = Dataset.from_dict({image_col: [_pil(a) for a in images], label_col: labels.tolist()},
-                               features=Features({image_col: Image(), label_col: ClassLabel(names=names)}))
+        ds = Dataset.from_dict(
+            {image_col: [_pil(a) for a in images], label_col: labels.tolist()},
+            features=Features({image_col: Image(), label_col: ClassLabel(names=names)}),
+        )
         ds.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
     return root
 
 
-def write_image_folder(root: Path, n_per_class: int = 20, classes=("cat", "dog", "frog"), shape=(3, 32, 32),
-                       seed: int = 0) -> Path:
+def write_image_folder(
+    root: Path, n_per_class: int = 20, classes=("cat", "dog", "frog"), shape=(3, 32, 32), seed: int = 0
+) -> Path:
     """<root>/<class>/<i>.png, the layout of a user's own data."""
     images, labels = learnable_images(n_per_class * len(classes), len(classes), shape, seed)
     for i, (arr, k) in enumerate(zip(images, labels)):
@@ -98,8 +108,16 @@ def foreground_signals():
         signal.signal(sig, handler)
 
 
-def launch(recipe: str, args, env, nproc: int = 1, config: str | None = None, timeout: int = 240,
-           extra_launch=(), port: int | None = None) -> subprocess.CompletedProcess:
+def launch(
+    recipe: str,
+    args,
+    env,
+    nproc: int = 1,
+    config: str | None = None,
+    timeout: int = 240,
+    extra_launch=(),
+    port: int | None = None,
+) -> subprocess.CompletedProcess:
     """`accelerate launch` a recipe with a shipped config on a free port (or ``port``), fp32 whatever the CPU
     (the golden losses and equivalence tolerances are fp32 figures); returns the finished process."""
     cmd = launching.launch_command(recipe, args, nproc=nproc, config=config, port=port, extra_launch=extra_launch)
@@ -173,12 +191,14 @@ def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
             GradientState._reset_state()
             torch.set_num_threads(threads)
             for sig, handler in handlers.items():  # a run that failed before its stop handlers were
-                signal.signal(sig, handler)         # restored must not leave them in this process
+                signal.signal(sig, handler)  # restored must not leave them in this process
     return InProcessResult([str(path), *argv], code or 0, out.getvalue(), err.getvalue())
 
 
 def check_ok(proc: subprocess.CompletedProcess):
-    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    )
     # a worker that exits holding its process group can abort at interpreter shutdown (gloo's threads), which the
     # launcher turns into exit 1 for a completed run: every rank destroys it at the end
     assert "terminate called" not in proc.stderr and "has NOT been destroyed" not in proc.stderr, proc.stderr[-6000:]
@@ -213,8 +233,9 @@ def mnist_like(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cifar_like(tmp_path_factory):
     """Hub-layout parquet with CIFAR's column name `img`, 3x32x32, 4 classes."""
-    return write_parquet_dataset(tmp_path_factory.mktemp("cifar_like"), {"train": 256, "test": 64},
-                                 shape=(3, 32, 32), image_col="img")
+    return write_parquet_dataset(
+        tmp_path_factory.mktemp("cifar_like"), {"train": 256, "test": 64}, shape=(3, 32, 32), image_col="img"
+    )
 
 
 def write_photo_folder(root: Path, n_per_class: int, classes=("ant", "bee", "wasp"), seed: int = 0) -> Path:
@@ -229,7 +250,7 @@ def write_photo_folder(root: Path, n_per_class: int, classes=("ant", "bee", "was
         for i in range(n_per_class):
             w, h = sizes[(i + k) % len(sizes)]
             arr = rng.integers(0, 80, size=(h, w, 3), dtype=np.uint8)
-            arr[:, k * w // len(classes):(k + 1) * w // len(classes), k % 3] = 230  # a class-coloured stripe
+            arr[:, k * w // len(classes) : (k + 1) * w // len(classes), k % 3] = 230  # a class-coloured stripe
             img, kind = Image.fromarray(arr), i % 5
             if kind == 0:
                 img.save(root / cls / f"{i}.jpg", quality=90)
@@ -278,19 +299,37 @@ REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resume
     ("fashion_mnist_mlp", 1): ("mnist_like", [*TRAIN, *SMALL["fashion_mnist_mlp"]]),
     # 2 processes: given validation split of 99 images, eval batch 10 per process; no dropout, so that
     # 1 process x batch 32 must give the same weights (also when it resumes from the step-5 checkpoint)
-    ("fashion_mnist_mlp", 2): ("awkward", [*TRAIN, *SMALL["fashion_mnist_mlp"], "--dropout", 0,
-                                           "--eval-batch-size", 20, "--checkpoint-every", 5,
-                                           "--keep-checkpoints", 10]),
+    ("fashion_mnist_mlp", 2): (
+        "awkward",
+        [
+            *TRAIN,
+            *SMALL["fashion_mnist_mlp"],
+            "--dropout",
+            0,
+            "--eval-batch-size",
+            20,
+            "--checkpoint-every",
+            5,
+            "--keep-checkpoints",
+            10,
+        ],
+    ),
     # every checkpoint kept: a 2-process resume test starts from a copy of one of them
     # an evaluation and a checkpoint on the same steps: the checkpoint must hold that evaluation's result
-    ("mnist_convnet", 1): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
-                                          "--eval-every-steps", 5, "--keep-checkpoints", 10]),
-    ("mnist_convnet", 2): ("mnist_like", [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5,
-                                          "--eval-every-steps", 5, "--keep-checkpoints", 10]),
+    ("mnist_convnet", 1): (
+        "mnist_like",
+        [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5, "--eval-every-steps", 5, "--keep-checkpoints", 10],
+    ),
+    ("mnist_convnet", 2): (
+        "mnist_like",
+        [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5, "--eval-every-steps", 5, "--keep-checkpoints", 10],
+    ),
     ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
     ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
-    ("finetune_folder", 1): ("photos_like", [*TRAIN, *SMALL["finetune_folder"], "--checkpoint-every", 3,
-                                             "--keep-checkpoints", 10]),
+    ("finetune_folder", 1): (
+        "photos_like",
+        [*TRAIN, *SMALL["finetune_folder"], "--checkpoint-every", 3, "--keep-checkpoints", 10],
+    ),
     ("finetune_folder", 2): ("photos_like", [*TRAIN, *SMALL["finetune_folder"]]),
 }
 REFERENCE_EXTRA = {  # read-only checks riding on the reference run
@@ -320,12 +359,12 @@ def stopped_at(ref_run: Path, step: int, dest: Path) -> Path:
 
 @dataclass
 class ReferenceRun:
-    run: Path          # its run directory
-    proc: object       # the finished process (stdout, stderr, returncode)
+    run: Path  # its run directory
+    proc: object  # the finished process (stdout, stderr, returncode)
     dataset: Path
-    train_args: list   # dataset and training flags, without --output-dir
+    train_args: list  # dataset and training flags, without --output-dir
 
-    def ok(self) -> "ReferenceRun":
+    def ok(self) -> ReferenceRun:
         check_ok(self.proc)
         return self
 

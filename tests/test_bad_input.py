@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, run_in_process, write_image_folder, write_parquet_dataset
 
 
@@ -31,52 +30,82 @@ def write_plain_parquet(root, columns: dict, split="train"):
     return root
 
 
-@pytest.mark.parametrize("args,needles", [
-    (["--lr", "-1"], ["--lr must be positive"]),
-    (["--epochs", "0"], ["--epochs must be at least 1"]),
-    (["--batch-size", "2", "--grad-accum", "4"], ["must split evenly", "--batch-size"]),
-    (["--lrr", "0.1"], ["unrecognized arguments: --lrr", "--help"]),
-    (["--val-fraction", "1.5"], ["--val-fraction must be in [0, 1)"]),
-    (["--batch-size", "1024"], ["larger than the training split", "smaller --batch-size"]),
-    (["--profile", "-2"], ["--profile takes a number of optimizer steps"]),
-])
+@pytest.mark.parametrize(
+    "args,needles",
+    [
+        (["--lr", "-1"], ["--lr must be positive"]),
+        (["--epochs", "0"], ["--epochs must be at least 1"]),
+        (["--batch-size", "2", "--grad-accum", "4"], ["must split evenly", "--batch-size"]),
+        (["--lrr", "0.1"], ["unrecognized arguments: --lrr", "--help"]),
+        (["--val-fraction", "1.5"], ["--val-fraction must be in [0, 1)"]),
+        (["--batch-size", "1024"], ["larger than the training split", "smaller --batch-size"]),
+        (["--profile", "-2"], ["--profile takes a number of optimizer steps"]),
+    ],
+)
 def test_invalid_config(args, needles, tmp_path, env, mnist_like):
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", *args],
-                                  env, tmp_path), *needles)
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", *args], env, tmp_path),
+        *needles,
+    )
     assert not (tmp_path / "r").exists()  # nothing written
 
 
 def test_invalid_lookahead_every(tmp_path, env, cifar_like):
     """--lookahead-every lives in cifar_cnn, the recipe that averages weights."""
-    assert_clear_error(run_recipe("cifar_cnn", ["--dataset", cifar_like, "--output-dir", tmp_path / "r",
-                                                "--lookahead-every", "-1"], env, tmp_path),
-                       "--lookahead-every must be >= 0")
+    assert_clear_error(
+        run_recipe(
+            "cifar_cnn",
+            ["--dataset", cifar_like, "--output-dir", tmp_path / "r", "--lookahead-every", "-1"],
+            env,
+            tmp_path,
+        ),
+        "--lookahead-every must be >= 0",
+    )
 
 
 def test_bad_flag_in_a_real_process(tmp_path, env, mnist_like):
     """The exit code and stderr of `python recipe.py` itself."""
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "mnist_convnet.py"), "--dataset", str(mnist_like),
-                           "--output-dir", str(tmp_path / "r"), "--lr", "-1"], env=env, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "mnist_convnet.py"),
+            "--dataset",
+            str(mnist_like),
+            "--output-dir",
+            str(tmp_path / "r"),
+            "--lr",
+            "-1",
+        ],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert_clear_error(proc, "--lr must be positive")
     assert not (tmp_path / "r").exists()
 
 
 def test_technique_flag_of_another_recipe_names_it(tmp_path, env, mnist_like):
-    proc = run_recipe("fashion_mnist_mlp", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", "--flip"], env,
-                      tmp_path)
+    proc = run_recipe(
+        "fashion_mnist_mlp", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", "--flip"], env, tmp_path
+    )
     assert_clear_error(proc, "unrecognized arguments: --flip", "cifar_cnn", "does not use that technique")
 
 
 def test_missing_dataset_path(tmp_path, env):
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", tmp_path / "nope"], env, tmp_path),
-                       "does not exist", "--dataset")
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", tmp_path / "nope"], env, tmp_path), "does not exist", "--dataset"
+    )
 
 
 def test_dataset_without_image_column(tmp_path, env):
     root = write_plain_parquet(tmp_path / "d", {"pixels": [[0] * 4] * 8, "label": [0, 1] * 4})
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
-                       "no image column", "--image-column")
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+        "no image column",
+        "--image-column",
+    )
 
 
 def test_labels_outside_the_training_classes(tmp_path, env):
@@ -88,17 +117,25 @@ def test_labels_outside_the_training_classes(tmp_path, env):
     img = PILImage.new("L", (28, 28))
     feats = Features({"image": Image(), "label": Value("int64")})
     Dataset.from_dict({"image": [img] * 12, "label": [0, 1, 2] * 4}, features=feats).to_parquet(
-        str(root / "data" / "train-00000-of-00001.parquet"))
+        str(root / "data" / "train-00000-of-00001.parquet")
+    )
     Dataset.from_dict({"image": [img] * 4, "label": [0, 1, 2, 7]}, features=feats).to_parquet(
-        str(root / "data" / "test-00000-of-00001.parquet"))
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
-                       "label 7", "outside the 3 classes")
+        str(root / "data" / "test-00000-of-00001.parquet")
+    )
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+        "label 7",
+        "outside the 3 classes",
+    )
 
 
 def test_images_too_small_for_the_model(tmp_path, env):
     root = write_parquet_dataset(tmp_path / "d", {"train": 16}, shape=(1, 2, 2))
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
-                       "at least 14x14", "--image-size")
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+        "at least 14x14",
+        "--image-size",
+    )
 
 
 def test_empty_split(tmp_path, env):
@@ -107,30 +144,41 @@ def test_empty_split(tmp_path, env):
     root = write_parquet_dataset(tmp_path / "d", {"train": 16})
     feats = Features({"image": Image(), "label": ClassLabel(names=[f"class_{k}" for k in range(4)])})
     Dataset.from_dict({"image": [], "label": []}, features=feats).to_parquet(
-        str(root / "data" / "test-00000-of-00001.parquet"))
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
-                       "test split of", "is empty")
+        str(root / "data" / "test-00000-of-00001.parquet")
+    )
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+        "test split of",
+        "is empty",
+    )
 
 
 def test_corrupt_image_in_image_folder_is_named(tmp_path, env):
     root = write_image_folder(tmp_path / "imgs", n_per_class=4)
     bad = root / "dog" / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
-    assert_clear_error(run_recipe("cifar_cnn", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
-                       "broken.png", "Remove or replace")
+    assert_clear_error(
+        run_recipe("cifar_cnn", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+        "broken.png",
+        "Remove or replace",
+    )
 
 
 def test_output_dir_of_another_run_is_not_overwritten(tmp_path, env, mnist_like):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text('{"mine": true}')
-    assert_clear_error(run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", run], env, tmp_path),
-                       "already holds a run", "--resume-from latest")
+    assert_clear_error(
+        run_recipe("mnist_convnet", ["--dataset", mnist_like, "--output-dir", run], env, tmp_path),
+        "already holds a run",
+        "--resume-from latest",
+    )
     assert (run / "config.json").read_text() == '{"mine": true}'
     assert sorted(p.name for p in run.iterdir()) == ["config.json"]
 
 
 # --- said once in a job of several processes ---------------------------------------------------------
+
 
 def error_paragraphs(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "error: " in line and not line.startswith(" ")]
@@ -153,8 +201,11 @@ def test_bad_input_on_two_processes_is_said_once(tmp_path, env, case):
     args += ["--image-size", "32", "--workers", "0"] if case == "photo" else []
     proc = launch("finetune_folder" if case == "photo" else "fashion_mnist_mlp", args, env, nproc=2)
     said = error_paragraphs(proc.stderr)
-    needle = {"flag": "--epochs must be at least 1", "data": "which train does not have",
-              "photo": "1 of the 8 images in the train split"}[case]
+    needle = {
+        "flag": "--epochs must be at least 1",
+        "data": "which train does not have",
+        "photo": "1 of the 8 images in the train split",
+    }[case]
     # the launcher adds its own traceback (torchrun's ChildFailedError); none comes from the recipe's processes
     frames = [line for line in proc.stderr.splitlines() if line.strip().startswith('File "')]
     assert proc.returncode != 0 and not [f for f in frames if "/common/" in f or "/recipes/" in f], proc.stderr[-3000:]
@@ -181,12 +232,21 @@ time.sleep(60)
 def test_bad_input_that_differs_by_process_is_said_by_each(tmp_path, env, case):
     """The false positive: a message the main process did not say (another one, or none at all) is printed."""
     from conftest import ACCELERATE, CONFIGS, REPO
+
     from common.tools.machine import free_port
 
     script = tmp_path / "say.py"
     script.write_text(SAY_PER_RANK)
-    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port",
-           str(free_port()), str(script), case]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(CONFIGS / "cpu_2proc.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        case,
+    ]
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=120)
     said = sorted(error_paragraphs(proc.stderr))
     if case == "differ":

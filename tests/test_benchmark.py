@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import write_parquet_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,8 +26,20 @@ def run_tiny(study: str, tmp_path, *extra) -> tuple[dict, str]:
     out_json = tmp_path / f"{study}.json"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("ACCELERATE_MIXED_PRECISION", None)
-    cmd = [sys.executable, f"benchmarks/{study}.py", "--recipe", "mnist_convnet", "--tiny", "--device", "cpu",
-           "--work-dir", str(tmp_path / "work"), "--out-json", str(out_json), *extra]
+    cmd = [
+        sys.executable,
+        f"benchmarks/{study}.py",
+        "--recipe",
+        "mnist_convnet",
+        "--tiny",
+        "--device",
+        "cpu",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out-json",
+        str(out_json),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\nOUT:\n{proc.stdout[-4000:]}\nERR:\n{proc.stderr[-6000:]}"
     report = json.loads(out_json.read_text())
@@ -64,20 +75,37 @@ def test_throughput_times_the_recipe_the_raw_loop_the_bound_and_the_levers(tmp_p
     # inductor's C++ compile takes minutes on 2 cores: the eager backend runs the same torch.compile plumbing
     report, stdout = run_tiny("throughput", tmp_path, "--compile-backend", "eager")
     cfg = report["settings"]["config"]  # the recipe's own Config: its defaults, --tiny's flags by its parser
-    assert cfg["width"] == 8 and cfg["batch_size"] == 32 and cfg["lr"] == pytest.approx(1e-2 * (32 / 256) ** 0.5) and cfg["label_smoothing"] == 0.1
+    assert (
+        cfg["width"] == 8
+        and cfg["batch_size"] == 32
+        and cfg["lr"] == pytest.approx(1e-2 * (32 / 256) ** 0.5)
+        and cfg["label_smoothing"] == 0.1
+    )
     assert report["settings"]["model"] == "LeanConvNet" and report["skipped"] == {}
-    assert list(report["rows"]) == ["recipe", "raw_torch", "pure_compute", "pure_bf16", "pure_contiguous",
-                                    "pure_compiled"]  # the lever row: the memory format the recipe does not use
+    assert list(report["rows"]) == [
+        "recipe",
+        "raw_torch",
+        "pure_compute",
+        "pure_bf16",
+        "pure_contiguous",
+        "pure_compiled",
+    ]  # the lever row: the memory format the recipe does not use
     check_recipe_row(report["rows"]["recipe"], processes=1)
     levers = report["levers"]
     assert levers["bf16"]["status"] == "ok" and levers["bf16"]["native_bf16"] == bool(cpu_bf16_support())
     assert levers["channels_last"]["status"] == "ok" and levers["channels_last"]["recipe_default"] is True
     assert levers["compile"]["status"] == "ok" and levers["compile"]["compile_s"] >= 0
     ratios = report["ratios"]
-    assert set(ratios) == {"recipe_vs_pure_compute", "accelerate_overhead_1proc_pct", "bf16_vs_fp32",
-                           "channels_last_vs_contiguous", "compile_vs_eager"}
+    assert set(ratios) == {
+        "recipe_vs_pure_compute",
+        "accelerate_overhead_1proc_pct",
+        "bf16_vs_fp32",
+        "channels_last_vs_contiguous",
+        "compile_vs_eager",
+    }
     assert ratios["recipe_vs_pure_compute"]["value"] == pytest.approx(
-        report["rows"]["recipe"]["samples_per_s"] / report["rows"]["pure_compute"]["samples_per_s"])
+        report["rows"]["recipe"]["samples_per_s"] / report["rows"]["pure_compute"]["samples_per_s"]
+    )
     assert "torch.compile (eager)" in stdout
 
 
@@ -98,27 +126,40 @@ def test_scaling_runs_one_and_two_processes_through_accelerate_and_raw_ddp(tmp_p
     check_recipe_row(rows["recipe_2proc"], processes=2)
     assert "cpu_2proc.yaml" in rows["recipe_2proc"]["runs"][0]["command"] and rows["raw_ddp_2proc"]["backend"] == "gloo"
     assert report["ratios"]["scaling_efficiency_2proc"]["value"] == pytest.approx(
-        rows["recipe_2proc"]["samples_per_s"] / (2 * rows["recipe_1proc"]["samples_per_s"]))
+        rows["recipe_2proc"]["samples_per_s"] / (2 * rows["recipe_1proc"]["samples_per_s"])
+    )
 
 
 def test_memory_measures_both_modes_on_a_local_dataset(tmp_path):
     data = write_parquet_dataset(tmp_path / "data", {"train": 100}, shape=(1, 8, 8))
-    proc = subprocess.run([sys.executable, "benchmarks/memory.py", "--dataset", str(data), "--procs", "1"],
-                          cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/memory.py", "--dataset", str(data), "--procs", "1"],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "machine: " in proc.stdout and "100 train images" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("copy ", "mmap "))]
     assert [row[:3] for row in rows if len(row) == 9] == [["copy", "1", "0"], ["mmap", "1", "0"]]
 
 
-@pytest.mark.parametrize("study, argv, says", [
-    (throughput, ["--recipe", "no_such_recipe"], "there is no"),
-    (throughput, ["--recipe", "mnist_convnet", "--steps", "3", "--log-every", "2"], "a multiple of --log-every"),
-    (throughput, ["--recipe", "mnist_convnet", "--skip", "gpu"], "--skip gpu: unknown"),
-    (data_path, ["--recipe", "mnist_convnet", "--recipe-args", "--width abc"], "is not a valid command line for the"),
-    (data_path, ["--recipe", "mnist_convnet", "--seed-workers", "-1"], "--seed-workers must be at least 0"),
-    (scaling, ["--recipe", "mnist_convnet", "--runs", "0"], "--runs 0"),
-])
+@pytest.mark.parametrize(
+    "study, argv, says",
+    [
+        (throughput, ["--recipe", "no_such_recipe"], "there is no"),
+        (throughput, ["--recipe", "mnist_convnet", "--steps", "3", "--log-every", "2"], "a multiple of --log-every"),
+        (throughput, ["--recipe", "mnist_convnet", "--skip", "gpu"], "--skip gpu: unknown"),
+        (
+            data_path,
+            ["--recipe", "mnist_convnet", "--recipe-args", "--width abc"],
+            "is not a valid command line for the",
+        ),
+        (data_path, ["--recipe", "mnist_convnet", "--seed-workers", "-1"], "--seed-workers must be at least 0"),
+        (scaling, ["--recipe", "mnist_convnet", "--runs", "0"], "--runs 0"),
+    ],
+)
 def test_bad_input_is_one_paragraph_and_exit_2(study, argv, says, capsys):
     with pytest.raises(SystemExit) as exit_:
         study.main(argv)

@@ -1,8 +1,8 @@
 """The user's path to their own data, end to end: a folder of class sub-folders with images that are not
 CIFAR- or MNIST-sized, `python -m common.tools.copy_recipe`, then the copy trained from outside the
 repository with only --dataset and run-length flags (main() of the copy in this process, cwd outside the
-repository; the printed `accelerate launch <copy>` of a copy from outside the repository, without
-PYTHONPATH, is run for real by tests/test_user_commands.py::test_copied_recipe_with_its_own_model_is_served_by_every_tool).
+repository; the printed `accelerate launch <copy>` of a copy from outside the repository, without PYTHONPATH, is run
+for real by tests/test_user_commands.py::test_copied_recipe_with_its_own_model_is_served_by_every_tool).
 Classes and image shape must come from the data, and the copy must learn; predict serves the copy."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import json
 import random
 from pathlib import Path
 
-from common.tools.copy_recipe import main as copy_recipe
 from conftest import check_ok, run_in_process
+
+from common.tools.copy_recipe import main as copy_recipe
 
 SHAPES = ("circle", "square", "triangle")
 SIZE = 20  # neither 28 (MNIST) nor 32 (CIFAR)
@@ -81,8 +82,9 @@ def predict_accuracy(run: Path, images: Path, monkeypatch, capsys) -> float:
     capsys.readouterr()
     # the user's own copy: named with --recipe, as the next steps say
     recipe = next(p / "my_recipe.py" for p in run.parents if (p / "my_recipe.py").is_file())
-    assert predict([str(run), str(images), "--format", "json", "--top-k", "1", "--recipe", str(recipe)]) == 0, \
+    assert predict([str(run), str(images), "--format", "json", "--top-k", "1", "--recipe", str(recipe)]) == 0, (
         capsys.readouterr().err
+    )
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 3 * 10
     return sum(Path(r["file"]).parent.name == r["predictions"][0]["label"] for r in results) / len(results)

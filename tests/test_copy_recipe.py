@@ -57,8 +57,14 @@ def test_copy_into_missing_folders_and_printed_commands_work_as_printed(tmp_path
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = users_shell_env(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "common.tools.copy_recipe", "mnist_convnet", str(dest)],
-                          cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.tools.copy_recipe", "mnist_convnet", str(dest)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert dest.is_file() and recipe_names(dest.read_text()) == ["my_digits"]
     commands = printed_commands(proc.stdout)
@@ -98,8 +104,13 @@ def test_unknown_recipe_and_bad_destination(tmp_path, capsys):
 def test_cli_exit_code(tmp_path):
     dest = tmp_path / "again.py"
     dest.write_text("")
-    proc = subprocess.run([sys.executable, "-m", "common.tools.copy_recipe", "fashion_mnist_mlp", str(dest)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.tools.copy_recipe", "fashion_mnist_mlp", str(dest)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "already exists" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -125,10 +136,13 @@ def test_console_scripts_are_installed_beside_python_m(tmp_path):
 
     bin_dir = Path(sys.executable).parent
     for script in ("recipes-predict", "recipes-export", "recipes-copy"):
-        assert (bin_dir / script).is_file(), f"{script} is not installed: reinstall with pip install -r requirements.txt"
+        assert (bin_dir / script).is_file(), (
+            f"{script} is not installed: reinstall with pip install -r requirements.txt"
+        )
     out = subprocess.run([str(bin_dir / "recipes-copy"), "--help"], capture_output=True, text=True, timeout=120)
-    ref = subprocess.run([sys.executable, "-m", "common.tools.copy_recipe", "--help"], capture_output=True, text=True,
-                         timeout=120)
+    ref = subprocess.run(
+        [sys.executable, "-m", "common.tools.copy_recipe", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == ref.returncode == 0
     assert out.stdout.split("\n", 1)[1] == ref.stdout.split("\n", 1)[1]  # all but the usage line's program name
 
@@ -151,12 +165,24 @@ def test_a_package_of_your_own_named_common_is_named_instead_of_a_traceback(tmp_
     assert main(["fashion_mnist_mlp", str(work / "mine.py")]) == 0
     assert f"warning: {work / 'common'} exists beside the copy" in capsys.readouterr().out
     env = users_shell_env(tmp_path)
-    proc = subprocess.run([sys.executable, str(work / "mine.py"), "--help"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(work / "mine.py"), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     [paragraph] = proc.stderr.strip().splitlines()
     assert str(work / "common") in paragraph and str(REPO / "common") in paragraph and "Rename" in paragraph
     (work / "common").rename(work / "my_common")
-    proc = subprocess.run([sys.executable, str(work / "mine.py"), "--help"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(work / "mine.py"), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "--report-to" in proc.stdout, proc.stderr

@@ -13,17 +13,42 @@ from common.train.accelerator import cpu_bf16_support
 
 def test_eval_only_names_a_precision_other_than_the_runs(tmp_path, env, mnist_like):
     run = tmp_path / "run"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--hidden", "32", "--epochs", 1,
-                                                  "--batch-size", 32, "--max-steps", 2, "--output-dir", run], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [
+                "--dataset",
+                mnist_like,
+                "--hidden",
+                "32",
+                "--epochs",
+                1,
+                "--batch-size",
+                32,
+                "--max-steps",
+                2,
+                "--output-dir",
+                run,
+            ],
+            env,
+        )
+    )
     assert json.loads((run / "summary.json").read_text())["precision"] == "no"  # the launcher's default
     same = check_ok(run_in_process("fashion_mnist_mlp", ["--eval-only", "--checkpoint", run], env))
     [line] = [line for line in same.stdout.splitlines() if line.startswith("eval-only:")]
     assert "precision" not in line, line
     if not cpu_bf16_support():
         pytest.skip("this CPU has no native bf16, so a bf16 launch runs in fp32: no other precision to score under")
-    other = check_ok(run_in_process("fashion_mnist_mlp", ["--eval-only", "--checkpoint", run / "final"],
-                                    {**env, "ACCELERATE_MIXED_PRECISION": "bf16"}))
+    other = check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            ["--eval-only", "--checkpoint", run / "final"],
+            {**env, "ACCELERATE_MIXED_PRECISION": "bf16"},
+        )
+    )
     [line] = [line for line in other.stdout.splitlines() if line.startswith("eval-only:")]
-    assert ("NOTE: trained under no precision, scored now under bf16: accuracy and loss may differ a little; launch "
-            "with `accelerate launch --mixed_precision no ...` to score as trained") in line, line
+    assert (
+        "NOTE: trained under no precision, scored now under bf16: accuracy and loss may differ a little; launch "
+        "with `accelerate launch --mixed_precision no ...` to score as trained"
+    ) in line, line
     assert json.loads((run / "final" / "eval-test.json").read_text())["precision"] == "bf16"

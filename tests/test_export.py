@@ -17,16 +17,17 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from test_predict import six_view_logits
 
 from common.data.augment import normalize
 from common.tools.export import main
-from test_predict import six_view_logits
 
 REPO = Path(__file__).resolve().parents[1]
 
 # `python -c WITHOUT.format(module=...) ARGS...` runs the tool with that package made unimportable.
-WITHOUT = ("import sys; sys.modules[{module!r}] = None; "
-           "from common.tools.export import main; sys.exit(main(sys.argv[1:]))")
+WITHOUT = (
+    "import sys; sys.modules[{module!r}] = None; from common.tools.export import main; sys.exit(main(sys.argv[1:]))"
+)
 WITHOUT_ONNXSCRIPT = WITHOUT.format(module="onnxscript")  # as after README's install
 
 
@@ -71,8 +72,16 @@ def make_run(tmp_path):
             [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1].weight.mul_(20.0)
         model.eval()
         c = shape[0]
-        card = {"recipe": "tiny_recipe", "recipe_file": str(recipe_file), "model": kind, "input_shape": shape, "class_names": names, "mean": [0.45] * c, "std": [0.25] * c,
-                "config": {"model": kind, "tta": tta}}
+        card = {
+            "recipe": "tiny_recipe",
+            "recipe_file": str(recipe_file),
+            "model": kind,
+            "input_shape": shape,
+            "class_names": names,
+            "mean": [0.45] * c,
+            "std": [0.25] * c,
+            "config": {"model": kind, "tta": tta},
+        }
         stub = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
         checkpoint.save_model_dir(stub, model, tmp_path / "run" / "best", card)
         return tmp_path / "run", card, model
@@ -80,16 +89,31 @@ def make_run(tmp_path):
     return make
 
 
-@pytest.mark.parametrize("kind,tta,how", [("CifarCNN", 2, "cli"), ("ConvNet", False, "in_process"),
-                                         ("MLP", False, "in_process")])
+@pytest.mark.parametrize(
+    "kind,tta,how", [("CifarCNN", 2, "cli"), ("ConvNet", False, "in_process"), ("MLP", False, "in_process")]
+)
 def test_export_checks_with_onnxruntime(tmp_path, make_run, kind, tta, how, capsys, monkeypatch):
     """README's command, from a folder outside the repository, with the default exporter: as a real
     command once, through main() for the other model kinds."""
     run_dir, card, model = make_run(kind, tta)
     out = tmp_path / "model.onnx"
     if how == "cli":
-        proc = subprocess.run([sys.executable, "-m", "common.tools.export", str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "common.tools.export",
+                str(run_dir),
+                "--recipe",
+                str(tmp_path / "tiny_recipe.py"),
+                "--onnx",
+                str(out),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     else:
         monkeypatch.chdir(tmp_path)
@@ -123,14 +147,44 @@ def test_default_exporter_needs_no_onnxscript(tmp_path, make_run):
     """After README's install there is no onnxscript: the default works, --exporter dynamo says what to install."""
     run_dir, _, _ = make_run("ConvNet")
     out = tmp_path / "model.onnx"
-    ok = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_ONNXSCRIPT,
+            str(run_dir),
+            "--recipe",
+            str(tmp_path / "tiny_recipe.py"),
+            "--onnx",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "onnxruntime check passed" in ok.stdout
 
     dyn = tmp_path / "dynamo.onnx"
-    bad = subprocess.run([sys.executable, "-c", WITHOUT_ONNXSCRIPT, str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(dyn),
-                          "--exporter", "dynamo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_ONNXSCRIPT,
+            str(run_dir),
+            "--recipe",
+            str(tmp_path / "tiny_recipe.py"),
+            "--onnx",
+            str(dyn),
+            "--exporter",
+            "dynamo",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2, bad.stdout + bad.stderr
     assert "pip install onnxscript" in bad.stderr and "leave out --exporter" in bad.stderr
     assert "Traceback" not in bad.stderr
@@ -141,16 +195,35 @@ def test_default_exporter_needs_no_onnxscript(tmp_path, make_run):
 def test_missing_requirement_names_the_install(tmp_path, make_run, module):
     run_dir, _, _ = make_run("MLP")
     out = tmp_path / "model.onnx"
-    proc = subprocess.run([sys.executable, "-c", WITHOUT.format(module=module), str(run_dir), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT.format(module=module),
+            str(run_dir),
+            "--recipe",
+            str(tmp_path / "tiny_recipe.py"),
+            "--onnx",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"needs the {module} package" in proc.stderr and "pip install -r requirements.txt" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
 def test_help_says_what_each_exporter_needs(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "common.tools.export", "--help"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.tools.export", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.replace("``", "").split())
     assert "nothing extra" not in text
@@ -186,7 +259,21 @@ def test_failed_export_names_a_fix_that_is_not_the_same_exporter(tmp_path, make_
 def test_export_raw_model_in_process(tmp_path, make_run, capsys):
     run_dir, card, model = make_run("ConvNet")
     out = tmp_path / "raw.onnx"
-    assert main([str(run_dir / "best"), "--recipe", str(tmp_path / "tiny_recipe.py"), "--onnx", str(out), "--no-preprocess", "--exporter", "torchscript"]) == 0
+    assert (
+        main(
+            [
+                str(run_dir / "best"),
+                "--recipe",
+                str(tmp_path / "tiny_recipe.py"),
+                "--onnx",
+                str(out),
+                "--no-preprocess",
+                "--exporter",
+                "torchscript",
+            ]
+        )
+        == 0
+    )
     assert "onnxruntime check passed" in capsys.readouterr().out
     x = torch.randn(2, *card["input_shape"])
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])

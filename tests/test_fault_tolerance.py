@@ -13,10 +13,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    ACCELERATE,
+    REPO,
+    check_ok,
+    free_port,
+    import_recipe,
+    launch,
+    read_jsonl,
+    recipe_env,
+    run_in_process,
+    stopped_at,
+)
 from safetensors.torch import load_file
-
-from conftest import (ACCELERATE, REPO, check_ok, free_port, import_recipe, launch, read_jsonl, recipe_env,
-                      run_in_process, stopped_at)
 
 MLP = ["--hidden", "32"]
 CONV = ["--width", "8"]
@@ -63,8 +72,9 @@ def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
     at_5 = [r["eval/accuracy"] for r in read_jsonl(full / "metrics.jsonl") if r["step"] == 5 and "eval/accuracy" in r]
     assert at_5 and state["best"] == at_5[0], (state["best"], at_5)
     if nproc == 1:  # 1 process goes on in two legs: to the end of epoch 1 (--max-steps 9), then to the end
-        proc = check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest",
-                                              "--max-steps", 9], env, nproc))
+        proc = check_ok(
+            run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest", "--max-steps", 9], env, nproc)
+        )
         assert "resumed from" in proc.stdout and "epoch 1, batch 5, step 5" in proc.stdout
         assert json.loads((part / "summary.json").read_text())["epochs_completed"] == 1
         proc = check_ok(run("mnist_convnet", [*args, "--output-dir", part, "--resume-from", "latest"], env, nproc))
@@ -83,8 +93,21 @@ def test_mid_epoch_resume_is_exact(nproc, tmp_path, env, reference_run):
 
 def test_incomplete_checkpoints_are_ignored_and_retention_keeps_the_newest(tmp_path, env, mnist_like):
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2,
-            "--keep-checkpoints", 2, "--output-dir", run]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        *MLP,
+        "--checkpoint-every",
+        2,
+        "--keep-checkpoints",
+        2,
+        "--output-dir",
+        run,
+    ]
     check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 6], env))
     kept = checkpoints(run)
     assert [json.loads((p / "trainer_state.json").read_text())["global_step"] for p in kept] == [4, 6]
@@ -107,8 +130,21 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
     import threading
 
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
-            "--output-dir", run, "--resume-from", "latest"]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        400,
+        "--batch-size",
+        32,
+        *MLP,
+        "--log-every",
+        1,
+        "--output-dir",
+        run,
+        "--resume-from",
+        "latest",
+    ]
     returned = threading.Event()
 
     def terminate_once_training():
@@ -140,8 +176,9 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
     assert "resumed from" in again.stdout and f"step {step}" in again.stdout
 
 
-def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_path, env, mnist_like, monkeypatch,
-                                                                          foreground_signals):
+def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
+    tmp_path, env, mnist_like, monkeypatch, foreground_signals
+):
     """TERM while the data is decoded, and TERM during the final evaluation: each ends the process at once with
     exit 75 and "preempted" in summary.json (the data phase has trained nothing; the final evaluation follows
     the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
@@ -151,8 +188,21 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
     from common.train.stopping import StopFlag
 
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--output-dir", run,
-            "--resume-from", "latest", "--cache-dir", tmp_path / "cache"]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        *MLP,
+        "--output-dir",
+        run,
+        "--resume-from",
+        "latest",
+        "--cache-dir",
+        tmp_path / "cache",
+    ]
     real_decode, t0 = sources_module.decode_split, time.time()
 
     def decode_then_terminated(*a, **kw):
@@ -164,7 +214,10 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(tmp_p
         mp.setattr(sources_module, "decode_split", decode_then_terminated)
         proc = run_in_process("fashion_mnist_mlp", args, env)
     assert proc.returncode == 75 and time.time() - t0 < 50, proc.stderr[-2000:]
-    assert "while reading the data" in proc.stdout and json.loads((run / "summary.json").read_text())["status"] == "preempted"
+    assert (
+        "while reading the data" in proc.stdout
+        and json.loads((run / "summary.json").read_text())["status"] == "preempted"
+    )
 
     flags, real_evaluate = [], import_recipe("fashion_mnist_mlp").evaluate
     real_interruptible = StopFlag.interruptible
@@ -217,12 +270,32 @@ def test_best_and_final_are_restored_after_a_crash_between_their_two_renames(tmp
 
 def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mnist_like):
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--checkpoint-every", 3,
-            "--output-dir", run, "--resume-from", "latest"]
-    cmd = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / "cpu.yaml"),
-           str(REPO / "recipes" / "fashion_mnist_mlp.py"), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        400,
+        "--batch-size",
+        32,
+        *MLP,
+        "--checkpoint-every",
+        3,
+        "--output-dir",
+        run,
+        "--resume-from",
+        "latest",
+    ]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / "cpu.yaml"),
+        str(REPO / "recipes" / "fashion_mnist_mlp.py"),
+        *map(str, args),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(checkpoints(run)) < 2:
         time.sleep(0.2)
@@ -260,18 +333,37 @@ def test_a_kill_during_a_checkpoint_write_and_a_damaged_complete_checkpoint(tmp_
     the newest checkpoint, marked complete, loses the end of its weights (what a power loss can leave of
     files that were not fsynced): --resume-from latest says so, keeps it as damaged-step-N and resumes from
     the previous one. Both resumes end with the same weights as an uninterrupted run."""
-    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2,
-            "--keep-checkpoints", 10]
+    base = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        *MLP,
+        "--checkpoint-every",
+        2,
+        "--keep-checkpoints",
+        10,
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
-    killed = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, *map(str, base), "--output-dir", str(part)],
-                            env={**env, "PYTHONPATH": f"{REPO / 'tests'}:{env.get('PYTHONPATH', '')}"},
-                            cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_SAVE, *map(str, base), "--output-dir", str(part)],
+        env={**env, "PYTHONPATH": f"{REPO / 'tests'}:{env.get('PYTHONPATH', '')}"},
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [c.name for c in checkpoints(part)] == ["step-00000002"]
     assert any(p.name.startswith(".tmp-step-") for p in (part / "checkpoints").iterdir())
-    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part, "--resume-from", "latest",
-                                                  "--max-steps", 6], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp", [*base, "--output-dir", part, "--resume-from", "latest", "--max-steps", 6], env
+        )
+    )
     newest = checkpoints(part)[-1]
     weights_file = next(newest.glob("model*.safetensors"))
     weights_file.write_bytes(weights_file.read_bytes()[: weights_file.stat().st_size // 2])
@@ -284,22 +376,40 @@ def test_a_kill_during_a_checkpoint_write_and_a_damaged_complete_checkpoint(tmp_
 
 def test_nonfinite_loss_stops_every_rank_before_the_step(tmp_path, env, mnist_like):
     run = tmp_path / "run"
-    proc = launch("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
-                                        "--lr", "1e30", "--warmup-fraction", 0, "--checkpoint-every", 1,
-                                        "--output-dir", run], env, nproc=2)
+    proc = launch(
+        "fashion_mnist_mlp",
+        [
+            "--dataset",
+            mnist_like,
+            "--epochs",
+            2,
+            "--batch-size",
+            32,
+            *MLP,
+            "--lr",
+            "1e30",
+            "--warmup-fraction",
+            0,
+            "--checkpoint-every",
+            1,
+            "--output-dir",
+            run,
+        ],
+        env,
+        nproc=2,
+    )
     assert proc.returncode != 0
-    assert "non-finite at optimizer step" in proc.stderr and "that update was skipped on every process" \
-        in proc.stderr
+    assert "non-finite at optimizer step" in proc.stderr and "that update was skipped on every process" in proc.stderr
     assert "Last good checkpoint" in proc.stderr or "No checkpoint predates" in proc.stderr  # what to resume
     assert proc.stderr.count("non-finite at optimizer step") == 2  # both ranks stopped themselves
     bad_step = int(proc.stderr.split("non-finite at optimizer step ")[1].split()[0])
-    assert all(json.loads((p / "trainer_state.json").read_text())["global_step"] < bad_step
-               for p in checkpoints(run))
+    assert all(json.loads((p / "trainer_state.json").read_text())["global_step"] < bad_step for p in checkpoints(run))
     from safetensors.torch import load_file
 
     # the update was masked on the device and the flags read a step late: no checkpoint holds a NaN weight
-    assert checkpoints(run) and all(torch.isfinite(t).all() for p in checkpoints(run)
-                                    for t in load_file(str(p / "model.safetensors")).values())
+    assert checkpoints(run) and all(
+        torch.isfinite(t).all() for p in checkpoints(run) for t in load_file(str(p / "model.safetensors")).values()
+    )
     assert not (run / "final").exists()
     assert json.loads((run / "summary.json").read_text())["status"] == "nonfinite_loss"
 
@@ -321,12 +431,29 @@ def test_one_failing_rank_ends_the_job(tmp_path, env, mnist_like):
         "        if _n[0] == 3:\n"
         "            raise RuntimeError('injected failure on rank 1')\n"
         "        return _ce(*a, **k)\n"
-        "    F.cross_entropy = cross_entropy\n")
+        "    F.cross_entropy = cross_entropy\n"
+    )
     env = {**env, "PYTHONPATH": str(inject)}
     t0 = time.time()
-    proc = launch("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 50, "--batch-size", 32, *MLP,
-                                        "--timeout-s", 600, "--output-dir", tmp_path / "run"], env, nproc=2,
-                  timeout=150)
+    proc = launch(
+        "fashion_mnist_mlp",
+        [
+            "--dataset",
+            mnist_like,
+            "--epochs",
+            50,
+            "--batch-size",
+            32,
+            *MLP,
+            "--timeout-s",
+            600,
+            "--output-dir",
+            tmp_path / "run",
+        ],
+        env,
+        nproc=2,
+        timeout=150,
+    )
     assert proc.returncode != 0 and time.time() - t0 < 150
     assert "injected failure on rank 1" in proc.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -359,12 +486,16 @@ def test_resume_refuses_settings_that_change_what_the_run_means(tmp_path, env, m
     other = tmp_path / "other"
     other.symlink_to(mnist_like, target_is_directory=True)
     for flag, value in [("--seed", 4), ("--val-fraction", 0.3), ("--grad-accum", 2), ("--dataset", other)]:
-        proc = run_in_process("fashion_mnist_mlp", [*base, "--seed", 3, "--val-fraction", 0.2, flag, value,
-                                                    "--resume-from", "latest"], env)
-        assert proc.returncode == 2 and f"Refusing to resume" in proc.stderr and flag in proc.stderr, proc.stderr
+        proc = run_in_process(
+            "fashion_mnist_mlp",
+            [*base, "--seed", 3, "--val-fraction", 0.2, flag, value, "--resume-from", "latest"],
+            env,
+        )
+        assert proc.returncode == 2 and "Refusing to resume" in proc.stderr and flag in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr and tree(run) == before, flag
-    proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--epochs", 3, "--max-steps", 6,
-                                                         "--resume-from", "latest"], env))
+    proc = check_ok(
+        run_in_process("fashion_mnist_mlp", [*base, "--epochs", 3, "--max-steps", 6, "--resume-from", "latest"], env)
+    )
     assert "resuming with the run's own --val-fraction 0.2, --seed 3" in proc.stdout, proc.stdout
     assert "--epochs 3 differs from the run's 2: the LR schedule is recomputed" in proc.stdout
     # the same folder with other images: the held-out split would differ
@@ -411,8 +542,7 @@ def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp
     assert a["best"] == b["best"] and a["final"] == b["final"] and a["global_step"] == b["global_step"]
 
 
-def test_resume_from_a_path_checks_the_run_directory_and_a_lock_error_is_named(tmp_path, env, mnist_like,
-                                                                                 monkeypatch):
+def test_resume_from_a_path_checks_the_run_directory_and_a_lock_error_is_named(tmp_path, env, mnist_like, monkeypatch):
     """--resume-from PATH of a checkpoint that someone sent you (in a downloads folder): without --output-dir it is
     refused (the folder above it is not a run, and must not become one); with a new --output-dir the run
     continues there and writes its config.json; a dataset folder as --output-dir is refused. A lock the
@@ -451,8 +581,9 @@ def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, referenc
     uninterrupted 2-process run (no dropout, no BatchNorm: 1 x 32 equals 2 x 16)."""
     ref = reference_run("fashion_mnist_mlp", 2)
     part = stopped_at(ref.run, 5, tmp_path / "part")
-    proc = check_ok(run_in_process("fashion_mnist_mlp", [*ref.train_args, "--output-dir", part,
-                                                         "--resume-from", "latest"], env))
+    proc = check_ok(
+        run_in_process("fashion_mnist_mlp", [*ref.train_args, "--output-dir", part, "--resume-from", "latest"], env)
+    )
     assert "written by 2 process(es), this run has 1" in proc.stdout
     assert "per_process_batch=32" in proc.stdout and "epoch 1, batch 5, step 5" in proc.stdout
     a, b = weights(ref.run), weights(part)
@@ -465,8 +596,22 @@ def test_resume_on_another_world_size_keeps_global_batch(tmp_path, env, referenc
 
 # NCHW: in channels_last a 16-image and a 32-image batch do not round alike, and the weights drift past this
 # comparison's 1e-4 within 4 AdamW steps (measured); BatchNorm alone is compared here
-SYNC_BN = ["--epochs", 1, "--batch-size", 32, *CONV, "--dropout", 0, "--translate", 0, "--max-steps", 4, "--sync-bn",
-           "--channels-last", "false"]
+SYNC_BN = [
+    "--epochs",
+    1,
+    "--batch-size",
+    32,
+    *CONV,
+    "--dropout",
+    0,
+    "--translate",
+    0,
+    "--max-steps",
+    4,
+    "--sync-bn",
+    "--channels-last",
+    "false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -479,8 +624,9 @@ def sync_bn_on_a_busy_port(tmp_path_factory, mnist_like):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = launch("mnist_convnet", ["--dataset", mnist_like, *SYNC_BN, "--output-dir", root / "two"], env,
-                      nproc=2, port=port)
+        proc = launch(
+            "mnist_convnet", ["--dataset", mnist_like, *SYNC_BN, "--output-dir", root / "two"], env, nproc=2, port=port
+        )
     return root / "two", proc, port, env
 
 
@@ -503,12 +649,36 @@ def test_two_nodes_over_loopback_train_together(tmp_path, env, mnist_like):
     run = tmp_path / "run"
     procs = []
     for rank in (0, 1):
-        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
-               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), "--epochs", "1",
-               "--batch-size", "32", *MLP, "--max-steps", "3", "--output-dir", str(run)]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd = [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            str(REPO / "recipes" / "fashion_mnist_mlp.py"),
+            "--dataset",
+            str(mnist_like),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            *MLP,
+            "--max-steps",
+            "3",
+            "--output-dir",
+            str(run),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err[-3000:]
@@ -527,11 +697,38 @@ def test_port_in_use(tmp_path, env, mnist_like, sync_bn_on_a_busy_port):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        recipe = [str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
-                  "--max-steps", "2"]
-        multi = subprocess.run([ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
-                                "--machine_rank", "0", "--main_process_ip", "127.0.0.1", "--main_process_port",
-                                str(port), *recipe, "--output-dir", str(tmp_path / "b")],
-                               env=env, cwd=str(REPO), capture_output=True, text=True, timeout=60)
+        recipe = [
+            str(REPO / "recipes" / "fashion_mnist_mlp.py"),
+            "--dataset",
+            str(mnist_like),
+            *MLP,
+            "--max-steps",
+            "2",
+        ]
+        multi = subprocess.run(
+            [
+                ACCELERATE,
+                "launch",
+                "--multi_gpu",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "2",
+                "--machine_rank",
+                "0",
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+                *recipe,
+                "--output-dir",
+                str(tmp_path / "b"),
+            ],
+            env=env,
+            cwd=str(REPO),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert multi.returncode != 0
     assert "another process is utilizing it" in multi.stderr

@@ -11,10 +11,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from common import vision
 from common.errors import ConfigError
 
@@ -25,7 +25,7 @@ def test_trains_on_photos_of_any_size_and_mode_at_1_and_2_processes(reference_ru
         summary = json.loads((ref.run / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["processes"] == nproc
         assert summary["final"]["test/count"] == 24  # every test photo counted once, at 2 processes too
-        assert "processes=%d" % nproc in ref.proc.stdout and "train=162 val=18 test=24" in ref.proc.stdout
+        assert f"processes={nproc}" in ref.proc.stdout and "train=162 val=18 test=24" in ref.proc.stdout
     card = json.loads((ref.run / "final" / "model.json").read_text())
     assert card["preprocess"] == {"resize_shorter": 37, "center_crop": 32} and card["input_shape"] == [3, 32, 32]
     assert card["class_names"] == ["ant", "bee", "wasp"]
@@ -61,7 +61,8 @@ def test_predict_export_and_eval_only_take_photos_of_any_size(reference_run, tmp
     assert len(results) == 3 and "were resized" not in err
     assert all(r["predictions"][0]["label"] in ("ant", "bee", "wasp") for r in results)
     # predict's view of a photo is the run's evaluation view: the shorter side resized, the centre cropped
-    from common.data.photos import eval_view, read_rgb
+    from common.data.photos import eval_view
+    from common.data.pixels import read_rgb
 
     view, _ = predict.load_image(photos / "wide.jpg", (3, 32, 32), {"resize_shorter": 37, "center_crop": 32})
     assert torch.equal(view, eval_view(read_rgb(str(photos / "wide.jpg"), 37), 32))
@@ -89,9 +90,26 @@ def test_a_weights_file_with_a_1000_class_head_loads_into_a_3_class_model(tmp_pa
     assert torch.equal(model.conv1.weight, imagenet_like.conv1.weight)
     assert model.fc.weight.shape == (3, 512)
     # through the recipe: the backbone learns at --backbone-lr-scale x the head's LR, the weights' own crop
-    proc = check_ok(run_in_process("finetune_folder", [
-        "--dataset", photos_like, "--weights", tmp_path / "resnet18.pth", "--max-steps", 1, "--batch-size", 16,
-        "--workers", 0, "--output-dir", tmp_path / "run"], env))
+    proc = check_ok(
+        run_in_process(
+            "finetune_folder",
+            [
+                "--dataset",
+                photos_like,
+                "--weights",
+                tmp_path / "resnet18.pth",
+                "--max-steps",
+                1,
+                "--batch-size",
+                16,
+                "--workers",
+                0,
+                "--output-dir",
+                tmp_path / "run",
+            ],
+            env,
+        )
+    )
     assert "skipped the head of another shape" in proc.stdout and "train=162" in proc.stdout
     assert json.loads((tmp_path / "run" / "final" / "model.json").read_text())["input_shape"] == [3, 224, 224]
 
@@ -118,9 +136,26 @@ def test_weights_that_do_not_fit_or_cannot_be_fetched_are_one_paragraph(tmp_path
 
 
 def test_a_changed_batch_scales_the_lr_linearly(tmp_path, photos_like, env):
-    proc = check_ok(run_in_process("finetune_folder", [
-        "--dataset", photos_like, "--batch-size", 16, "--image-size", 32, "--max-steps", 1, "--workers", 0,
-        "--output-dir", tmp_path / "run"], env))
+    proc = check_ok(
+        run_in_process(
+            "finetune_folder",
+            [
+                "--dataset",
+                photos_like,
+                "--batch-size",
+                16,
+                "--image-size",
+                32,
+                "--max-steps",
+                1,
+                "--workers",
+                0,
+                "--output-dir",
+                tmp_path / "run",
+            ],
+            env,
+        )
+    )
     assert "lr=0.025 (0.2 x 16/128, linear rule)" in proc.stdout
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == pytest.approx(0.025)
 
@@ -138,8 +173,26 @@ def test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved(tmp_path, photo
     """torchvision's MixUp/CutMix and torch's AveragedModel through the recipe: the weights saved in final/ are the
     average's (not the live model's), and it is in the checkpoint (a resume restores it)."""
     run = tmp_path / "run"
-    args = ["--dataset", photos_like, "--image-size", 32, "--batch-size", 16, "--epochs", 1, "--workers", 0,
-            "--mixup", 0.2, "--cutmix", 1.0, "--ema-decay", 0.5, "--output-dir", run]
+    args = [
+        "--dataset",
+        photos_like,
+        "--image-size",
+        32,
+        "--batch-size",
+        16,
+        "--epochs",
+        1,
+        "--workers",
+        0,
+        "--mixup",
+        0.2,
+        "--cutmix",
+        1.0,
+        "--ema-decay",
+        0.5,
+        "--output-dir",
+        run,
+    ]
     check_ok(run_in_process("finetune_folder", args, env))
     final = load_file(str(run / "final" / "model.safetensors"))
     checkpoint = next((run / "checkpoints").glob("step-*"))
@@ -147,8 +200,11 @@ def test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved(tmp_path, photo
     assert not torch.equal(final["conv1.weight"], live["conv1.weight"])  # the average, not the live weights
     assert torch.equal(averaged["module.conv1.weight"], final["conv1.weight"])
     assert not list(checkpoint.glob("custom_checkpoint_*"))  # no pickle
-    resumed = check_ok(run_in_process("finetune_folder", [*args[:-2], "--epochs", 2, "--output-dir", run,
-                                                          "--resume-from", "latest"], env))
+    resumed = check_ok(
+        run_in_process(
+            "finetune_folder", [*args[:-2], "--epochs", 2, "--output-dir", run, "--resume-from", "latest"], env
+        )
+    )
     assert "resumed from" in resumed.stdout
 
 
@@ -157,8 +213,11 @@ def test_an_unreadable_photo_is_named_before_training_at_every_launch(tmp_path, 
     root = write_photo_folder(tmp_path / "d", 6)
     (root / "ant" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
     for _ in range(2):
-        proc = run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--workers", 0,
-                                                  "--output-dir", tmp_path / "run"], env)
+        proc = run_in_process(
+            "finetune_folder",
+            ["--dataset", root, "--image-size", 32, "--workers", 0, "--output-dir", tmp_path / "run"],
+            env,
+        )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert "1 of the 19 images" in proc.stderr and "broken.jpg" in proc.stderr
     # a photo whose header reads but whose data is cut short (a copy interrupted): decoded whole before training,
@@ -167,15 +226,37 @@ def test_an_unreadable_photo_is_named_before_training_at_every_launch(tmp_path, 
     (root / "ant" / "broken.jpg").unlink()
     whole = (root / "ant" / "0.jpg").read_bytes()
     (root / "ant" / "cut.jpg").write_bytes(whole[: len(whole) // 2])
-    proc = run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--workers", 0, "--batch-size", 8,
-                                              "--output-dir", tmp_path / "run2"], env)
+    proc = run_in_process(
+        "finetune_folder",
+        ["--dataset", root, "--image-size", 32, "--workers", 0, "--batch-size", 8, "--output-dir", tmp_path / "run2"],
+        env,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "cut.jpg" in proc.stderr and "truncated" in proc.stderr and not (tmp_path / "run2").exists()
     (root / "ant" / "cut.jpg").unlink()
     fresh_cache = tmp_path / "new-user" / "cache"  # a first launch: the cache folder does not exist yet
-    check_ok(run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--workers", 0,
-                                                "--batch-size", 8, "--max-steps", 1, "--cache-dir", fresh_cache,
-                                                "--output-dir", tmp_path / "run3"], env))
+    check_ok(
+        run_in_process(
+            "finetune_folder",
+            [
+                "--dataset",
+                root,
+                "--image-size",
+                32,
+                "--workers",
+                0,
+                "--batch-size",
+                8,
+                "--max-steps",
+                1,
+                "--cache-dir",
+                fresh_cache,
+                "--output-dir",
+                tmp_path / "run3",
+            ],
+            env,
+        )
+    )
     assert list(fresh_cache.glob("photos-checked-*"))  # checked once; the next launch skips the check
 
 
@@ -183,8 +264,22 @@ def test_the_recipes_own_augmentation_trains_and_resumes_exactly(tmp_path, photo
     """--auto-augment (TrivialAugmentWide) and --random-erase run in the recipe's train_view, in the loader's workers:
     they change what trains (other losses than the plain crop and flip), and a run stopped at step 3 and resumed with
     a worker process instead of none draws the same pixels (same losses and weights, bit for bit)."""
-    base = ["--dataset", photos_like, "--image-size", 32, "--batch-size", 32, "--epochs", 2, "--log-every", 1,
-            "--checkpoint-every", 3, "--keep-checkpoints", 10]
+    base = [
+        "--dataset",
+        photos_like,
+        "--image-size",
+        32,
+        "--batch-size",
+        32,
+        "--epochs",
+        2,
+        "--log-every",
+        1,
+        "--checkpoint-every",
+        3,
+        "--keep-checkpoints",
+        10,
+    ]
     plain, full = tmp_path / "plain", tmp_path / "full"
     check_ok(run_in_process("finetune_folder", [*base, "--workers", 0, "--output-dir", plain], env))
     augmented = [*base, "--auto-augment", "true", "--random-erase", 0.5]
@@ -192,8 +287,11 @@ def test_the_recipes_own_augmentation_trains_and_resumes_exactly(tmp_path, photo
     losses = lambda r: [(x["step"], x["train/loss"]) for x in read_jsonl(r / "metrics.jsonl") if "train/loss" in x]
     assert losses(full)[0] != losses(plain)[0]  # the first batch already sees other pixels
     run = stopped_at(full, 3, tmp_path / "run")
-    proc = check_ok(run_in_process("finetune_folder", [*augmented, "--workers", 1, "--output-dir", run,
-                                                       "--resume-from", "latest"], env))
+    proc = check_ok(
+        run_in_process(
+            "finetune_folder", [*augmented, "--workers", 1, "--output-dir", run, "--resume-from", "latest"], env
+        )
+    )
     assert "resumed from" in proc.stdout and losses(run) == losses(full)
     a, b = load_file(str(run / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -211,11 +309,26 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
     text = copy.read_text()
     assert text.count(loop) == 1
     copy.write_text(text.replace(loop, '            print("crop side", images.shape[-1], flush=True)\n' + loop))
-    base = ["--dataset", photos_like, "--batch-size", 32, "--epochs", 3, "--log-every", 1, "--checkpoint-every", 3,
-            "--keep-checkpoints", 10]
+    base = [
+        "--dataset",
+        photos_like,
+        "--batch-size",
+        32,
+        "--epochs",
+        3,
+        "--log-every",
+        1,
+        "--checkpoint-every",
+        3,
+        "--keep-checkpoints",
+        10,
+    ]
     full = tmp_path / "full"
-    proc = check_ok(run_in_process(copy, [*base, "--image-size", 48, "--start-image-size", 16, "--workers", 0,
-                                          "--output-dir", full], env))
+    proc = check_ok(
+        run_in_process(
+            copy, [*base, "--image-size", 48, "--start-image-size", 16, "--workers", 0, "--output-dir", full], env
+        )
+    )
     sides = [int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("crop side")]
     per_epoch = len(sides) // 3
     assert per_epoch and sides == [16] * per_epoch + [32] * per_epoch + [48] * per_epoch, sides
@@ -232,8 +345,9 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
 def test_progressive_resizing_starts_at_half_the_size_from_scratch_and_is_off_with_weights(tmp_path):
     """Left out, --start-image-size is half of --image-size from scratch (the default 128 -> 64, a given 224 -> 112)
     and off with --weights (pretrained features at their own size throughout); given, it is taken as given."""
-    from common.config import parse_config
     from conftest import import_recipe, recipe_path
+
+    from common.config import parse_config
 
     recipe = import_recipe(recipe_path("finetune_folder"))
     weights = tmp_path / "w.pth"

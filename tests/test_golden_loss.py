@@ -9,7 +9,6 @@ check) do not touch the training math."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import SMALL, read_jsonl
 
 GOLDEN = {

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_report.py")
@@ -25,19 +24,32 @@ def data_root(tmp_path):
 
 def run(*args, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a machine that has one
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=str(tmp_path), env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, SCRIPT, *map(str, args)],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_dry_run_lists_every_row_with_its_budget(data_root, tmp_path):
     proc = run("--data-root", data_root, "--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = dict(re.findall(r"^\[(\S+)\] budget \d+ s, seed 7[^\n]*\n  (.+)$", proc.stdout, re.M))
-    assert list(rows) == ["mnist_convnet", "cifar_cnn_vs_airbench94", "photo/recipe", "photo/baseline",
-                          *(f"hot_path/{r}" for r in ("mnist_convnet", "fashion_mnist_mlp", "cifar_cnn",
-                                                      "finetune_folder")),
-                          *(f"throughput/{r}/{lever}" for lever in ("host", "device", "device+compile")
-                            for r in ("mnist_convnet", "cifar_cnn"))]
+    assert list(rows) == [
+        "mnist_convnet",
+        "cifar_cnn_vs_airbench94",
+        "photo/recipe",
+        "photo/baseline",
+        *(f"hot_path/{r}" for r in ("mnist_convnet", "fashion_mnist_mlp", "cifar_cnn", "finetune_folder")),
+        *(
+            f"throughput/{r}/{lever}"
+            for lever in ("host", "device", "device+compile")
+            for r in ("mnist_convnet", "cifar_cnn")
+        ),
+    ]
     assert "time_to_accuracy.py --recipe mnist_convnet" in rows["mnist_convnet"]
     assert "--target 0.993" in rows["mnist_convnet"] and f"{data_root}/mnist " in rows["mnist_convnet"]
     cifar = rows["cifar_cnn_vs_airbench94"]

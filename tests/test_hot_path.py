@@ -15,16 +15,23 @@ import sys
 
 import pytest
 import torch
+from conftest import SMALL, check_ok, recipe_env, run_in_process
 
 from common.train.run import TrainingRun
-from conftest import SMALL, check_ok, recipe_env, run_in_process
 
 SYNCING_METHODS = ("item", "tolist", "cpu", "__bool__")
 LOG_EVERY = 10
 
 
-@pytest.mark.parametrize("recipe,data", [("mnist_convnet", "mnist_like"), ("fashion_mnist_mlp", "mnist_like"),
-                                         ("cifar_cnn", "cifar_like"), ("finetune_folder", "photos_like")])
+@pytest.mark.parametrize(
+    "recipe,data",
+    [
+        ("mnist_convnet", "mnist_like"),
+        ("fashion_mnist_mlp", "mnist_like"),
+        ("cifar_cnn", "cifar_like"),
+        ("finetune_folder", "photos_like"),
+    ],
+)
 def test_no_sync_between_log_steps(recipe, data, request, tmp_path, monkeypatch):
     dataset = request.getfixturevalue(data)
     total, by_name, at_step_end = [0], collections.Counter(), []
@@ -36,6 +43,7 @@ def test_no_sync_between_log_steps(recipe, data, request, tmp_path, monkeypatch)
                 total[0] += 1
                 by_name[name] += 1
             return original(*args, **kwargs)
+
         return wrapper
 
     def counting_constructor(name, original):
@@ -44,6 +52,7 @@ def test_no_sync_between_log_steps(recipe, data, request, tmp_path, monkeypatch)
                 total[0] += 1
                 by_name[f"torch.{name}(device=)"] += 1
             return original(data, *args, **kwargs)
+
         return wrapper
 
     original_end_step = TrainingRun.end_step
@@ -58,16 +67,29 @@ def test_no_sync_between_log_steps(recipe, data, request, tmp_path, monkeypatch)
     for name in ("tensor", "as_tensor"):
         monkeypatch.setattr(torch, name, counting_constructor(name, getattr(torch, name)))
 
-    args = ["--dataset", dataset, *SMALL[recipe], "--epochs", 2, "--batch-size", 8, "--log-every", LOG_EVERY,
-            "--output-dir", tmp_path / "run"]
+    args = [
+        "--dataset",
+        dataset,
+        *SMALL[recipe],
+        "--epochs",
+        2,
+        "--batch-size",
+        8,
+        "--log-every",
+        LOG_EVERY,
+        "--output-dir",
+        tmp_path / "run",
+    ]
     if recipe == "finetune_folder":  # photos decoded in a worker process, as on a GPU machine (CPU tensors there)
         args += ["--workers", 1]
     check_ok(run_in_process(recipe, args, recipe_env(tmp_path)))
 
     per_step, checked, last = {}, [], at_step_end[-1][0]
     for (step, epoch, count, names), (_, prev_epoch, prev_count, prev_names) in zip(at_step_end[1:], at_step_end):
-        per_step[step] = (count - prev_count, {k: v - prev_names.get(k, 0) for k, v in names.items()
-                                               if v != prev_names.get(k, 0)})
+        per_step[step] = (
+            count - prev_count,
+            {k: v - prev_names.get(k, 0) for k, v in names.items() if v != prev_names.get(k, 0)},
+        )
         if step % LOG_EVERY and step != last and epoch == prev_epoch:  # the last step logs too
             checked.append(step)
     assert len(checked) >= 30, checked  # most steps of both epochs

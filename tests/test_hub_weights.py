@@ -37,8 +37,9 @@ def test_a_cached_file_whose_hash_matches_its_name_loads_without_a_download(tmp_
     torch.save(state, folder / "draft.pth")
     prefix = hashlib.sha256((folder / "draft.pth").read_bytes()).hexdigest()[:8]
     (folder / "draft.pth").rename(folder / f"resnet18-{prefix}.pth")
-    monkeypatch.setattr(ResNet18_Weights.IMAGENET1K_V1.value, "url",
-                        f"https://download.pytorch.org/models/resnet18-{prefix}.pth")
+    monkeypatch.setattr(
+        ResNet18_Weights.IMAGENET1K_V1.value, "url", f"https://download.pytorch.org/models/resnet18-{prefix}.pth"
+    )
     model = vision.build("resnet18", 1000)
     line = vision.load_pretrained(model, "ResNet18_Weights.IMAGENET1K_V1", "resnet18", 1000)
     assert f"{len(state)} tensors loaded" in line, line
@@ -57,9 +58,26 @@ def test_weights_that_cannot_be_had_fail_at_start_before_the_photos_are_read(tmp
     root = write_photo_folder(tmp_path / "photos" / "train", 4)
     env = {**env, "TORCH_HOME": str(tmp_path / "torch"), "ACCELERATE_RECIPES_CACHE": str(tmp_path / "cache")}
     spec = weights if weights == "DEFAULT" else str(tmp_path / weights)
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "finetune_folder.py"), "--dataset", str(root.parent),
-                           "--weights", spec, "--workers", "0", "--output-dir", str(tmp_path / "run")],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=180, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "finetune_folder.py"),
+            "--dataset",
+            str(root.parent),
+            "--weights",
+            spec,
+            "--workers",
+            "0",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     if weights == "DEFAULT":

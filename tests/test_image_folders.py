@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import ACCELERATE, CONFIGS, REPO, free_port, learnable_images, run_in_process, write_image_folder
 from PIL import Image
 
-from conftest import ACCELERATE, CONFIGS, REPO, free_port, learnable_images, run_in_process, write_image_folder
 from common.config import CommonConfig
 from common.data.decoded import DataError, load_image_data
 
@@ -39,16 +37,20 @@ def load(root, tmp_path, logs=None, **kw):
 
 def all_images(data) -> list[bytes]:
     """Every image of every split as bytes, to tell which split an image ended up in."""
-    return [img.numpy().tobytes() for split in (data.train, data.val, data.test) if split is not None
-            for img in split.images]
+    return [
+        img.numpy().tobytes()
+        for split in (data.train, data.val, data.test)
+        if split is not None
+        for img in split.images
+    ]
 
 
 def pixels_of(folder: Path) -> set[bytes]:
-    return {np.asarray(Image.open(p).convert("RGB")).transpose(2, 0, 1).tobytes()
-            for p in folder.rglob("*.png")}
+    return {np.asarray(Image.open(p).convert("RGB")).transpose(2, 0, 1).tobytes() for p in folder.rglob("*.png")}
 
 
 # --- the layout rules ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("classes", [("valid", "invalid"), ("train", "other")])
 def test_class_folders_named_like_splits_stay_in_their_split(tmp_path, classes):
@@ -96,8 +98,9 @@ def test_links_back_up_the_tree_and_files_in_two_classes_are_refused_naming_them
         load(root, tmp_path)
     os.symlink("..", root / "bees" / "up")  # two of them: before, os.walk went round forever
     outcome = []
-    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(DataError, load, root, tmp_path)),
-                              daemon=True)
+    worker = threading.Thread(
+        target=lambda: outcome.append(pytest.raises(DataError, load, root, tmp_path)), daemon=True
+    )
     worker.start()
     worker.join(60)
     assert outcome and "link back up the tree" in str(outcome[0].value)
@@ -162,6 +165,7 @@ def test_hidden_entries_and_non_images_are_skipped_and_counted(tmp_path):
 
 # --- layouts refused, each with its fix ------------------------------------------------------------
 
+
 def test_a_class_only_in_test_is_refused_with_its_name(tmp_path):
     root = tmp_path / "d"
     write_image_folder(root / "train", n_per_class=4, classes=("cat", "dog"))
@@ -170,17 +174,24 @@ def test_a_class_only_in_test_is_refused_with_its_name(tmp_path):
         load(root, tmp_path)
 
 
-@pytest.mark.parametrize("layout,needles", [
-    ({"train/cat": 3, "train/dog": 3, "train": 1}, ["1 images lie directly in", "outside any class folder",
-                                                    "train/<class>/"]),
-    ({"train/cat": 3, "train/dog": 3, "extra/cat": 2}, ["has a train/ folder", "extra/", "belongs to no split"]),
-    ({"train/cat": 3, "train/dog": 3, "val/cat": 1, "valid/cat": 1}, ["val/ and valid/", "validation split"]),
-    ({"val/cat": 3, "test/cat": 3}, ["no train/ folder", "add train/"]),
-    ({"cat": 3, "dog": 3, "test/cat": 2, "test/dog": 2}, ["test/ holds folders named like the classes",
-                                                          "train/<class>/"]),
-    ({"train/cat": 3, "train/dog": 0, "train/bird": 3}, ["dog", "hold no images"]),
-    ({"train/cat": 3}, ["single class folder"]),
-])
+@pytest.mark.parametrize(
+    "layout,needles",
+    [
+        (
+            {"train/cat": 3, "train/dog": 3, "train": 1},
+            ["1 images lie directly in", "outside any class folder", "train/<class>/"],
+        ),
+        ({"train/cat": 3, "train/dog": 3, "extra/cat": 2}, ["has a train/ folder", "extra/", "belongs to no split"]),
+        ({"train/cat": 3, "train/dog": 3, "val/cat": 1, "valid/cat": 1}, ["val/ and valid/", "validation split"]),
+        ({"val/cat": 3, "test/cat": 3}, ["no train/ folder", "add train/"]),
+        (
+            {"cat": 3, "dog": 3, "test/cat": 2, "test/dog": 2},
+            ["test/ holds folders named like the classes", "train/<class>/"],
+        ),
+        ({"train/cat": 3, "train/dog": 0, "train/bird": 3}, ["dog", "hold no images"]),
+        ({"train/cat": 3}, ["single class folder"]),
+    ],
+)
 def test_layouts_that_cannot_be_read_one_way_are_refused(tmp_path, layout, needles):
     root = tmp_path / "d"
     for folder, n in layout.items():
@@ -204,6 +215,7 @@ def test_a_flat_folder_with_metadata_csv_says_its_labels_are_not_read(tmp_path):
 
 
 # --- pixels ----------------------------------------------------------------------------------------
+
 
 def test_16_bit_images_are_scaled_to_8_bits_not_clipped(tmp_path):
     ramp = (np.arange(16 * 16, dtype=np.uint32).reshape(16, 16) * 257).astype(np.uint16)  # 0 .. 65535
@@ -288,6 +300,7 @@ def test_a_grey_test_split_beside_colour_training_images_is_read_as_rgb(tmp_path
 
 # --- changed data ----------------------------------------------------------------------------------
 
+
 def test_a_replaced_image_with_its_old_mtime_is_decoded_afresh(tmp_path):
     root = tmp_path / "d"
     for cls, value in (("a", 10), ("b", 20)):
@@ -306,6 +319,7 @@ def test_a_replaced_image_with_its_old_mtime_is_decoded_afresh(tmp_path):
 
 
 # --- bad files: named, with their fix --------------------------------------------------------------
+
 
 def test_a_decompression_bomb_and_a_damaged_bmp_are_named_in_one_error(tmp_path, monkeypatch):
     root = write_image_folder(tmp_path / "d", n_per_class=3, classes=("a", "b"))
@@ -332,15 +346,17 @@ def test_a_parquet_row_with_no_label_is_named(tmp_path):
     for label_type in (Value("int64"), ClassLabel(names=["a", "b"])):
         root = tmp_path / type(label_type).__name__
         (root / "data").mkdir(parents=True)
-        Dataset.from_dict({"image": [img] * 6, "label": [0, 1, 0, None, 1, 0]},
-                          features=Features({"image": ImageFeature(), "label": label_type})).to_parquet(
-            str(root / "data" / "train-00000-of-00001.parquet"))
+        Dataset.from_dict(
+            {"image": [img] * 6, "label": [0, 1, 0, None, 1, 0]},
+            features=Features({"image": ImageFeature(), "label": label_type}),
+        ).to_parquet(str(root / "data" / "train-00000-of-00001.parquet"))
         with pytest.raises(DataError, match="no label") as err:
             load(root, tmp_path)
         assert "Fill in its label" in str(err.value)
 
 
 # --- through the recipes -------------------------------------------------------------------------
+
 
 def test_eval_only_refuses_a_folder_that_changed_since_the_run(tmp_path, env):
     root = write_image_folder(tmp_path / "d", n_per_class=20, classes=("a", "b"), shape=(1, 20, 20))
@@ -357,8 +373,10 @@ def test_eval_only_refuses_a_folder_that_changed_since_the_run(tmp_path, env):
     assert "The data differs" in changed.stderr and "train 32 -> 33" in changed.stderr, changed.stderr
     assert not list((run / "final").glob("eval-*-*.json"))  # nothing scored, no second result written
     (root / "a" / "new.png").unlink()
-    assert run_in_process("mnist_convnet", ["--eval-only", "--checkpoint", run / "final"], env,
-                          cwd=tmp_path).returncode == 0
+    assert (
+        run_in_process("mnist_convnet", ["--eval-only", "--checkpoint", run / "final"], env, cwd=tmp_path).returncode
+        == 0
+    )
     # two files of one class swap names: counts and labels as before, but a held-out row now holds another image
     first, second = sorted((root / "a").glob("*.png"))[:2]
     first.rename(root / "a" / "swap")
@@ -396,8 +414,17 @@ def test_two_processes_read_the_same_split_of_a_folder(tmp_path, env):
     write_image_folder(root / "test", n_per_class=2, classes=("valid", "invalid", "train"), seed=3)
     script = tmp_path / "rank_view.py"
     script.write_text(RANK_VIEW)
-    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port",
-           str(free_port()), str(script), str(root), str(tmp_path / "cache")]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(CONFIGS / "cpu_2proc.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(script),
+        str(root),
+        str(tmp_path / "cache"),
+    ]
     proc = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     views = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

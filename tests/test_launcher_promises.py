@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ACCELERATE, REPO, check_ok, free_port, read_jsonl, run_in_process
 
 MLP = ["--hidden", "32", "--lr", "4e-3"]  # the default LR given: at --batch-size 32 the LR rule would scale it
@@ -42,11 +41,20 @@ def pids_running(needle: str) -> list[int]:
 
 
 def start(recipe: str, args, env, config: str, cwd=REPO) -> subprocess.Popen:
-    cmd = [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / config), "--main_process_port",
-           str(free_port()), str(REPO / "recipes" / f"{recipe}.py"), *map(str, args)]
+    cmd = [
+        ACCELERATE,
+        "launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / config),
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "recipes" / f"{recipe}.py"),
+        *map(str, args),
+    ]
     # A session of its own, as a terminal or a batch system would give it; we signal only the launcher.
-    return subprocess.Popen(cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, env=env, cwd=str(cwd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def wait_for(cond, timeout: float, what: str):
@@ -81,8 +89,21 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
     'preempted' and exit; a rerun resumes. (The single-process launcher, which does not forward a TERM, is
     the next test.)"""
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
-            "--output-dir", run, "--resume-from", "latest"]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        400,
+        "--batch-size",
+        32,
+        *MLP,
+        "--log-every",
+        1,
+        "--output-dir",
+        run,
+        "--resume-from",
+        "latest",
+    ]
     proc = start("fashion_mnist_mlp", args, env, "cpu_2proc.yaml")
     try:
         wait_for(lambda: logged_steps(run) >= 3, 120, "the run to train a few steps")
@@ -94,8 +115,11 @@ def test_killed_launcher_leaves_no_orphans(tmp_path, env, mnist_like):
     from common.train.checkpoint import find_latest
 
     assert find_latest(run) is not None
-    again = check_ok(run_in_process("fashion_mnist_mlp", [*args[:-4], "--epochs", 1, "--output-dir", run,
-                                                          "--resume-from", "latest"], env))
+    again = check_ok(
+        run_in_process(
+            "fashion_mnist_mlp", [*args[:-4], "--epochs", 1, "--output-dir", run, "--resume-from", "latest"], env
+        )
+    )
     assert "resumed from" in again.stdout
 
 
@@ -104,11 +128,30 @@ def test_a_nohup_run_survives_the_logout_of_its_shell(tmp_path, env, mnist_like)
     exits (the run is re-parented) and the logout's HUP reaches the run; it keeps training and completes.
     The same run under a launcher still stops when its launcher dies (test above)."""
     run, log = tmp_path / "run", tmp_path / "log"
-    args = " ".join(["--dataset", str(mnist_like), "--epochs", "10", "--batch-size", "32", *MLP, "--log-every", "1",
-                     "--output-dir", str(run)])
-    shell = subprocess.run(["bash", "-c", f"nohup {sys.executable} recipes/fashion_mnist_mlp.py {args} > {log} 2>&1 & "
-                            "echo $!"], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=30,
-                           start_new_session=True)
+    args = " ".join(
+        [
+            "--dataset",
+            str(mnist_like),
+            "--epochs",
+            "10",
+            "--batch-size",
+            "32",
+            *MLP,
+            "--log-every",
+            "1",
+            "--output-dir",
+            str(run),
+        ]
+    )
+    shell = subprocess.run(
+        ["bash", "-c", f"nohup {sys.executable} recipes/fashion_mnist_mlp.py {args} > {log} 2>&1 & echo $!"],
+        env=env,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        start_new_session=True,
+    )
     pid = int(shell.stdout.split()[-1])  # the shell has exited: the run's parent is gone
     try:
         wait_for(lambda: logged_steps(run) >= 3, 120, "the run to train a few steps")
@@ -126,8 +169,23 @@ def test_one_writer_per_run_directory_and_a_terminated_launcher(tmp_path, env, m
     seconds, checkpoints, records 'preempted', exits and so frees the directory; the same command resumes.
     (The lock also dies with a holder killed by -9: test_fault_tolerance's SIGKILL test resumes in place.)"""
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *MLP, "--log-every", 1,
-            "--output-dir", run, "--resume-from", "latest", "--checkpoint-every", 2]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        400,
+        "--batch-size",
+        32,
+        *MLP,
+        "--log-every",
+        1,
+        "--output-dir",
+        run,
+        "--resume-from",
+        "latest",
+        "--checkpoint-every",
+        2,
+    ]
     first = start("fashion_mnist_mlp", args, env, "cpu.yaml")
     try:
         wait_for(lambda: logged_steps(run) >= 3, 120, "the first run to train a few steps")
@@ -162,12 +220,34 @@ def test_no_shared_filesystem_is_refused_on_every_node(tmp_path, env, mnist_like
     for rank in (0, 1):
         node = tmp_path / f"node{rank}"
         node.mkdir()
-        cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_machines", "2", "--num_processes", "2",
-               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
-               "--max-steps", "3", "--output-dir", "runs/shared", "--timeout-s", "60"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=str(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [
+            ACCELERATE,
+            "launch",
+            "--multi_gpu",
+            "--num_machines",
+            "2",
+            "--num_processes",
+            "2",
+            "--machine_rank",
+            str(rank),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(port),
+            str(REPO / "recipes" / "fashion_mnist_mlp.py"),
+            "--dataset",
+            str(mnist_like),
+            *MLP,
+            "--max-steps",
+            "3",
+            "--output-dir",
+            "runs/shared",
+            "--timeout-s",
+            "60",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=str(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode != 0
@@ -180,14 +260,37 @@ def test_resume_from_an_older_checkpoint_with_new_hyperparameters(tmp_path, env,
     written (not skipped because a folder of that step exists), the abandoned ones are set aside, and the
     --lr given on the resuming command is applied, and said so."""
     run = tmp_path / "run"
-    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--log-every", 1,
-            "--checkpoint-every", 3, "--keep-checkpoints", 5, "--output-dir", run, "--max-steps", 9]
+    base = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        *MLP,
+        "--log-every",
+        1,
+        "--checkpoint-every",
+        3,
+        "--keep-checkpoints",
+        5,
+        "--output-dir",
+        run,
+        "--max-steps",
+        9,
+    ]
     check_ok(run_in_process("fashion_mnist_mlp", base, env))
-    again = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--resume-from", run / "checkpoints" / "step-00000003",
-                                                  "--lr", "1e-5", "--betas", "0.8,0.99"], env))
+    again = check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [*base, "--resume-from", run / "checkpoints" / "step-00000003", "--lr", "1e-5", "--betas", "0.8,0.99"],
+            env,
+        )
+    )
     # every field in common.config.RESUME_APPLIED, the recipe's own --betas too
-    assert ("applied from the command line over the checkpoint's values: betas 0.9,0.999 -> 0.8,0.99, "
-            "lr 0.004 -> 1e-05") in again.stdout
+    assert (
+        "applied from the command line over the checkpoint's values: betas 0.9,0.999 -> 0.8,0.99, lr 0.004 -> 1e-05"
+    ) in again.stdout
     from common.train.checkpoint import complete_checkpoints, read_state
 
     latest = complete_checkpoints(run)
@@ -204,24 +307,55 @@ def test_nonfinite_advice_works_when_followed(tmp_path, env, mnist_like):
     """A run diverges after a resume with a far too high --lr. The message names the checkpoint to resume
     and says to lower --lr; doing exactly that finishes the run (the lower --lr really applies)."""
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--warmup-fraction", 0,
-            "--checkpoint-every", 3, "--keep-checkpoints", 5, "--log-every", 1, "--output-dir", run]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        *MLP,
+        "--warmup-fraction",
+        0,
+        "--checkpoint-every",
+        3,
+        "--keep-checkpoints",
+        5,
+        "--log-every",
+        1,
+        "--output-dir",
+        run,
+    ]
     check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 3], env))
     bad = run_in_process("fashion_mnist_mlp", [*args, "--lr", "1e30", "--resume-from", "latest"], env)
     assert "lr 0.004 -> 1e+30" in bad.stdout  # the resuming command's --lr applies (it used to be ignored)
     assert bad.returncode != 0 and "lower --lr" in bad.stderr and status(run) == "nonfinite_loss"
     named = bad.stderr.split("--resume-from ")[1].split(";")[0]
     assert named.endswith("step-00000003")
-    good = check_ok(run_in_process("fashion_mnist_mlp", [*args, "--lr", "1e-3", "--resume-from", named], env))
+    check_ok(run_in_process("fashion_mnist_mlp", [*args, "--lr", "1e-3", "--resume-from", named], env))
     assert status(run) == "completed"
-    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in read_jsonl(run / "metrics.jsonl")
-               if "train/loss" in r)
+    assert all(
+        torch.isfinite(torch.tensor(r["train/loss"])) for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r
+    )
 
 
 def test_metrics_one_line_per_step_across_fresh_starts_and_finished_resumes(tmp_path, env, mnist_like):
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--log-every", 2,
-            "--output-dir", run, "--resume-from", "latest"]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        *MLP,
+        "--log-every",
+        2,
+        "--output-dir",
+        run,
+        "--resume-from",
+        "latest",
+    ]
     first = check_ok(run_in_process("fashion_mnist_mlp", args, env))
     assert "nothing to resume in" in first.stdout and "starting fresh" in first.stdout
     rows = read_jsonl(run / "metrics.jsonl")
@@ -313,21 +447,34 @@ use_cpu: true
 """
 
 
-@pytest.mark.parametrize("launch_args,needle", [
-    (["--num_processes", "2"], "`accelerate launch` with --num_processes 2 starts one process on a machine without a GPU"),
-    ([], "this process trains on 1 of the"),
-    (["--config_file", "{home}/my_config.yaml"],
-     "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a GPU"),
-    (["default config"],
-     "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a GPU"),
-])
+@pytest.mark.parametrize(
+    "launch_args,needle",
+    [
+        (
+            ["--num_processes", "2"],
+            "`accelerate launch` with --num_processes 2 starts one process on a machine without a GPU",
+        ),
+        ([], "this process trains on 1 of the"),
+        (
+            ["--config_file", "{home}/my_config.yaml"],
+            "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a "
+            "GPU",
+        ),
+        (
+            ["default config"],
+            "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a "
+            "GPU",
+        ),
+    ],
+)
 def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needle, tmp_path, mnist_like):
     """Without a GPU, `accelerate launch --num_processes 2` (or a config of `accelerate config` asking for 2 processes,
     given with --config_file or found where `accelerate config` writes it) starts one process, and plain
     `accelerate launch` sets OMP_NUM_THREADS=1: either trained on one core of two, unsaid. The startup line now says
     what to run instead. (Through the real launcher.)"""
-    from common.train.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
     from conftest import recipe_env
+
+    from common.train.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: nothing is left idle")
@@ -343,10 +490,30 @@ def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needl
         home.mkdir()
         (home / "my_config.yaml").write_text(CONFIG_OF_ACCELERATE_CONFIG)
         launch_args = ["--config_file", str(home / "my_config.yaml")]
-    proc = subprocess.run([ACCELERATE, "launch", *launch_args, "--main_process_port", str(free_port()),
-                           str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), "--hidden",
-                           "8", "--max-steps", "1", "--batch-size", "32", "--output-dir", str(tmp_path / "run")],
-                          env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            ACCELERATE,
+            "launch",
+            *launch_args,
+            "--main_process_port",
+            str(free_port()),
+            str(REPO / "recipes" / "fashion_mnist_mlp.py"),
+            "--dataset",
+            str(mnist_like),
+            "--hidden",
+            "8",
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "32",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     startup = next(line for line in proc.stdout.splitlines() if line.startswith("startup:"))
     assert "processes=1" in startup and needle in startup and CPU_2PROC in startup, startup

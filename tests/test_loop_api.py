@@ -4,7 +4,6 @@ out a call, instead of silently repeating the first epoch's data order or never 
 from __future__ import annotations
 
 import pytest
-
 from conftest import check_ok, import_recipe, read_jsonl, run_in_process
 
 MLP = ["--hidden", "32", "--lr", "4e-3"]
@@ -22,19 +21,43 @@ def test_an_eval_every_steps_evaluation_that_ends_an_epoch_is_the_epochs_own(tmp
 
     monkeypatch.setattr(recipe, "evaluate", counted)
     run = tmp_path / "run"
-    proc = check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32,
-                                                         *MLP, "--eval-every-steps", 3, "--output-dir", run], env))
+    proc = check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [
+                "--dataset",
+                mnist_like,
+                "--epochs",
+                2,
+                "--batch-size",
+                32,
+                *MLP,
+                "--eval-every-steps",
+                3,
+                "--output-dir",
+                run,
+            ],
+            env,
+        )
+    )
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r]
     assert steps == [3, 6, 9, 12, 15, 18] and len(calls) == 6 + 1  # + the final evaluation (test split)
-    assert [l.split(":")[0] for l in proc.stdout.splitlines() if l.startswith("eval at step")] == \
-        ["eval at step 3", "eval at step 6", "eval at step 12", "eval at step 15"]
+    assert [l.split(":")[0] for l in proc.stdout.splitlines() if l.startswith("eval at step")] == [
+        "eval at step 3",
+        "eval at step 6",
+        "eval at step 12",
+        "eval at step 15",
+    ]
     assert all("| eval loss" in l for l in proc.stdout.splitlines() if l.startswith("epoch "))
 
 
-@pytest.mark.parametrize("edit,needle", [
-    (("for epoch in run.epochs():", "for epoch in range(cfg.epochs):"), "outside `for epoch in run.epochs():`"),
-    (("                run.step(loss)  #", "                pass  #"), "did not call run.step(loss)"),
-])
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (("for epoch in run.epochs():", "for epoch in range(cfg.epochs):"), "outside `for epoch in run.epochs():`"),
+        (("                run.step(loss)  #", "                pass  #"), "did not call run.step(loss)"),
+    ],
+)
 def test_a_loop_that_leaves_out_a_call_fails_loudly(tmp_path, env, mnist_like, edit, needle):
     """Forgetting the per-step call stops the run at its first batch, before anything is logged or written."""
     from common.tools.copy_recipe import copy_recipe
@@ -43,8 +66,9 @@ def test_a_loop_that_leaves_out_a_call_fails_loudly(tmp_path, env, mnist_like, e
     text = copy.read_text()
     assert text.count(edit[0]) == 1
     copy.write_text(text.replace(*edit))
-    proc = run_in_process(copy, ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
-                                 "--output-dir", tmp_path / "run"], env)
+    proc = run_in_process(
+        copy, ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", tmp_path / "run"], env
+    )
     assert proc.returncode != 0 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -53,8 +77,30 @@ def test_without_validation_a_checkpoint_step_that_is_also_an_eval_step_still_ch
     """--val-fraction 0 (nothing to validate on) with --eval-every-steps and --checkpoint-every on the same steps:
     no evaluation is due, so the checkpoint is written at once instead of waiting for one that never comes."""
     run = tmp_path / "run"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP,
-                                                  "--val-fraction", 0, "--eval-every-steps", 3, "--checkpoint-every", 3,
-                                                  "--keep-checkpoints", 10, "--output-dir", run], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [
+                "--dataset",
+                mnist_like,
+                "--epochs",
+                1,
+                "--batch-size",
+                32,
+                *MLP,
+                "--val-fraction",
+                0,
+                "--eval-every-steps",
+                3,
+                "--checkpoint-every",
+                3,
+                "--keep-checkpoints",
+                10,
+                "--output-dir",
+                run,
+            ],
+            env,
+        )
+    )
     written = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     assert written[:2] == [3, 6], written

@@ -12,17 +12,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL, check_ok, launch, read_jsonl, run_in_process
 from safetensors.torch import load_file
 
 from common.schedules import lr_multiplier
-from conftest import SMALL, check_ok, launch, read_jsonl, run_in_process
 
-RECIPES = {"fashion_mnist_mlp": "mnist_like", "mnist_convnet": "mnist_like", "cifar_cnn": "cifar_like",
-           "finetune_folder": "photos_like"}
-TOP = "            with accelerator.accumulate(model):\n"          # the first line of the batch loop's body
-STEP = "                run.step(loss)"                             # the line after accelerator.backward(loss)
+RECIPES = {
+    "fashion_mnist_mlp": "mnist_like",
+    "mnist_convnet": "mnist_like",
+    "cifar_cnn": "cifar_like",
+    "finetune_folder": "photos_like",
+}
+TOP = "            with accelerator.accumulate(model):\n"  # the first line of the batch loop's body
+STEP = "                run.step(loss)"  # the line after accelerator.backward(loss)
 OPT_STEP = "                optimizer.step()\n"
-END = "\n\n    run.finish("                                           # after the loop (both bodies end before it)
+END = "\n\n    run.finish("  # after the loop (both bodies end before it)
 FOR_BATCHES = "        for images, labels in run.batches(train_loader):"
 
 
@@ -41,8 +45,20 @@ def edited(tmp_path: Path, recipe: str, *edits, name: str = "") -> Path:
 
 
 def args(recipe: str, data, run: Path, *extra) -> list:
-    return ["--dataset", data, "--epochs", 2, "--batch-size", 32, "--log-every", 1, *SMALL[recipe], *extra,
-            "--output-dir", run]
+    return [
+        "--dataset",
+        data,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        "--log-every",
+        1,
+        *SMALL[recipe],
+        *extra,
+        "--output-dir",
+        run,
+    ]
 
 
 def summary(run: Path) -> dict:
@@ -108,6 +124,7 @@ def stop_and_resume(tmp_path, monkeypatch, env, copy: Path, run_args: list, run:
 
 # --- break ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("where", ["top", "bottom"])
 def test_break_from_the_batch_loop_ends_that_epoch(recipe, where, tmp_path, env, request):
@@ -117,15 +134,21 @@ def test_break_from_the_batch_loop_ends_that_epoch(recipe, where, tmp_path, env,
     the planned total, each round printed as --max-steps, and summary.json said 0 epochs."""
     data = request.getfixturevalue(RECIPES[recipe])
     enumerate_ = (FOR_BATCHES, "        for i, (images, labels) in enumerate(run.batches(train_loader)):")
-    cut = (TOP, f"            if i == 3:\n                break\n{TOP}") if where == "top" else \
-        (END, f"\n            if i == 2:\n                break{END}")
+    cut = (
+        (TOP, f"            if i == 3:\n                break\n{TOP}")
+        if where == "top"
+        else (END, f"\n            if i == 2:\n                break{END}")
+    )
     # the train loader left mid-iteration is off Accelerate's list of active loaders (gather_for_metrics and
     # --grad-accum read the newest one)
-    no_stale_loader = ("    run.finish(", "    from accelerate.state import GradientState\n"
-                       "    assert not GradientState().in_dataloader\n    run.finish(")
+    no_stale_loader = (
+        "    run.finish(",
+        "    from accelerate.state import GradientState\n    assert not GradientState().in_dataloader\n    run.finish(",
+    )
     run = tmp_path / "run"
-    proc = check_ok(run_in_process(edited(tmp_path, recipe, enumerate_, cut, no_stale_loader),
-                                   args(recipe, data, run), env))
+    proc = check_ok(
+        run_in_process(edited(tmp_path, recipe, enumerate_, cut, no_stale_loader), args(recipe, data, run), env)
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2 and all("ended by the loop after 3 of " in line for line in lines), proc.stdout
     assert "--max-steps" not in proc.stdout
@@ -141,20 +164,36 @@ def test_break_from_the_batch_loop_ends_that_epoch(recipe, where, tmp_path, env,
 def test_break_and_continue_on_two_processes_through_the_launcher(tmp_path, env, awkward):
     """2 gloo processes under `accelerate launch`: a copy that skips every third batch and leaves each epoch after 5
     batches counts the same steps on both ranks, and its evaluations count the 99 validation images exactly once."""
-    copy = edited(tmp_path, "fashion_mnist_mlp", (TOP, "            if run.batch == 5:\n                break\n"
-                                                       "            if run.batch % 3 == 1:\n                continue\n"
-                                                       f"{TOP}"))
+    copy = edited(
+        tmp_path,
+        "fashion_mnist_mlp",
+        (
+            TOP,
+            "            if run.batch == 5:\n                break\n"
+            "            if run.batch % 3 == 1:\n                continue\n"
+            f"{TOP}",
+        ),
+    )
     run = tmp_path / "run"
-    proc = check_ok(launch(copy, ["--dataset", awkward, "--epochs", 2, "--batch-size", 32, *SMALL["fashion_mnist_mlp"],
-                                  "--output-dir", run], env, nproc=2))
+    proc = check_ok(
+        launch(
+            copy,
+            ["--dataset", awkward, "--epochs", 2, "--batch-size", 32, *SMALL["fashion_mnist_mlp"], "--output-dir", run],
+            env,
+            nproc=2,
+        )
+    )
     assert "processes=2" in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
-    assert len(lines) == 2 and all("ended by the loop after 5 of 8 batches (2 skipped by the loop)" in line
-                                   for line in lines), proc.stdout
+    assert len(lines) == 2 and all(
+        "ended by the loop after 5 of 8 batches (2 skipped by the loop)" in line for line in lines
+    ), proc.stdout
     s = summary(run)
     assert (s["status"], s["epochs_completed"], s["global_step"], s["processes"]) == ("completed", 2, 6, 2), s
-    assert [r["eval/accuracy"] is not None for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r] == \
-        [True, True]
+    assert [r["eval/accuracy"] is not None for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r] == [
+        True,
+        True,
+    ]
     assert "99 images" in lines[0] and s["final"]["test/count"] == 82
 
 
@@ -179,8 +218,9 @@ def test_break_from_the_epoch_loop_ends_the_run(recipe, tmp_path, env, request):
     evaluated nor checkpointed and summary.json said 0 epochs completed."""
     copy = edited(tmp_path, recipe, (END, f"\n        if epoch == 0:\n            break{END}"))
     run = tmp_path / "run"
-    proc = check_ok(run_in_process(copy, args(recipe, request.getfixturevalue(RECIPES[recipe]), run, "--epochs", 3),
-                                   env))
+    proc = check_ok(
+        run_in_process(copy, args(recipe, request.getfixturevalue(RECIPES[recipe]), run, "--epochs", 3), env)
+    )
     per_epoch = int(proc.stdout.split("steps_per_epoch=")[1].split()[0])
     assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("epoch ")] == ["epoch 1/3"]
     s = summary(run)
@@ -192,6 +232,7 @@ def test_break_from_the_epoch_loop_ends_the_run(recipe, tmp_path, env, request):
 
 
 # --- continue ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_continue_before_the_step_skips_the_batch(recipe, tmp_path, env, request, monkeypatch):
@@ -225,6 +266,7 @@ def test_a_loop_that_skips_every_batch_stops_at_the_epoch_end(tmp_path, env, mni
 
 # --- return and errors ---------------------------------------------------------------------------------------
 
+
 def test_return_without_finish_is_recorded_and_resumes_exactly(tmp_path, env, mnist_like, reference_run):
     """`return` from train() after 5 steps, mid-epoch: summary.json says the run is unfinished at step 5, the
     position is checkpointed, and the unedited recipe resumes from it to the uninterrupted run's weights. Before:
@@ -239,8 +281,9 @@ def test_return_without_finish_is_recorded_and_resumes_exactly(tmp_path, env, mn
     s = summary(run)
     assert (s["status"], s["global_step"], s["epochs_completed"]) == ("unfinished", 5, 0), s
     assert checkpoint_steps(run)[-1] == 5 and not (run / "final").exists()
-    check_ok(run_in_process("fashion_mnist_mlp", [*ref.train_args, "--output-dir", run, "--resume-from", "latest"],
-                            env))
+    check_ok(
+        run_in_process("fashion_mnist_mlp", [*ref.train_args, "--output-dir", run, "--resume-from", "latest"], env)
+    )
     same_weights(ref.run, run)
     same_losses(ref.run, run)
 
@@ -250,9 +293,11 @@ def test_an_error_raised_in_the_loop_is_recorded_with_the_steps_taken(where, tmp
     """An exception from the user's own code in the loop: summary.json says crashed, names it, and counts the
     updates applied (raised after optimizer.step of the 5th batch: 5; before the 5th batch trains: 4). Before: an
     update applied just before the error was not counted."""
-    edit = (TOP, f"            if run.global_step == 4:\n                raise ValueError('my check failed')\n{TOP}") \
-        if where == "before the step" else \
-        (END, f"\n            if run.batch == 4:\n                raise ValueError('my check failed'){END}")
+    edit = (
+        (TOP, f"            if run.global_step == 4:\n                raise ValueError('my check failed')\n{TOP}")
+        if where == "before the step"
+        else (END, f"\n            if run.batch == 4:\n                raise ValueError('my check failed'){END}")
+    )
     run = tmp_path / "run"
     proc = run_in_process(edited(tmp_path, "fashion_mnist_mlp", edit), args("fashion_mnist_mlp", mnist_like, run), env)
     assert proc.returncode == 1 and "ValueError: my check failed" in proc.stderr
@@ -264,28 +309,39 @@ def test_an_error_raised_in_the_loop_is_recorded_with_the_steps_taken(where, tmp
 def test_a_second_pass_over_the_batches_in_one_epoch_is_refused(tmp_path, env, mnist_like):
     second = (END, f"\n        for images, labels in run.batches(train_loader):\n            pass{END}")
     run = tmp_path / "run"
-    proc = run_in_process(edited(tmp_path, "fashion_mnist_mlp", second), args("fashion_mnist_mlp", mnist_like, run),
-                          env)
-    assert proc.returncode == 2 and "run.batches() was called a second time in one epoch" in proc.stderr, \
-        proc.stderr[-2000:]
+    proc = run_in_process(
+        edited(tmp_path, "fashion_mnist_mlp", second), args("fashion_mnist_mlp", mnist_like, run), env
+    )
+    assert proc.returncode == 2 and "run.batches() was called a second time in one epoch" in proc.stderr, proc.stderr[
+        -2000:
+    ]
     assert "Traceback" not in proc.stderr
 
 
 # --- what follows a step -------------------------------------------------------------------------------------
 
-PRINT_NORM = ("                norm = torch.linalg.vector_norm(\n"
-              "                    torch.stack([p.grad.norm() for p in model.parameters()]))\n"
-              "                print(f'norm before the update {float(norm):.6f}', flush=True)\n")
+PRINT_NORM = (
+    "                norm = torch.linalg.vector_norm(\n"
+    "                    torch.stack([p.grad.norm() for p in model.parameters()]))\n"
+    "                print(f'norm before the update {float(norm):.6f}', flush=True)\n"
+)
 
 
 @pytest.mark.parametrize("how", ["--max-grad-norm", "the user's own line"])
 def test_gradient_clipping_is_what_reaches_the_update(how, tmp_path, env, mnist_like):
     """Clipping to 0.05 by the recipe's visible --max-grad-norm line, or by a line of the user's own in its place:
     every update sees gradients of norm <= 0.05, while train/grad_norm logs the norm before clipping."""
-    clip = [] if how == "--max-grad-norm" else [(
-        "                if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm\n"
-        "                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)\n",
-        "                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # mine\n")]
+    clip = (
+        []
+        if how == "--max-grad-norm"
+        else [
+            (
+                "                if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm\n"
+                "                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)\n",
+                "                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # mine\n",
+            )
+        ]
+    )
     copy = edited(tmp_path, "fashion_mnist_mlp", *clip, (OPT_STEP, PRINT_NORM + OPT_STEP))
     run = tmp_path / "run"
     flags = ["--max-grad-norm", 0.05] if how == "--max-grad-norm" else []
@@ -298,10 +354,15 @@ def test_gradient_clipping_is_what_reaches_the_update(how, tmp_path, env, mnist_
 
 def test_a_scheduler_of_the_users_own_is_stepped_as_written(tmp_path, env, mnist_like):
     """The recipe's scheduler replaced by a StepLR (halve every 4 updates): the logged LR is the user's schedule."""
-    copy = edited(tmp_path, "fashion_mnist_mlp", (
-        "    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / "
-        "cfg.grad_accum)))",
-        "    scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5))"))
+    copy = edited(
+        tmp_path,
+        "fashion_mnist_mlp",
+        (
+            "    scheduler = accelerator.prepare(build_scheduler(optimizer, cfg, math.ceil(len(train_loader) / "
+            "cfg.grad_accum)))",
+            "    scheduler = accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5))",
+        ),
+    )
     run = tmp_path / "run"
     check_ok(run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run), env))
     lrs = rows(run, "train/lr")
@@ -312,20 +373,29 @@ def test_a_scheduler_of_the_users_own_is_stepped_as_written(tmp_path, env, mnist
 def test_a_second_optimizer_steps_once_per_batch_and_resumes_exactly(tmp_path, env, mnist_like, monkeypatch):
     """The biases moved to an SGD optimizer of their own, prepared and stepped in the loop beside the recipe's
     AdamW: one optimizer step per batch is counted, both train, and a resume restores both."""
-    copy = edited(tmp_path, "fashion_mnist_mlp", (
-        "    optimizer = build_optimizer(cfg, model)\n",
-        "    biases = [p for n, p in model.named_parameters() if n.endswith('bias')]\n"
-        "    optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.endswith('bias')],\n"
-        "                                  lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)\n"
-        "    bias_optimizer = accelerator.prepare(torch.optim.SGD(biases, lr=0.05, momentum=0.9))\n"
-        "    initial_bias = [b.detach().clone() for b in biases]\n"), (
-        "                optimizer.zero_grad(set_to_none=True)\n",
-        "                optimizer.zero_grad(set_to_none=True)\n"
-        "                bias_optimizer.step()\n"
-        "                bias_optimizer.zero_grad(set_to_none=True)\n"), (
-        "    run.finish(validate(final_loader))",
-        "    assert all(not torch.equal(a, b) for a, b in zip(initial_bias, biases))\n"
-        "    run.finish(validate(final_loader))"))
+    copy = edited(
+        tmp_path,
+        "fashion_mnist_mlp",
+        (
+            "    optimizer = build_optimizer(cfg, model)\n",
+            "    biases = [p for n, p in model.named_parameters() if n.endswith('bias')]\n"
+            "    optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.endswith('bias')],\n"
+            "                                  lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)\n"
+            "    bias_optimizer = accelerator.prepare(torch.optim.SGD(biases, lr=0.05, momentum=0.9))\n"
+            "    initial_bias = [b.detach().clone() for b in biases]\n",
+        ),
+        (
+            "                optimizer.zero_grad(set_to_none=True)\n",
+            "                optimizer.zero_grad(set_to_none=True)\n"
+            "                bias_optimizer.step()\n"
+            "                bias_optimizer.zero_grad(set_to_none=True)\n",
+        ),
+        (
+            "    run.finish(validate(final_loader))",
+            "    assert all(not torch.equal(a, b) for a, b in zip(initial_bias, biases))\n"
+            "    run.finish(validate(final_loader))",
+        ),
+    )
     base = args("fashion_mnist_mlp", mnist_like, tmp_path / "unused")[:-2]
     full, part = tmp_path / "full", tmp_path / "part"
     check_ok(run_in_process(copy, [*base, "--output-dir", full], env))
@@ -387,8 +457,9 @@ def test_fp16_skipped_steps_leave_the_lr_and_the_averages_alone():
     assert checks.skipped == 1
     assert not batch(overflow=False, sync=False)
     assert batch(overflow=False)
-    assert opt.param_groups[0]["lr"] < lr and not all(torch.equal(a, b)
-                                                      for a, b in zip(averaged, ema.module.parameters()))
+    assert opt.param_groups[0]["lr"] < lr and not all(
+        torch.equal(a, b) for a, b in zip(averaged, ema.module.parameters())
+    )
 
 
 def test_optimizer_step_without_run_step_stops_before_the_update(tmp_path, env, mnist_like):
@@ -405,15 +476,20 @@ def test_a_photo_augmentation_of_your_own_is_an_edit_of_the_copy(tmp_path, env, 
     """The photo recipe's per-image augmentation is its train_view: adding torchvision's ColorJitter is one line in
     the copy (no library edit), and it trains; a train_view that no longer ends at --image-size is named in one
     paragraph at the first batch."""
-    crop = "    steps = [v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True),\n"
-    jitter = edited(tmp_path, "finetune_folder", (
-        "    if cfg.auto_augment:\n",
-        "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n"))
+    crop = "v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True), "
+    jitter = edited(
+        tmp_path,
+        "finetune_folder",
+        (
+            "    if cfg.auto_augment:\n",
+            "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n",
+        ),
+    )
     run = tmp_path / "run"
     check_ok(run_in_process(jitter, args("finetune_folder", photos_like, run), env))
     assert summary(run)["status"] == "completed"
-    uncropped = edited(tmp_path, "finetune_folder", (crop, "    steps = [v2.RandomHorizontalFlip(),\n"),
-                       name="uncropped.py")
+    uncropped = edited(tmp_path, "finetune_folder", (crop, ""), name="uncropped.py")
     proc = run_in_process(uncropped, args("finetune_folder", photos_like, tmp_path / "run2"), env)
-    assert proc.returncode == 2 and "train_view made a (3," in proc.stderr and "Traceback" not in proc.stderr, \
+    assert proc.returncode == 2 and "train_view made a (3," in proc.stderr and "Traceback" not in proc.stderr, (
         proc.stderr[-2000:]
+    )

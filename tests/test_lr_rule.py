@@ -10,9 +10,9 @@ import json
 import math
 
 import pytest
+from conftest import import_recipe, recipe_path, run_in_process
 
 from common.config import build_parser, parse_config, save_config
-from conftest import import_recipe, recipe_path, run_in_process
 
 # recipe -> (default lr, the global batch it was tuned at, rule); a changed default must change this table
 RULES = {
@@ -107,9 +107,29 @@ def test_help_states_the_rule(recipe):
 def test_startup_line_shows_the_scaled_lr(tmp_path, env, mnist_like):
     """A real run at a batch the LR was not tuned at says which lr it trains with and why, and trains with it."""
     run = tmp_path / "run"
-    proc = run_in_process("mnist_convnet", ["--dataset", mnist_like, "--width", 8, "--epochs", 1, "--batch-size", 32,
-                                            "--max-steps", 2, "--log-every", 1, "--report-to", "none",
-                                            "--output-dir", run], env, cwd=tmp_path)
+    proc = run_in_process(
+        "mnist_convnet",
+        [
+            "--dataset",
+            mnist_like,
+            "--width",
+            8,
+            "--epochs",
+            1,
+            "--batch-size",
+            32,
+            "--max-steps",
+            2,
+            "--log-every",
+            1,
+            "--report-to",
+            "none",
+            "--output-dir",
+            run,
+        ],
+        env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     startup = next(line for line in proc.stdout.splitlines() if line.startswith("startup:"))
     lr = ruled("mnist_convnet", 32)  # 0.01 x sqrt(32/256)
@@ -118,8 +138,12 @@ def test_startup_line_shows_the_scaled_lr(tmp_path, env, mnist_like):
 
 
 def test_batch_larger_than_the_split_names_the_rule(tmp_path, env, mnist_like):
-    proc = run_in_process("mnist_convnet", ["--dataset", mnist_like, "--width", 8, "--batch-size", 1024,
-                                            "--output-dir", tmp_path / "r"], env, cwd=tmp_path)
+    proc = run_in_process(
+        "mnist_convnet",
+        ["--dataset", mnist_like, "--width", 8, "--batch-size", 1024, "--output-dir", tmp_path / "r"],
+        env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "smaller --batch-size" in proc.stderr and "by the recipe's rule" in proc.stderr
     assert "unless --lr is given" in proc.stderr, proc.stderr

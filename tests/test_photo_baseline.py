@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import torch
+from conftest import REPO, check_ok, recipe_env
 from PIL import Image
 
 from common.data.splits import ImageSplit, hold_out
-from conftest import REPO, check_ok, recipe_env
 
 
 def test_photo_baseline_trains_one_epoch_on_the_recipes_split(tmp_path):
@@ -24,10 +24,27 @@ def test_photo_baseline_trains_one_epoch_on_the_recipes_split(tmp_path):
             arr[:, : w // 2 if k else None] += 150
             Image.fromarray(arr).save(data / cls / (f"{i}.png" if i % 3 else f"{i}.jpg"))
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "benchmarks/photo_baseline.py", "--data", str(data), "--epochs", "1", "--crop", "32",
-           "--batch-size", "8", "--workers", "0", "--seed", "3", "--out", str(out)]
-    proc = check_ok(subprocess.run(cmd, cwd=str(REPO), env=recipe_env(tmp_path), capture_output=True, text=True,
-                                   timeout=300))
+    cmd = [
+        sys.executable,
+        "benchmarks/photo_baseline.py",
+        "--data",
+        str(data),
+        "--epochs",
+        "1",
+        "--crop",
+        "32",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+    ]
+    proc = check_ok(
+        subprocess.run(cmd, cwd=str(REPO), env=recipe_env(tmp_path), capture_output=True, text=True, timeout=300)
+    )
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line == json.loads(out.read_text())
     _, val = hold_out(ImageSplit(torch.zeros(40, 1, 1, 1, dtype=torch.uint8), torch.zeros(40)), 0.15, 3)

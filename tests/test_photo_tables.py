@@ -11,8 +11,9 @@ import numpy as np
 from conftest import REPO, read_jsonl, run_in_process, write_photo_folder
 
 
-def folder_to_parquet(folder: Path, out: Path, split: str = "train", string_labels: bool = False,
-                      replace: dict | None = None) -> Path:
+def folder_to_parquet(
+    folder: Path, out: Path, split: str = "train", string_labels: bool = False, replace: dict | None = None
+) -> Path:
     """The photos of ``folder`` (<class>/<file>) as out/data/<split>-00000-of-00001.parquet: the image column holds
     each file's bytes (as on the Hub), the label a ClassLabel (or the class name, ``string_labels``). ``replace``:
     {row: bytes} written instead of that row's photo."""
@@ -40,13 +41,15 @@ def test_a_parquet_image_dataset_trains_exactly_as_the_same_photos_in_a_folder(t
     runs = {}
     for kind, data in (("folder", folder), ("tables", tables)):
         cache = tmp_path / f"cache-{kind}"
-        proc = run_in_process("finetune_folder", ["--dataset", data, "--output-dir", tmp_path / kind,
-                                                  "--cache-dir", cache, *ARGS], env)
+        proc = run_in_process(
+            "finetune_folder", ["--dataset", data, "--output-dir", tmp_path / kind, "--cache-dir", cache, *ARGS], env
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[kind] = tmp_path / kind
         assert not list(cache.glob("*.safetensors"))  # nothing decoded kept
-    losses = {k: [r["train/loss"] for r in read_jsonl(p / "metrics.jsonl") if "train/loss" in r] for k, p in
-              runs.items()}
+    losses = {
+        k: [r["train/loss"] for r in read_jsonl(p / "metrics.jsonl") if "train/loss" in r] for k, p in runs.items()
+    }
     assert len(losses["folder"]) == 2 * 3 and losses["tables"] == losses["folder"]
     finals = {k: json.loads((p / "summary.json").read_text())["final"] for k, p in runs.items()}
     assert finals["tables"] == finals["folder"] and finals["tables"]["val/count"] == 2
@@ -72,16 +75,22 @@ def test_labels_and_damaged_rows_of_tables_are_one_paragraph(tmp_path, env):
     folder = write_photo_folder(tmp_path / "photos", 4)
     # a damaged photo in row 5: named by its row, before training, with the others
     tables = folder_to_parquet(folder, tmp_path / "damaged", replace={5: b"\xff\xd8 not a photo"})
-    proc = run_in_process("finetune_folder", ["--dataset", tables, "--output-dir", tmp_path / "r1",
-                                              "--cache-dir", tmp_path / "c", *ARGS], env)
+    proc = run_in_process(
+        "finetune_folder",
+        ["--dataset", tables, "--output-dir", tmp_path / "r1", "--cache-dir", tmp_path / "c", *ARGS],
+        env,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "row 5 of the train split" in proc.stderr and "could not be read" in proc.stderr, proc.stderr[-2000:]
     # string labels: a validation label train does not have
     strings = folder_to_parquet(folder, tmp_path / "strings", string_labels=True)
     write_photo_folder(tmp_path / "val_photos", 2, classes=("ant", "hornet"))
     folder_to_parquet(tmp_path / "val_photos", tmp_path / "strings", split="validation", string_labels=True)
-    proc = run_in_process("finetune_folder", ["--dataset", strings, "--output-dir", tmp_path / "r2",
-                                              "--cache-dir", tmp_path / "c", *ARGS], env)
+    proc = run_in_process(
+        "finetune_folder",
+        ["--dataset", strings, "--output-dir", tmp_path / "r2", "--cache-dir", tmp_path / "c", *ARGS],
+        env,
+    )
     assert proc.returncode == 2 and "'hornet'" in proc.stderr and "outside the 3 classes" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -90,7 +99,8 @@ LOAD = textwrap.dedent("""
     import resource, sys
     sys.path.insert(0, {repo!r} + "/recipes")
     from accelerate import Accelerator
-    from common.data.photos import load_photos, photo_loader
+    from common.data.photo_sources import load_photos
+    from common.data.photos import photo_loader
     from finetune_folder import Config
     cfg = Config(dataset=sys.argv[1], image_size=32, batch_size=16, workers=0, cache_dir=sys.argv[2])
     data = load_photos(cfg)
@@ -115,8 +125,13 @@ def test_memory_stays_flat_in_the_number_of_photos(tmp_path, env):
             arr = np.stack([np.add.outer(ramp, ramp * (i % 7)) % 256] * 3, axis=-1).astype(np.uint8)
             Image.fromarray(arr).save(folder / f"c{i % 2}" / f"{i}.jpg", quality=85)
         tables = folder_to_parquet(folder, tmp_path / f"t{n}")
-        proc = subprocess.run([sys.executable, "-c", LOAD.format(repo=str(REPO)), str(tables), str(tmp_path / "c")],
-                              capture_output=True, text=True, env=env, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", LOAD.format(repo=str(REPO)), str(tables), str(tmp_path / "c")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         peaks[n] = int(proc.stdout.split()[-1])
     assert peaks[600] - peaks[60] < 40, peaks

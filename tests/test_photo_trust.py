@@ -10,10 +10,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from common import vision
 from common.errors import ConfigError
 
@@ -26,8 +26,9 @@ def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it
     import torchvision
 
     source = torchvision.models.resnet18(num_classes=1000)
-    old = collections.OrderedDict((k, v) for k, v in source.state_dict().items()
-                                  if not k.endswith("num_batches_tracked"))
+    old = collections.OrderedDict(
+        (k, v) for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")
+    )
     old._metadata = {name: {"version": 1} for name, _ in source.named_modules()}
     torch.save(old, tmp_path / "resnet18-old.pth")
     model = vision.build("resnet18", 1000)
@@ -44,8 +45,11 @@ def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it
 
 def test_an_unknown_model_with_weights_is_said_to_be_an_unknown_model():
     """--model resnet81 --weights DEFAULT blamed the weights ("neither a file nor one of torchvision's weights")."""
-    with pytest.raises(ConfigError, match=r"--model 'resnet81' is not a torchvision classification model \(did you "
-                                          r"mean resnet18"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--model 'resnet81' is not a torchvision classification model \(did you "
+        r"mean resnet18",
+    ):
         vision.resolve("resnet81", "DEFAULT")
 
 
@@ -57,8 +61,23 @@ def test_a_weights_run_resumes_without_its_file_and_keeps_its_normalisation(tmp_
     torch.save(vision.build("resnet18", 1000).state_dict(), tmp_path / "resnet18.pth")
     run = tmp_path / "run"
     base = ["--dataset", photos_like, "--batch-size", 16, "--epochs", 1, "--workers", 0, "--output-dir", run]
-    check_ok(run_in_process("finetune_folder", [*base, "--weights", tmp_path / "resnet18.pth", "--image-size", 32,
-                                                "--max-steps", 2, "--checkpoint-every", 2], env))
+    check_ok(
+        run_in_process(
+            "finetune_folder",
+            [
+                *base,
+                "--weights",
+                tmp_path / "resnet18.pth",
+                "--image-size",
+                32,
+                "--max-steps",
+                2,
+                "--checkpoint-every",
+                2,
+            ],
+            env,
+        )
+    )
     (tmp_path / "resnet18.pth").unlink()
     proc = check_ok(run_in_process("finetune_folder", [*base, "--resume-from", "latest"], env))
     assert "resumed from" in proc.stdout and "--weights" in proc.stdout and "--image-size 32" in proc.stdout
@@ -73,8 +92,26 @@ def test_eval_only_normalises_as_the_scored_run_did_on_any_data(tmp_path, photos
     from conftest import import_recipe, write_photo_folder
 
     run = tmp_path / "run"
-    check_ok(run_in_process("finetune_folder", ["--dataset", photos_like, "--image-size", 32, "--batch-size", 16,
-                                                "--epochs", 1, "--workers", 0, "--output-dir", run], env))
+    check_ok(
+        run_in_process(
+            "finetune_folder",
+            [
+                "--dataset",
+                photos_like,
+                "--image-size",
+                32,
+                "--batch-size",
+                16,
+                "--epochs",
+                1,
+                "--workers",
+                0,
+                "--output-dir",
+                run,
+            ],
+            env,
+        )
+    )
     other = write_photo_folder(tmp_path / "other" / "train", 6, seed=5)
     for path in other.rglob("*.jpg"):  # brighter photos: other statistics
         Image.open(path).point(lambda v: min(255, v + 90)).save(path)
@@ -99,8 +136,20 @@ def test_a_renamed_or_swapped_photo_is_refused_by_resume_and_eval_only_naming_it
 
     root = write_photo_folder(tmp_path / "photos" / "train", 12)
     run = tmp_path / "run"
-    base = ["--dataset", root.parent, "--image-size", 32, "--batch-size", 8, "--epochs", 2, "--workers", 0,
-            "--output-dir", run]
+    base = [
+        "--dataset",
+        root.parent,
+        "--image-size",
+        32,
+        "--batch-size",
+        8,
+        "--epochs",
+        2,
+        "--workers",
+        0,
+        "--output-dir",
+        run,
+    ]
     check_ok(run_in_process("finetune_folder", [*base, "--max-steps", 3], env))
     a, b = root / "ant" / "0.jpg", root / "ant" / "5.jpg"
     os.rename(a, tmp_path / "t.jpg")
@@ -110,8 +159,9 @@ def test_a_renamed_or_swapped_photo_is_refused_by_resume_and_eval_only_naming_it
     assert resumed.returncode == 2 and "The data differs" in resumed.stderr, resumed.stderr[-2000:]
     assert "ant/0.jpg" in resumed.stderr and "Traceback" not in resumed.stderr
     scored = run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run], env)
-    assert scored.returncode == 2 and "The data differs" in scored.stderr and "ant/0.jpg" in scored.stderr, \
+    assert scored.returncode == 2 and "The data differs" in scored.stderr and "ant/0.jpg" in scored.stderr, (
         scored.stderr[-2000:]
+    )
 
 
 def test_the_ema_is_one_model_on_every_rank_and_resumes_exactly_at_2_processes(tmp_path, photos_like):
@@ -122,14 +172,37 @@ def test_the_ema_is_one_model_on_every_rank_and_resumes_exactly_at_2_processes(t
     from conftest import launch, recipe_env
 
     env = recipe_env(tmp_path)
-    base = ["--dataset", photos_like, "--image-size", 32, "--batch-size", 16, "--epochs", 1, "--workers", 0,
-            "--ema-decay", 0.8, "--log-every", 1, "--eval-every-steps", 3,
-            "--eval-batch-size", 4]  # several evaluation batches, shared between the ranks
+    base = [
+        "--dataset",
+        photos_like,
+        "--image-size",
+        32,
+        "--batch-size",
+        16,
+        "--epochs",
+        1,
+        "--workers",
+        0,
+        "--ema-decay",
+        0.8,
+        "--log-every",
+        1,
+        "--eval-every-steps",
+        3,
+        "--eval-batch-size",
+        4,
+    ]  # several evaluation batches, shared between the ranks
     full = tmp_path / "full"
     check_ok(launch("finetune_folder", [*base, "--checkpoint-every", 4, "--output-dir", full], env, nproc=2))
     part = stopped_at(full, 4, tmp_path / "part")  # as a run stopped at step 4 leaves its folder
-    check_ok(launch("finetune_folder", [*base, "--checkpoint-every", 4, "--output-dir", part, "--resume-from",
-                                        "latest"], env, nproc=2))
+    check_ok(
+        launch(
+            "finetune_folder",
+            [*base, "--checkpoint-every", 4, "--output-dir", part, "--resume-from", "latest"],
+            env,
+            nproc=2,
+        )
+    )
     evals = lambda r: {x["step"]: x["eval/loss"] for x in read_jsonl(r / "metrics.jsonl") if "eval/loss" in x}
     assert list(evals(full)) == [3, 6, 9, 10] and evals(part) == evals(full)  # every 3 steps and the epoch's end
     a, b = load_file(str(part / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
@@ -177,8 +250,26 @@ def test_every_path_scores_large_photos_of_odd_sizes_alike(tmp_path, env):
                 small[:, :, k] = 220  # a class colour, smooth at full size
                 Image.fromarray(small).resize((w, h), Image.BICUBIC).save(tmp_path / "big" / split / cls / f"{i}.jpg")
     run = tmp_path / "run"
-    check_ok(run_in_process("finetune_folder", ["--dataset", tmp_path / "big", "--image-size", 32, "--batch-size", 8,
-                                                "--epochs", 2, "--workers", 0, "--output-dir", run], env))
+    check_ok(
+        run_in_process(
+            "finetune_folder",
+            [
+                "--dataset",
+                tmp_path / "big",
+                "--image-size",
+                32,
+                "--batch-size",
+                8,
+                "--epochs",
+                2,
+                "--workers",
+                0,
+                "--output-dir",
+                run,
+            ],
+            env,
+        )
+    )
     trained = json.loads((run / "summary.json").read_text())["final"]["test/loss"]
     check_ok(run_in_process("finetune_folder", ["--eval-only", "--checkpoint", run / "final"], env))
     scored = json.loads((run / "final" / "eval-test.json").read_text())["loss"]
@@ -193,10 +284,14 @@ def test_every_path_scores_large_photos_of_odd_sizes_alike(tmp_path, env):
 
     assert export.main([str(run / "final"), "--onnx", str(tmp_path / "m.onnx")]) == 0  # takes pixels / 255
     session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
-    exported = F.cross_entropy(torch.from_numpy(session.run(None, {"images": (views.float() / 255).numpy()})[0]),
-                               labels).item()
-    assert scored == pytest.approx(trained, rel=1e-5) and predicted == pytest.approx(trained, rel=1e-4) and \
-        exported == pytest.approx(trained, rel=1e-4), (trained, scored, predicted, exported)
+    exported = F.cross_entropy(
+        torch.from_numpy(session.run(None, {"images": (views.float() / 255).numpy()})[0]), labels
+    ).item()
+    assert (
+        scored == pytest.approx(trained, rel=1e-5)
+        and predicted == pytest.approx(trained, rel=1e-4)
+        and exported == pytest.approx(trained, rel=1e-4)
+    ), (trained, scored, predicted, exported)
 
 
 def test_tiny_images_in_bf16_on_a_cpu_train_with_sound_gradients():
@@ -243,14 +338,39 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
     text = copy.read_text()
     anchor = "            if run.step_taken():"
     assert text.count(anchor) == 1
-    copy.write_text(text.replace(anchor, f"            if run.global_step == 1:\n"
-                                         f"                open({str(victim)!r}, 'wb').write(b'not a photo any more')\n"
-                                         f"{anchor}"))
-    proc = run_in_process(copy, ["--dataset", root.parent, "--image-size", 32, "--batch-size", 8, "--epochs", 3,
-                                 "--workers", 1, "--output-dir", tmp_path / "run"], env)
+    copy.write_text(
+        text.replace(
+            anchor,
+            f"            if run.global_step == 1:\n"
+            f"                open({str(victim)!r}, 'wb').write(b'not a photo any more')\n"
+            f"{anchor}",
+        )
+    )
+    proc = run_in_process(
+        copy,
+        [
+            "--dataset",
+            root.parent,
+            "--image-size",
+            32,
+            "--batch-size",
+            8,
+            "--epochs",
+            3,
+            "--workers",
+            1,
+            "--output-dir",
+            tmp_path / "run",
+        ],
+        env,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert victim.name in paragraph and "put the original back and resume" in paragraph and "DataLoader worker" in paragraph
+    assert (
+        victim.name in paragraph
+        and "put the original back and resume" in paragraph
+        and "DataLoader worker" in paragraph
+    )
     assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # epoch 1's end, before the worker met it
 
 
@@ -284,19 +404,70 @@ def test_a_large_folder_is_checked_beside_training_and_a_damaged_photo_stops_it_
     cut = [sorted((root / c).glob("*.jpg"))[-1] for c in ("bee", "wasp")]
     for victim in cut:
         victim.write_bytes(victim.read_bytes()[:200])
-    proc = run_in_process("finetune_folder", ["--dataset", root, "--image-size", 32, "--batch-size", 8, "--epochs", 3,
-                                              "--output-dir", tmp_path / "run", "--cache-dir", tmp_path / "cache"], env)
+    proc = run_in_process(
+        "finetune_folder",
+        [
+            "--dataset",
+            root,
+            "--image-size",
+            32,
+            "--batch-size",
+            8,
+            "--epochs",
+            3,
+            "--output-dir",
+            tmp_path / "run",
+            "--cache-dir",
+            tmp_path / "cache",
+        ],
+        env,
+    )
     assert "its 24 photos are checked while training runs" in proc.stdout
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "2 of the 24 images in the train split" in paragraph and all(v.name in paragraph for v in cut), paragraph
-    assert not [p for p in psutil.Process().children(recursive=True) if p.name() == "photo-check"
-                or "photo-check" in " ".join(p.cmdline())]
+    assert not [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.name() == "photo-check" or "photo-check" in " ".join(p.cmdline())
+    ]
     clean = write_photo_folder(tmp_path / "clean", 8)
-    proc = run_in_process("finetune_folder", ["--dataset", clean, "--image-size", 32, "--batch-size", 8, "--epochs", 2,
-                                              "--output-dir", tmp_path / "run2", "--cache-dir", tmp_path / "cache"], env)
+    proc = run_in_process(
+        "finetune_folder",
+        [
+            "--dataset",
+            clean,
+            "--image-size",
+            32,
+            "--batch-size",
+            8,
+            "--epochs",
+            2,
+            "--output-dir",
+            tmp_path / "run2",
+            "--cache-dir",
+            tmp_path / "cache",
+        ],
+        env,
+    )
     assert proc.returncode == 0 and "checked while training runs" in proc.stdout, proc.stderr[-3000:]
     assert list((tmp_path / "cache").glob("photos-checked-*"))
-    proc = run_in_process("finetune_folder", ["--dataset", clean, "--image-size", 32, "--batch-size", 8, "--epochs", 1,
-                                              "--output-dir", tmp_path / "run3", "--cache-dir", tmp_path / "cache"], env)
+    proc = run_in_process(
+        "finetune_folder",
+        [
+            "--dataset",
+            clean,
+            "--image-size",
+            32,
+            "--batch-size",
+            8,
+            "--epochs",
+            1,
+            "--output-dir",
+            tmp_path / "run3",
+            "--cache-dir",
+            tmp_path / "cache",
+        ],
+        env,
+    )
     assert proc.returncode == 0 and "checked while training runs" not in proc.stdout

@@ -10,13 +10,27 @@ import torch
 from matplotlib.colors import to_rgb
 
 from common.train.metrics import confusion_matrix
-from common.train.plots import (confusion_matrix_figure, confusion_matrix_image, confusion_matrix_title, curves_figure,
-                          misclassified_grid, read_metrics, save_curves_png, save_image_png)
+from common.train.plots import (
+    confusion_matrix_figure,
+    confusion_matrix_image,
+    confusion_matrix_title,
+    curves_figure,
+    misclassified_grid,
+    read_metrics,
+    save_curves_png,
+    save_image_png,
+)
 
 
 def is_rgb_image(img) -> bool:
-    return isinstance(img, np.ndarray) and img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3 \
-        and img.shape[0] > 20 and img.shape[1] > 20
+    return (
+        isinstance(img, np.ndarray)
+        and img.dtype == np.uint8
+        and img.ndim == 3
+        and img.shape[2] == 3
+        and img.shape[0] > 20
+        and img.shape[1] > 20
+    )
 
 
 def test_confusion_matrix_image(tmp_path):
@@ -37,8 +51,10 @@ def test_confusion_matrix_names_its_split():
     heading = confusion_matrix_figure(conf, ["cat", "dog", "bird"], title=title).axes[0].get_title()
     assert heading == "confusion matrix, test split (7 images)\naccuracy 0.7143"
     # the default heading is unchanged for callers that pass no title
-    assert confusion_matrix_figure(conf, ["cat", "dog", "bird"]).axes[0].get_title() == \
-        "confusion matrix: 7 images, accuracy 0.7143"
+    assert (
+        confusion_matrix_figure(conf, ["cat", "dog", "bird"]).axes[0].get_title()
+        == "confusion matrix: 7 images, accuracy 0.7143"
+    )
     titled = confusion_matrix_image(conf, ["cat", "dog", "bird"], title=title)
     assert is_rgb_image(titled)
     assert not np.array_equal(titled, confusion_matrix_image(conf, ["cat", "dog", "bird"]))
@@ -78,9 +94,12 @@ def test_misclassified_grid_none_wrong():
 def test_save_curves_png(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [{"step": s, "time": 1.0 + s, "train/loss": 2.0 / s, "train/lr": 0.01} for s in range(10, 410, 10)]
-    lines += [{"step": 200, "eval/loss": 0.4, "eval/accuracy": 0.9}, {"step": 400, "eval/loss": 0.3, "eval/accuracy": 0.95},
-              {"step": 400, "test/loss": 0.31, "test/accuracy": 0.94}]
-    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n{\"step\": 41")  # a line cut short by a crash
+    lines += [
+        {"step": 200, "eval/loss": 0.4, "eval/accuracy": 0.9},
+        {"step": 400, "eval/loss": 0.3, "eval/accuracy": 0.95},
+        {"step": 400, "test/loss": 0.31, "test/accuracy": 0.94},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in lines) + '\n{"step": 41')  # a line cut short by a crash
     assert len(read_metrics(path)) == len(lines)
     out = save_curves_png(path, tmp_path / "plots" / "curves.png")
     assert out == tmp_path / "plots" / "curves.png"
@@ -112,8 +131,10 @@ def pixels_of(fig, ax, color: str) -> int:
 def test_single_evaluation_point_stays_visible():
     """A one-evaluation run: the eval point and the test point share the last step and must both show."""
     records = [{"step": s, "train/loss": 2.0 / s} for s in range(5, 105, 5)]
-    records += [{"step": 100, "eval/loss": 0.5, "eval/accuracy": 0.9},
-                {"step": 100, "test/loss": 0.5, "test/accuracy": 0.9}]
+    records += [
+        {"step": 100, "eval/loss": 0.5, "eval/accuracy": 0.9},
+        {"step": 100, "test/loss": 0.5, "test/accuracy": 0.9},
+    ]
     fig = curves_figure(records)
     loss_ax, acc_ax = fig.axes
     lines = {line.get_label(): line for line in acc_ax.get_lines()}

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, import_recipe
 
-from common.train import checkpoint
 from common.data.augment import normalize
 from common.tools.predict import build_model_from_card, collect_images, load_predictor, predict_files
-from conftest import REPO, import_recipe
+from common.train import checkpoint
 
 STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
 
@@ -59,17 +59,46 @@ def build_model(cfg, in_shape, num_classes):
 """
 
 SPECS = {  # model class -> the recipe that builds it, its settings, and the data it was "trained" on
-    "ConvNet": dict(recipe="mnist_convnet", settings={"model": "deep", "width": 4, "dropout": 0.1},
-                    input_shape=[1, 28, 28], class_names=["zero", "one", "two", "three", "four"], mean=[0.13],
-                    std=[0.31]),
-    "LeanConvNet": dict(recipe="mnist_convnet", settings={"width": 4, "hidden": 8}, input_shape=[1, 20, 20],
-                        class_names=["a", "b", "c"], mean=[0.13], std=[0.31]),
-    "CifarCNN": dict(recipe="cifar_cnn", settings={"widths": "8,16,16"}, input_shape=[3, 32, 32],
-                     class_names=["cat", "dog", "bird", "fish"], mean=[0.49, 0.48, 0.45], std=[0.25, 0.24, 0.26]),
-    "MLP": dict(recipe="fashion_mnist_mlp", settings={"hidden": "16", "dropout": 0.0}, input_shape=[1, 12, 12],
-                class_names=["shirt", "shoe", "bag"], mean=[0.29], std=[0.35]),
-    "TinyNet": dict(recipe="my_tiny_net", settings={"hidden": 7}, input_shape=[1, 10, 10],
-                    class_names=["left", "right"], mean=[0.5], std=[0.2]),
+    "ConvNet": dict(
+        recipe="mnist_convnet",
+        settings={"model": "deep", "width": 4, "dropout": 0.1},
+        input_shape=[1, 28, 28],
+        class_names=["zero", "one", "two", "three", "four"],
+        mean=[0.13],
+        std=[0.31],
+    ),
+    "LeanConvNet": dict(
+        recipe="mnist_convnet",
+        settings={"width": 4, "hidden": 8},
+        input_shape=[1, 20, 20],
+        class_names=["a", "b", "c"],
+        mean=[0.13],
+        std=[0.31],
+    ),
+    "CifarCNN": dict(
+        recipe="cifar_cnn",
+        settings={"widths": "8,16,16"},
+        input_shape=[3, 32, 32],
+        class_names=["cat", "dog", "bird", "fish"],
+        mean=[0.49, 0.48, 0.45],
+        std=[0.25, 0.24, 0.26],
+    ),
+    "MLP": dict(
+        recipe="fashion_mnist_mlp",
+        settings={"hidden": "16", "dropout": 0.0},
+        input_shape=[1, 12, 12],
+        class_names=["shirt", "shoe", "bag"],
+        mean=[0.29],
+        std=[0.35],
+    ),
+    "TinyNet": dict(
+        recipe="my_tiny_net",
+        settings={"hidden": 7},
+        input_shape=[1, 10, 10],
+        class_names=["left", "right"],
+        mean=[0.5],
+        std=[0.2],
+    ),
 }
 
 
@@ -97,9 +126,16 @@ def make_model_dir(root: Path, kind: str, tta: int = 0, seed: int = 0):
     with torch.no_grad():
         last.weight.mul_(40.0)
     model.eval()
-    card = {"recipe": spec["recipe"], "recipe_file": str(path), "model": kind,
-            "input_shape": spec["input_shape"], "class_names": spec["class_names"], "mean": spec["mean"],
-            "std": spec["std"], "config": dataclasses.asdict(cfg)}
+    card = {
+        "recipe": spec["recipe"],
+        "recipe_file": str(path),
+        "model": kind,
+        "input_shape": spec["input_shape"],
+        "class_names": spec["class_names"],
+        "mean": spec["mean"],
+        "std": spec["std"],
+        "config": dataclasses.asdict(cfg),
+    }
     run_dir = root / "run"
     checkpoint.save_model_dir(STUB_ACCELERATOR, model, run_dir / "best", card)
     return run_dir, card, model
@@ -148,8 +184,13 @@ def six_view_logits(model, x):
 
 
 def run_cli(*args, timeout=120, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "common.tools.predict", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "common.tools.predict", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
@@ -205,8 +246,9 @@ def test_model_class_of_a_users_own_recipe_file(tmp_path, capsys):
     assert "--recipe" in capsys.readouterr().err
     assert main([str(run_dir), *map(str, images), "--recipe", str(moved), "--format", "json"]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert [r["predictions"][0]["index"] for r in again["results"]] == \
-        [r["predictions"][0]["index"] for r in doc["results"]]
+    assert [r["predictions"][0]["index"] for r in again["results"]] == [
+        r["predictions"][0]["index"] for r in doc["results"]
+    ]
 
 
 @pytest.mark.parametrize("kind,tta", [("ConvNet", 0), ("CifarCNN", 2)])

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, check_ok, run_in_process
 from test_predict import make_model_dir, write_images
 
@@ -18,21 +17,37 @@ MLP = ["--hidden", "32"]
 
 # --- a --config file with an empty or wrongly typed value -----------------------------------------------
 
-@pytest.mark.parametrize("line,needles", [
-    ("lr:", ["lr has no value", "Give it a number (e.g. `lr: 0.01`"]),
-    ("epochs: [1, 2]", ["epochs = [1, 2] is not a whole number", "`epochs: 3`"]),
-    ("lr: abc", ["lr = 'abc' is not a number"]),
-    ("epochs: true", ["epochs = True is not a whole number"]),  # `--epochs true` is refused too
-])
+
+@pytest.mark.parametrize(
+    "line,needles",
+    [
+        ("lr:", ["lr has no value", "Give it a number (e.g. `lr: 0.01`"]),
+        ("epochs: [1, 2]", ["epochs = [1, 2] is not a whole number", "`epochs: 3`"]),
+        ("lr: abc", ["lr = 'abc' is not a number"]),
+        ("epochs: true", ["epochs = True is not a whole number"]),  # `--epochs true` is refused too
+    ],
+)
 def test_config_file_value_of_the_wrong_type_is_one_paragraph(line, needles, tmp_path, env, mnist_like):
     """`python recipe.py --config FILE` where a key has no value (YAML null) or a value the same flag on the
     command line would refuse: exit 2, one paragraph naming the file, the key and the fix, no traceback,
     nothing written."""
     config = tmp_path / "settings.yaml"
     config.write_text(f"dataset: {mnist_like}\n{line}\n")
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "mnist_convnet.py"), "--config", str(config),
-                           "--output-dir", str(tmp_path / "r")], env=env, cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "mnist_convnet.py"),
+            "--config",
+            str(config),
+            "--output-dir",
+            str(tmp_path / "r"),
+        ],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr
     error = proc.stderr.strip()
@@ -45,23 +60,43 @@ def test_config_file_value_of_the_wrong_type_is_one_paragraph(line, needles, tmp
 
 # --- a received run folder whose recorded values have the wrong type or range --------------------------------
 
-@pytest.mark.parametrize("file,edit,needles", [
-    ("state", {"config.grad_accum": 0}, ["settings recorded in the checkpoint", "--grad-accum must be at least 1"]),
-    ("state", {"config.seed": "one"}, ["seed = 'one' is not a whole number"]),
-    ("state", {"epoch": "1"}, ["holds values a run never writes", "epoch = '1'"]),
-    ("config", {"grad_accum": 0}, ["settings recorded in", "--grad-accum must be at least 1"]),
-])
+
+@pytest.mark.parametrize(
+    "file,edit,needles",
+    [
+        ("state", {"config.grad_accum": 0}, ["settings recorded in the checkpoint", "--grad-accum must be at least 1"]),
+        ("state", {"config.seed": "one"}, ["seed = 'one' is not a whole number"]),
+        ("state", {"epoch": "1"}, ["holds values a run never writes", "epoch = '1'"]),
+        ("config", {"grad_accum": 0}, ["settings recorded in", "--grad-accum must be at least 1"]),
+    ],
+)
 def test_received_run_values_of_the_wrong_type_are_one_paragraph(file, edit, needles, tmp_path, env, mnist_like):
     """A run folder someone sent: its checkpoint's trainer_state.json (resumed) or its config.json (--eval-only)
     holds a value a run never writes. Before: grad_accum 0 was a ZeroDivisionError mid-start; now one paragraph
     naming the file and the value, exit 2."""
     run = tmp_path / "run"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP,
-                                                  "--output-dir", run], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP, "--output-dir", run],
+            env,
+        )
+    )
     if file == "state":
         target = next((run / "checkpoints").glob("step-*")) / "trainer_state.json"
-        command = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run,
-                   "--resume-from", "latest"]
+        command = [
+            "--dataset",
+            mnist_like,
+            "--epochs",
+            2,
+            "--batch-size",
+            32,
+            *MLP,
+            "--output-dir",
+            run,
+            "--resume-from",
+            "latest",
+        ]
     else:
         target = run / "config.json"
         command = ["--eval-only", "--checkpoint", run]
@@ -81,6 +116,7 @@ def test_received_run_values_of_the_wrong_type_are_one_paragraph(file, edit, nee
 
 # --- the same checkpoint damaged twice ----------------------------------------------------------------------
 
+
 def damage(checkpoint):
     """What a power loss can leave of a file that was not fsynced: the end of the weights is gone."""
     weights = next(checkpoint.glob("model*.safetensors"))
@@ -91,8 +127,23 @@ def test_a_checkpoint_damaged_again_after_the_fallback_is_set_aside_again(tmp_pa
     """step-4 is damaged, --resume-from latest falls back to step-2 and writes step-4 again; that one is
     damaged too: the second fallback works as well, and both damaged copies are kept under their own names."""
     run = tmp_path / "run"
-    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2,
-            "--keep-checkpoints", 10, "--max-steps", 4, "--output-dir", run]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        *MLP,
+        "--checkpoint-every",
+        2,
+        "--keep-checkpoints",
+        10,
+        "--max-steps",
+        4,
+        "--output-dir",
+        run,
+    ]
     check_ok(run_in_process("fashion_mnist_mlp", args, env))
     step4, folder = run / "checkpoints" / "step-00000004", run / "checkpoints"
     for kept in ("damaged-step-00000004", "damaged-step-00000004.2"):
@@ -102,9 +153,13 @@ def test_a_checkpoint_damaged_again_after_the_fallback_is_set_aside_again(tmp_pa
         assert f"renamed {kept} and the run resumes from the previous one, {folder / 'step-00000002'}" in proc.stdout
         assert "resumed from" in proc.stdout and (step4 / "COMPLETE").is_file()  # written again
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith("damaged-")) == [
-        "damaged-step-00000004", "damaged-step-00000004.2"]
-    assert all(len(list((folder / name).glob("model*.safetensors"))) == 1
-               for name in ("damaged-step-00000004", "damaged-step-00000004.2"))  # kept whole, not merged
+        "damaged-step-00000004",
+        "damaged-step-00000004.2",
+    ]
+    assert all(
+        len(list((folder / name).glob("model*.safetensors"))) == 1
+        for name in ("damaged-step-00000004", "damaged-step-00000004.2")
+    )  # kept whole, not merged
     assert json.loads((run / "summary.json").read_text())["global_step"] == 4
 
 
@@ -148,8 +203,13 @@ def test_a_dataset_folder_named_with_an_escape_sequence_reaches_the_terminal_as_
 
     root = write_image_folder(tmp_path / "pets\x1b]0;pwned\x07", n_per_class=6, classes=("cat", "dog"), shape=(3, 8, 8))
     (root / "cat" / "notes\x1b[2K.txt").write_text("skipped, and counted")
-    proc = check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", root, "--epochs", 1, "--batch-size", 4, *MLP,
-                                                         "--output-dir", tmp_path / "run"], env))
+    proc = check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            ["--dataset", root, "--epochs", 1, "--batch-size", 4, *MLP, "--output-dir", tmp_path / "run"],
+            env,
+        )
+    )
     assert "\x1b" not in proc.stdout and "pets\\x1b]0;pwned\\x07" in proc.stdout, proc.stdout
 
 
@@ -164,8 +224,22 @@ def test_predict_prints_class_names_of_a_received_model_escaped(fmt, tmp_path):
     card_file.write_text(json.dumps(card))
     images = write_images(tmp_path / "imgs", 2, (12, 12), "L")
     # bytes, not text: text mode would turn a raw \r into \n before the check
-    proc = subprocess.run([sys.executable, "-m", "common.tools.predict", str(run_dir), *map(str, images),
-                           "--top-k", "3", "--format", fmt], cwd=REPO, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "common.tools.predict",
+            str(run_dir),
+            *map(str, images),
+            "--top-k",
+            "3",
+            "--format",
+            fmt,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, err
     for raw in ("\x1b", "\x07", "\r"):

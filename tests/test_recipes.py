@@ -10,13 +10,19 @@ import sys
 
 import pytest
 import torch
+from conftest import CONFIGS, REPO, check_ok, launch, read_jsonl, read_scalars, run_in_process
 from safetensors.torch import load_file
 
-from conftest import (CONFIGS, REPO, check_ok, launch, read_jsonl, read_scalars, run_in_process)
-
 RECIPES = ["fashion_mnist_mlp", "mnist_convnet", "cifar_cnn"]
-EXPECTED_TAGS = {"train/loss", "train/lr", "train/samples_per_sec", "eval/loss", "eval/accuracy",
-                 "test/loss", "test/accuracy"}
+EXPECTED_TAGS = {
+    "train/loss",
+    "train/lr",
+    "train/samples_per_sec",
+    "eval/loss",
+    "eval/accuracy",
+    "test/loss",
+    "test/accuracy",
+}
 
 
 def startup(proc) -> dict:
@@ -52,8 +58,11 @@ def test_recipe_end_to_end(recipe, nproc, reference_run):
     epoch_lines = [l for l in proc.stdout.splitlines() if l.startswith("epoch ")]
     assert len(epoch_lines) == 2, proc.stdout
     for i, line in enumerate(epoch_lines, 1):
-        assert re.fullmatch(rf"epoch {i}/2: train loss \d+\.\d{{4}} \| eval loss \d+\.\d{{4}} accuracy \d\.\d{{4}} "
-                            rf"\(\d+ images\) \| \d+\.\d s", line), line
+        assert re.fullmatch(
+            rf"epoch {i}/2: train loss \d+\.\d{{4}} \| eval loss \d+\.\d{{4}} accuracy \d\.\d{{4}} "
+            rf"\(\d+ images\) \| \d+\.\d s",
+            line,
+        ), line
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed"
     # every test image counted exactly once (fashion_mnist_mlp at 2 processes reads the 82-image test split)
@@ -76,8 +85,14 @@ def test_recipe_end_to_end(recipe, nproc, reference_run):
 def test_eval_only_on_two_processes(reference_run, env):
     """--eval-only on a finished run, at 2 processes: every test image counted once."""
     ref = reference_run("mnist_convnet", 2)
-    proc = check_ok(launch("mnist_convnet", ["--dataset", ref.dataset, "--eval-only", "--checkpoint", ref.run,
-                                             "--width", "8"], env, nproc=2))
+    proc = check_ok(
+        launch(
+            "mnist_convnet",
+            ["--dataset", ref.dataset, "--eval-only", "--checkpoint", ref.run, "--width", "8"],
+            env,
+            nproc=2,
+        )
+    )
     assert "eval-only: test accuracy" in proc.stdout
     result = json.loads((ref.run / "best" / "eval-test.json").read_text())
     assert result["count"] == 99 and result["processes"] == 2 and 0.0 <= result["accuracy"] <= 1.0
@@ -172,9 +187,21 @@ def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, env):
     """No network and no offline flags set: a clear error, not minutes of retries (a hang times out here)."""
     env = {**env}
     env.pop("HF_HUB_OFFLINE"), env.pop("HF_DATASETS_OFFLINE")
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "mnist_convnet.py"), "--dataset",
-                           "someone/not-cached-dataset", "--output-dir", str(tmp_path / "run")],
-                          env=env, capture_output=True, text=True, timeout=90, cwd=str(tmp_path))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "recipes" / "mnist_convnet.py"),
+            "--dataset",
+            "someone/not-cached-dataset",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "someone/not-cached-dataset" in proc.stderr and "--dataset" in proc.stderr
@@ -195,8 +222,24 @@ def test_a_small_split_keeps_its_last_batch_and_resumes_exactly(tmp_path, env, m
     ends with the uninterrupted run's weights and losses."""
     from conftest import stopped_at
 
-    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 100, "--hidden", 32, "--lr", 4e-3,
-            "--log-every", 1, "--checkpoint-every", 4, "--keep-checkpoints", 10]
+    base = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        2,
+        "--batch-size",
+        100,
+        "--hidden",
+        32,
+        "--lr",
+        4e-3,
+        "--log-every",
+        1,
+        "--checkpoint-every",
+        4,
+        "--keep-checkpoints",
+        10,
+    ]
     full = tmp_path / "full"
     proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
     assert "the last training batch of each epoch is kept (88 of 288 images" in proc.stdout, proc.stdout

@@ -6,9 +6,9 @@ import json
 import os
 
 import pytest
+from conftest import run_in_process, write_photo_folder
 
 from common.data import folders
-from conftest import run_in_process, write_photo_folder
 
 ARGS = ["--image-size", 32, "--batch-size", 8, "--workers", 0]
 
@@ -41,15 +41,20 @@ def test_a_later_run_reads_the_kept_scan_until_a_folder_changes_and_a_resume_wal
     assert walks["n"] == 1  # read back: no walk
     assert train_count(tmp_path / "r2") == train_count(tmp_path / "r1")
     # a resume compares the files with the run's record: it walks
-    proc = run_in_process("finetune_folder", [*base, "--epochs", 2, "--output-dir", tmp_path / "r2",
-                                              "--resume-from", "latest"], env)
+    proc = run_in_process(
+        "finetune_folder", [*base, "--epochs", 2, "--output-dir", tmp_path / "r2", "--resume-from", "latest"], env
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert walks["n"] == 2
     # a photo added (its folder's times change): walked again, and trained on
     (root / "ant" / "new.jpg").write_bytes((root / "ant" / "0.jpg").read_bytes())
     assert run_in_process("finetune_folder", [*args, "--output-dir", tmp_path / "r3"], env).returncode == 0
-    assert walks["n"] == 3 and train_count(tmp_path / "r3") + int(json.loads(
-        (tmp_path / "r3" / "final" / "model.json").read_text())["data"]["val"]) == 19
+    assert (
+        walks["n"] == 3
+        and train_count(tmp_path / "r3")
+        + int(json.loads((tmp_path / "r3" / "final" / "model.json").read_text())["data"]["val"])
+        == 19
+    )
 
 
 def test_a_photo_replaced_in_place_stops_a_run_started_from_the_kept_scan(tmp_path, env, walks):

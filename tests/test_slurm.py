@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, recipe_env, write_parquet_dataset
 
 SCRIPT = REPO / "slurm" / "train.sbatch"
@@ -106,17 +105,27 @@ def test_batch_script_checkpoints_requeues_and_resumes(tmp_path):
         (bin_dir / name).chmod(0o755)
     requeues = tmp_path / "requeues.log"
     env = recipe_env(tmp_path)
-    env.update(PATH=f"{bin_dir}:{VENV_BIN}:{env['PATH']}", FAKE_SCONTROL_LOG=str(requeues),
-               SLURM_JOB_ID="4242", SLURM_JOB_NAME="test", SLURM_SUBMIT_DIR=str(tmp_path),
-               SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
-               ACCELERATE_CONFIG=str(CPU_2PROC), PROCS_PER_NODE="2", MAIN_PORT=str(free_port()))
+    env.update(
+        PATH=f"{bin_dir}:{VENV_BIN}:{env['PATH']}",
+        FAKE_SCONTROL_LOG=str(requeues),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="test",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NODEID="0",
+        ACCELERATE_CONFIG=str(CPU_2PROC),
+        PROCS_PER_NODE="2",
+        MAIN_PORT=str(free_port()),
+    )
     env.pop("RUN_DIR", None)
     run = tmp_path / "runs" / "slurm-test-4242"  # the default run dir: the same for every start of job 4242
     cmd = ["bash", str(SCRIPT), str(RECIPE), "--dataset", str(data), *TRAIN]
 
     with open(tmp_path / "first.out", "w+") as out:
-        first = subprocess.Popen(cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        first = subprocess.Popen(
+            cmd, env=env, cwd=str(tmp_path), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             wait_for(lambda: logged_steps(run) >= 2 or first.poll() is not None, 120, "training to log 2 steps")
             assert first.poll() is None, "the run ended before the warning could be sent"
@@ -137,16 +146,23 @@ def test_batch_script_checkpoints_requeues_and_resumes(tmp_path):
     from common.train.checkpoint import find_latest
 
     # every rank took part in the stop checkpoint: one RNG state per process
-    assert {p.name for p in find_latest(run).glob("random_states_*.pkl")} == \
-        {"random_states_0.pkl", "random_states_1.pkl"}, log
+    assert {p.name for p in find_latest(run).glob("random_states_*.pkl")} == {
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+    }, log
     assert requeues.read_text() == "requeue 4242\n", log
 
     # The requeued start, here on one process to keep the test short (the global batch stays 32; the real
     # SLURM test below repeats the 2-process launch).
-    env.update(SLURM_RESTART_COUNT="1", ACCELERATE_CONFIG=str(REPO / "accelerate_configs" / "cpu.yaml"),
-               PROCS_PER_NODE="1", MAIN_PORT=str(free_port()))
-    again = subprocess.run(cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=180)
+    env.update(
+        SLURM_RESTART_COUNT="1",
+        ACCELERATE_CONFIG=str(REPO / "accelerate_configs" / "cpu.yaml"),
+        PROCS_PER_NODE="1",
+        MAIN_PORT=str(free_port()),
+    )
+    again = subprocess.run(
+        cmd, env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180
+    )
     assert again.returncode == 0, again.stdout
     assert "resumed from" in again.stdout and f"step {step}" in again.stdout, again.stdout
     assert status(run) == "completed" and json.loads((run / "summary.json").read_text())["global_step"] == 80
@@ -157,14 +173,25 @@ FAKE_ACCELERATE = """#!/bin/bash
 # accelerate stand-in: records how the run ended ($FAKE_STATUS) in <--output-dir>/summary.json
 while [ $# -gt 0 ] && [ "$1" != --output-dir ]; do shift; done
 mkdir -p "$2"
-[ "$FAKE_STATUS" = missing ] || echo "{\\"status\\": \\"$FAKE_STATUS\\", \\"start_id\\": \\"$RECIPES_START_ID\\"}" > "$2/summary.json"
+STATUS="{\\"status\\": \\"$FAKE_STATUS\\", \\"start_id\\": \\"$RECIPES_START_ID\\"}"
+[ "$FAKE_STATUS" = missing ] || echo "$STATUS" > "$2/summary.json"
 [ "$FAKE_STATUS" = completed ]
 """
 
 
-@pytest.mark.parametrize("ending,code,requeued", [
-    ("preempted", 0, True), ("completed", 0, False), ("target_missed", 4, False), ("nonfinite_loss", 1, False),
-    ("crashed", 1, False), ("running", 1, False), ("missing", 1, False), ("stale", 1, False)])
+@pytest.mark.parametrize(
+    "ending,code,requeued",
+    [
+        ("preempted", 0, True),
+        ("completed", 0, False),
+        ("target_missed", 4, False),
+        ("nonfinite_loss", 1, False),
+        ("crashed", 1, False),
+        ("running", 1, False),
+        ("missing", 1, False),
+        ("stale", 1, False),
+    ],
+)
 def test_requeue_decision_reads_summary_status(ending, code, requeued, tmp_path):
     """Only a run that recorded "preempted" in this start is requeued; "stale" is a summary.json left
     by an earlier start (here: preempted, written a moment ago, so no clock comparison could tell), which must
@@ -178,10 +205,20 @@ def test_requeue_decision_reads_summary_status(ending, code, requeued, tmp_path)
     if ending == "stale":
         run.mkdir()
         (run / "summary.json").write_text('{"status": "preempted", "start_id": "job-7-start-0"}')
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_SCONTROL_LOG=str(tmp_path / "requeues.log"),
-               FAKE_STATUS="missing" if ending == "stale" else ending, RUN_DIR=str(run), SLURM_JOB_ID="7",
-               SLURM_RESTART_COUNT="1", SLURM_JOB_NAME="t", SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0",
-               PROCS_PER_NODE="1")
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_SCONTROL_LOG=str(tmp_path / "requeues.log"),
+        FAKE_STATUS="missing" if ending == "stale" else ending,
+        RUN_DIR=str(run),
+        SLURM_JOB_ID="7",
+        SLURM_RESTART_COUNT="1",
+        SLURM_JOB_NAME="t",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="1",
+        SLURM_NODEID="0",
+        PROCS_PER_NODE="1",
+    )
     proc = subprocess.run(["bash", str(SCRIPT), str(RECIPE)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert f"run status: {ending}" in proc.stdout, proc.stdout
@@ -235,9 +272,11 @@ def job_field(job_id: str, field: str, env) -> str:
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith(field + "=")), "")
 
 
-@pytest.mark.skipif(any(shutil.which(p) is None for p in SLURM_PROGRAMS),
-                    reason="SLURM and munge are not installed (Debian: apt-get install slurmctld slurmd "
-                           "slurm-client munge); the batch script's logic is covered by the stand-in test")
+@pytest.mark.skipif(
+    any(shutil.which(p) is None for p in SLURM_PROGRAMS),
+    reason="SLURM and munge are not installed (Debian: apt-get install slurmctld slurmd "
+    "slurm-client munge); the batch script's logic is covered by the stand-in test",
+)
 @pytest.mark.skipif(os.geteuid() != 0, reason="slurmd runs jobs as their user only when started as root")
 def test_real_slurm_requeue_and_resume(tmp_path):
     root = Path(tempfile.mkdtemp(prefix="slurm-"))  # short: munge's socket path must fit in 108 bytes
@@ -251,23 +290,41 @@ def test_real_slurm_requeue_and_resume(tmp_path):
         (root / "munge" / "munge.key").chmod(0o400)
         (root / "slurm.conf").write_text(slurm_conf(root, host, free_port(), free_port()))
         env = recipe_env(tmp_path)
-        env.update(PATH=f"{VENV_BIN}:{env['PATH']}", SLURM_CONF=str(root / "slurm.conf"),
-                   ACCELERATE_CONFIG=str(CPU_2PROC), PROCS_PER_NODE="2", MAIN_PORT=str(free_port()))
+        env.update(
+            PATH=f"{VENV_BIN}:{env['PATH']}",
+            SLURM_CONF=str(root / "slurm.conf"),
+            ACCELERATE_CONFIG=str(CPU_2PROC),
+            PROCS_PER_NODE="2",
+            MAIN_PORT=str(free_port()),
+        )
         for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
             env.pop(key)
         env.pop("RUN_DIR", None)
         logs = open(root / "daemons.log", "w")
-        daemons.append(subprocess.Popen(
-            ["munged", "--foreground", "--force", f"--key-file={root}/munge/munge.key",
-             f"--socket={root}/munge/socket", f"--pid-file={root}/munge/munged.pid",
-             f"--log-file={root}/munge/munged.log", f"--seed-file={root}/munge/seed"],
-            stdout=logs, stderr=subprocess.STDOUT))
+        daemons.append(
+            subprocess.Popen(
+                [
+                    "munged",
+                    "--foreground",
+                    "--force",
+                    f"--key-file={root}/munge/munge.key",
+                    f"--socket={root}/munge/socket",
+                    f"--pid-file={root}/munge/munged.pid",
+                    f"--log-file={root}/munge/munged.log",
+                    f"--seed-file={root}/munge/seed",
+                ],
+                stdout=logs,
+                stderr=subprocess.STDOUT,
+            )
+        )
         wait_for(lambda: (root / "munge" / "socket").exists(), 20, "munged")
         conf = str(root / "slurm.conf")
-        daemons.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", conf], env=env, stdout=logs,
-                                        stderr=subprocess.STDOUT))
-        daemons.append(subprocess.Popen(["slurmd", "-D", "-f", conf, "-N", host], env=env, stdout=logs,
-                                        stderr=subprocess.STDOUT))
+        daemons.append(
+            subprocess.Popen(["slurmctld", "-D", "-i", "-f", conf], env=env, stdout=logs, stderr=subprocess.STDOUT)
+        )
+        daemons.append(
+            subprocess.Popen(["slurmd", "-D", "-f", conf, "-N", host], env=env, stdout=logs, stderr=subprocess.STDOUT)
+        )
 
         def node_idle():
             out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
@@ -278,18 +335,37 @@ def test_real_slurm_requeue_and_resume(tmp_path):
         data = write_parquet_dataset(tmp_path / "data", {"train": 320, "test": 40})
         out_file = tmp_path / "slurm-%j.out"
         submit = subprocess.run(
-            ["sbatch", "--parsable", "--job-name=req", "--nodes=1", "--gpus-per-node=0", "--cpus-per-task=2",
-             "--time=10", f"--output={out_file}", str(SCRIPT), str(RECIPE), "--dataset", str(data), *TRAIN],
-            env=env, cwd=str(tmp_path), capture_output=True, text=True)
+            [
+                "sbatch",
+                "--parsable",
+                "--job-name=req",
+                "--nodes=1",
+                "--gpus-per-node=0",
+                "--cpus-per-task=2",
+                "--time=10",
+                f"--output={out_file}",
+                str(SCRIPT),
+                str(RECIPE),
+                "--dataset",
+                str(data),
+                *TRAIN,
+            ],
+            env=env,
+            cwd=str(tmp_path),
+            capture_output=True,
+            text=True,
+        )
         assert submit.returncode == 0, submit.stderr
         job = submit.stdout.strip().split(";")[0]
         run = tmp_path / "runs" / f"slurm-req-{job}"
         log = tmp_path / f"slurm-{job}.out"
 
         def show():
-            return (f"job: {job_field(job, 'JobState', env)} restarts {job_field(job, 'Restarts', env)}\n"
-                    f"--- job log\n{log.read_text() if log.exists() else ''}\n--- slurmctld.log (tail)\n"
-                    + "\n".join((root / "slurmctld.log").read_text().splitlines()[-15:]))
+            return (
+                f"job: {job_field(job, 'JobState', env)} restarts {job_field(job, 'Restarts', env)}\n"
+                f"--- job log\n{log.read_text() if log.exists() else ''}\n--- slurmctld.log (tail)\n"
+                + "\n".join((root / "slurmctld.log").read_text().splitlines()[-15:])
+            )
 
         try:
             wait_for(lambda: logged_steps(run) >= 2, 90, "the job to train 2 steps")
@@ -299,8 +375,12 @@ def test_real_slurm_requeue_and_resume(tmp_path):
         subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True)
         try:
             wait_for(lambda: job_field(job, "Restarts", env) == "1", 60, "the job to be requeued", poll=0.5)
-            wait_for(lambda: job_field(job, "JobState", env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
-                     120, "the requeued job to finish", poll=0.5)
+            wait_for(
+                lambda: job_field(job, "JobState", env) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"),
+                120,
+                "the requeued job to finish",
+                poll=0.5,
+            )
         except AssertionError as err:
             raise AssertionError(f"{err}\n{show()}") from None
         text = log.read_text()
@@ -317,8 +397,12 @@ def test_real_slurm_requeue_and_resume(tmp_path):
         if job is not None:  # a job outlives slurmd: end it first
             subprocess.run(["scancel", job], env=env)
             try:
-                wait_for(lambda: job_field(job, "JobState", env) not in ("RUNNING", "COMPLETING", "PENDING"), 30,
-                         "the job to end", poll=0.5)
+                wait_for(
+                    lambda: job_field(job, "JobState", env) not in ("RUNNING", "COMPLETING", "PENDING"),
+                    30,
+                    "the job to end",
+                    poll=0.5,
+                )
             except AssertionError:
                 pass
         for proc in reversed(daemons):  # slurmd, slurmctld, munged: by PID, each started here

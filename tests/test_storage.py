@@ -10,7 +10,6 @@ import subprocess
 from contextlib import contextmanager
 
 import pytest
-
 from conftest import check_ok, run_in_process
 
 MLP = ["--hidden", "32"]
@@ -36,8 +35,9 @@ def test_a_read_only_output_dir_is_one_paragraph(tmp_path, env, mnist_like):
         assert "Cannot create the run directory" in proc.stderr and "Read-only file system" in proc.stderr
 
 
-def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resumes(tmp_path, env, mnist_like,
-                                                                                    monkeypatch):
+def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resumes(
+    tmp_path, env, mnist_like, monkeypatch
+):
     import common.train.checkpoint as ckpt
     import common.train.run
 
@@ -59,8 +59,21 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
 
     with tmpfs(tmp_path / "disk", "20m") as disk:
         run = disk / "run"
-        args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 3,
-                "--output-dir", run, "--resume-from", "latest"]
+        args = [
+            "--dataset",
+            mnist_like,
+            "--epochs",
+            2,
+            "--batch-size",
+            32,
+            *MLP,
+            "--checkpoint-every",
+            3,
+            "--output-dir",
+            run,
+            "--resume-from",
+            "latest",
+        ]
         monkeypatch.setattr(common.train.run.ckpt, "save_checkpoint", save_then_fill)
         proc = run_in_process("fashion_mnist_mlp", args, env)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import check_ok, import_recipe, launch, read_jsonl, run_in_process, stopped_at
 from safetensors.torch import load_file
 from torch import nn
 
-from common.data.augment import BatchTransform
 from common.averaging import Lookahead
-from common.train.metrics import evaluate, tta_logits
+from common.data.augment import BatchTransform
 from common.models import CifarCNN, init_whitening
 from common.optimizers import sgd_with_bias_groups
 from common.schedules import build_scheduler, lr_multiplier
-from conftest import check_ok, import_recipe, launch, read_jsonl, run_in_process, stopped_at
+from common.train.metrics import evaluate, tta_logits
 
 
 class _Acc:
@@ -61,7 +61,7 @@ def test_lookahead_follows_the_formula_and_checkpoints(tmp_path):
         avg.step()
         after = model.state_dict()
         if t % 5 == 0:
-            d = 0.95 ** 5 * (t / total) ** 3
+            d = 0.95**5 * (t / total) ** 3
             for k in slow:
                 slow[k] = d * slow[k] + (1 - d) * before[k]
                 assert torch.allclose(after[k], slow[k], rtol=1e-5, atol=1e-6), (t, k)
@@ -84,7 +84,9 @@ def test_lookahead_off_changes_nothing():
     before = [t.clone() for t in model.state_dict().values()]
     for _ in range(10):
         avg.step()
-    assert acc.save_hooks == acc.load_hooks == [] and all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    assert acc.save_hooks == acc.load_hooks == [] and all(
+        torch.equal(a, b) for a, b in zip(before, model.state_dict().values())
+    )
 
 
 def test_bias_groups_scale_the_lr_keep_the_decay_and_freeze_early_params():
@@ -117,8 +119,9 @@ def test_bias_groups_scale_the_lr_keep_the_decay_and_freeze_early_params():
 def test_whitening_init_decorrelates_patches():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(64, 1, 16, 16, generator=g)
-    images = torch.cat([base, 0.5 * base + 0.1 * torch.randn(64, 1, 16, 16, generator=g),
-                        torch.randn(64, 1, 16, 16, generator=g)], 1)  # correlated channels
+    images = torch.cat(
+        [base, 0.5 * base + 0.1 * torch.randn(64, 1, 16, 16, generator=g), torch.randn(64, 1, 16, 16, generator=g)], 1
+    )  # correlated channels
     images = nn.functional.avg_pool2d(images, 3, 1, 1)  # correlated neighbouring pixels
     conv = nn.Conv2d(3, 24, 3, bias=False)
     before = conv.weight.clone()
@@ -179,7 +182,7 @@ class _Mirror(nn.Module):
     """Logits that depend on which half of the image is bright: a flip swaps classes 0 and 1."""
 
     def forward(self, x):
-        left, right = x[..., : x.shape[-1] // 2].mean((1, 2, 3)), x[..., x.shape[-1] // 2:].mean((1, 2, 3))
+        left, right = x[..., : x.shape[-1] // 2].mean((1, 2, 3)), x[..., x.shape[-1] // 2 :].mean((1, 2, 3))
         return torch.stack([left, right, 0.25 * (left + right)], 1) * 10
 
 
@@ -235,8 +238,9 @@ def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
     for epoch in range(3):
         data.set_epoch(epoch)
         images, _ = data.__getitems__(idx)
-        flipped = torch.tensor([torch.equal(a, b.flip(2)) and not torch.equal(a, b)
-                                for a, b in zip(images, split.images)])
+        flipped = torch.tensor(
+            [torch.equal(a, b.flip(2)) and not torch.equal(a, b) for a, b in zip(images, split.images)]
+        )
         assert all(torch.equal(a, b) or torch.equal(a, b.flip(2)) for a, b in zip(images, split.images))
         seen.append(flipped)
     assert 10 < int(seen[0].sum()) < 30  # a random half in epoch 1
@@ -317,9 +321,34 @@ def test_cifar_recipe_takes_digits_made_cifar_shaped(tmp_path, env, mnist_like):
     differ only by where a bright block sits, which a global-max-pool model sees only through the image
     border, so the bar is well above chance rather than near 100%.)"""
     run = tmp_path / "run"
-    check_ok(run_in_process("cifar_cnn", ["--dataset", mnist_like, "--channels", 3, "--image-size", 32, "--flip", "none",
-                                  "--tta", 0, "--widths", "8,16,16", "--epochs", 6, "--batch-size", 32, "--lr", 0.05,
-                                  "--output-dir", run], env))
+    check_ok(
+        run_in_process(
+            "cifar_cnn",
+            [
+                "--dataset",
+                mnist_like,
+                "--channels",
+                3,
+                "--image-size",
+                32,
+                "--flip",
+                "none",
+                "--tta",
+                0,
+                "--widths",
+                "8,16,16",
+                "--epochs",
+                6,
+                "--batch-size",
+                32,
+                "--lr",
+                0.05,
+                "--output-dir",
+                run,
+            ],
+            env,
+        )
+    )
     card = json.loads((run / "final" / "model.json").read_text())
     assert card["input_shape"] == [3, 32, 32]
     summary = json.loads((run / "summary.json").read_text())
@@ -363,14 +392,15 @@ def fp16_on_this_cpu(monkeypatch, overflow_at):
     """The recipes' Accelerator with fp16 loss scaling on the CPU (Accelerate offers fp16 on accelerators only):
     torch's CPU GradScaler as its scaler, and the gradients of the optimizer steps in ``overflow_at`` made
     infinite after the loss (what an fp16 overflow is: a finite loss whose scaled gradients overflow)."""
-    import common.train.run
     from accelerate.state import AcceleratorState
+
+    import common.train.run
 
     real_make, calls = common.train.run.make_accelerator, [0]
 
     def make(cfg):
         accelerator, note = real_make(cfg)
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
         AcceleratorState()._mixed_precision = "fp16"
         real_backward = accelerator.backward
 
@@ -385,7 +415,8 @@ def fp16_on_this_cpu(monkeypatch, overflow_at):
 
 
 def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_where_they_were(
-        tmp_path, env, cifar_like, monkeypatch):
+    tmp_path, env, cifar_like, monkeypatch
+):
     """cifar_cnn (Lookahead on) with fp16 loss scaling, overflows at optimizer steps 3 and 4: both steps are
     skipped (the weights, the LR schedule and the weight average stay where they were), counted in
     summary.json, and training goes on; 25 overflows in a row stop the run with its own message."""
@@ -393,8 +424,26 @@ def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_
 
     fp16_on_this_cpu(monkeypatch, overflow_at={3, 4})
     run = tmp_path / "run"
-    args = ["--dataset", cifar_like, "--widths", "8,16,16", "--tta", 0, "--epochs", 1, "--batch-size", 32,
-            "--lr", 1.5, "--log-every", 1, "--lookahead-every", 1, "--output-dir", run]
+    args = [
+        "--dataset",
+        cifar_like,
+        "--widths",
+        "8,16,16",
+        "--tta",
+        0,
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        "--lr",
+        1.5,
+        "--log-every",
+        1,
+        "--lookahead-every",
+        1,
+        "--output-dir",
+        run,
+    ]
     check_ok(run_in_process("cifar_cnn", args, env))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["precision"] == "fp16" and summary["skipped_steps"] == 2 and summary["status"] == "completed"
@@ -408,7 +457,7 @@ def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_
     optimizer_state = torch.load(latest / "optimizer.bin", weights_only=True)["state"]
     assert {int(s["momentum_buffer"].ne(0).any()) for s in optimizer_state.values()} == {1}
     scaler = torch.load(latest / "scaler.pt", weights_only=True)
-    assert scaler["scale"] == 2.0 ** 10  # halved at each skipped step
+    assert scaler["scale"] == 2.0**10  # halved at each skipped step
 
     fp16_on_this_cpu(monkeypatch, overflow_at=set(range(3, 1000)))
     proc = run_in_process("cifar_cnn", [*args[:-1], tmp_path / "diverged", "--epochs", 5], env)

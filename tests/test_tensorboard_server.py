@@ -16,13 +16,18 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from conftest import free_port, read_scalars, recipe_env
 
 N_TRAIN, BATCH, EPOCHS = 256, 32, 2
 STEPS = EPOCHS * (N_TRAIN // BATCH)  # a validation split is given, so nothing is held out of train
-TRAIN_TAGS = {"train/loss", "train/lr", "train/samples_per_sec", "train/data_wait_fraction", "train/grad_norm",
-              "train/peak_memory_mb"}
+TRAIN_TAGS = {
+    "train/loss",
+    "train/lr",
+    "train/samples_per_sec",
+    "train/data_wait_fraction",
+    "train/grad_norm",
+    "train/peak_memory_mb",
+}
 SERVER_DEADLINE_S = 90
 
 
@@ -48,21 +53,31 @@ def tb(tmp_path_factory, reference_run):
     root = tmp_path_factory.mktemp("tb")
     run = reference_run("fashion_mnist_mlp", 2).run
     args = [str(a) for a in reference_run("fashion_mnist_mlp", 2).train_args]
-    assert [args[args.index(f) + 1] for f in ("--epochs", "--batch-size", "--log-every", "--hidden")] == \
-        [str(EPOCHS), str(BATCH), "1", "32"]
+    assert [args[args.index(f) + 1] for f in ("--epochs", "--batch-size", "--log-every", "--hidden")] == [
+        str(EPOCHS),
+        str(BATCH),
+        "1",
+        "32",
+    ]
     on_disk = read_scalars(run)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = open(root / "tensorboard.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1",
-                               "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=recipe_env(root),
-                              start_new_session=True)  # its own process group: the data server child dies with it
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run), "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=recipe_env(root),
+        start_new_session=True,
+    )  # its own process group: the data server child dies with it
     try:
         # Ready when the server answers AND has loaded everything the event file holds (it loads in the
         # background, so the first answers can be partial).
         deadline, seen = time.monotonic() + SERVER_DEADLINE_S, None
         while True:
-            assert server.poll() is None, f"tensorboard exited {server.returncode}: {(root / 'tensorboard.log').read_text()}"
+            assert server.poll() is None, (
+                f"tensorboard exited {server.returncode}: {(root / 'tensorboard.log').read_text()}"
+            )
             try:
                 seen = _get_json(f"{base}/data/plugin/scalars/tags", timeout=2)
                 if set(seen.get("tensorboard", {})) == set(on_disk):
@@ -73,10 +88,16 @@ def tb(tmp_path_factory, reference_run):
                 pass
             assert time.monotonic() < deadline, (
                 f"tensorboard did not serve the run's {len(on_disk)} scalar tags within {SERVER_DEADLINE_S} s; "
-                f"last answer: {seen}\n{(root / 'tensorboard.log').read_text()[-3000:]}")
+                f"last answer: {seen}\n{(root / 'tensorboard.log').read_text()[-3000:]}"
+            )
             time.sleep(0.5)
-        yield {"base": base, "run": run, "card": json.loads((run / "final" / "model.json").read_text()),
-               "summary": json.loads((run / "summary.json").read_text()), "on_disk": on_disk}
+        yield {
+            "base": base,
+            "run": run,
+            "card": json.loads((run / "final" / "model.json").read_text()),
+            "summary": json.loads((run / "summary.json").read_text()),
+            "on_disk": on_disk,
+        }
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -159,8 +180,10 @@ def test_hparams_tab(tb):
     statuses = ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]
     cols = [{"hparam": h["name"], "includeInResult": True} for h in experiment["hparamInfos"]]
     cols += [{"metric": m["name"], "includeInResult": True} for m in experiment["metricInfos"]]
-    groups = _post_json(f"{base}/session_groups", {"experimentName": "", "allowedStatuses": statuses,
-                                                   "colParams": cols, "startIndex": 0, "sliceSize": 100})
+    groups = _post_json(
+        f"{base}/session_groups",
+        {"experimentName": "", "allowedStatuses": statuses, "colParams": cols, "startIndex": 0, "sliceSize": 100},
+    )
     assert groups["totalSize"] == 1 and len(groups["sessionGroups"]) == 1
     group = groups["sessionGroups"][0]
     assert group["hparams"]["lr"] == pytest.approx(config["lr"])

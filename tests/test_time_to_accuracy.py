@@ -10,7 +10,6 @@ import os
 import sys
 
 import pytest
-
 from conftest import REPO, recipe_env, write_parquet_dataset
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -21,14 +20,17 @@ def points(*accs):
     return [{"time_s": float(i + 1), "step": 10 * (i + 1), "accuracy": a} for i, a in enumerate(accs)]
 
 
-@pytest.mark.parametrize("accs, target, expected", [
-    ((), 0.9, None),                          # no evaluation at all
-    ((0.5, 0.8, 0.89), 0.9, None),            # never reached
-    ((0.5, 0.9, 0.95), 0.9, 1),               # exact equality counts
-    ((0.5, 0.92, 0.85, 0.95), 0.9, 1),        # non-monotonic: the first crossing, not the last
-    ((0.95, 0.5), 0.9, 0),                    # reached at the first evaluation
-    ((float("nan"), None, 0.91), 0.9, 2),     # missing and NaN accuracies never count
-])
+@pytest.mark.parametrize(
+    "accs, target, expected",
+    [
+        ((), 0.9, None),  # no evaluation at all
+        ((0.5, 0.8, 0.89), 0.9, None),  # never reached
+        ((0.5, 0.9, 0.95), 0.9, 1),  # exact equality counts
+        ((0.5, 0.92, 0.85, 0.95), 0.9, 1),  # non-monotonic: the first crossing, not the last
+        ((0.95, 0.5), 0.9, 0),  # reached at the first evaluation
+        ((float("nan"), None, 0.91), 0.9, 2),  # missing and NaN accuracies never count
+    ],
+)
 def test_first_crossing(accs, target, expected):
     rep = tta.crossing_report(points(*accs), target)
     assert rep["reached"] == (expected is not None)
@@ -44,16 +46,18 @@ def test_crossing_report_never_reached_keeps_best():
 def metrics_rows(start: float):
     """Training takes 0.1 s per step, each evaluation 3 s, and the recipe spends 2 s after logging the
     first evaluation (images, best/ weights); evaluations at steps 30 and 60."""
-    return [{"step": 10, "time": start + 1, "train/loss": 1.0},
-            {"step": 20, "time": start + 2, "train/loss": 0.9},
-            {"step": 30, "time": start + 6, "train/loss": 0.8, "eval/accuracy": 0.85, "eval/loss": 0.5},
-            {"step": 40, "time": start + 9, "train/loss": 0.7},
-            {"step": 50, "time": start + 10, "train/loss": 0.6},
-            {"step": 60, "time": start + 14, "train/loss": 0.5, "eval/accuracy": 0.95, "eval/loss": 0.2}]
+    return [
+        {"step": 10, "time": start + 1, "train/loss": 1.0},
+        {"step": 20, "time": start + 2, "train/loss": 0.9},
+        {"step": 30, "time": start + 6, "train/loss": 0.8, "eval/accuracy": 0.85, "eval/loss": 0.5},
+        {"step": 40, "time": start + 9, "train/loss": 0.7},
+        {"step": 50, "time": start + 10, "train/loss": 0.6},
+        {"step": 60, "time": start + 14, "train/loss": 0.5, "eval/accuracy": 0.95, "eval/loss": 0.2},
+    ]
 
 
-def test_recipe_points_time_from_train_start_minus_compile():
-    pts = tta.recipe_eval_points(metrics_rows(100.0), train_start=100.0, compile_s=0.5)
+def test_recipe_points_time_from_train_start():
+    pts = tta.recipe_eval_points(metrics_rows(100.0), train_start=100.5)
     assert [p["step"] for p in pts] == [30, 60]
     assert [p["time_s"] for p in pts] == pytest.approx([5.5, 13.5])
     assert [p["eval_s"] for p in pts] == pytest.approx([3.0, 3.0])
@@ -70,7 +74,7 @@ def test_recipe_points_take_the_recorded_evaluation_time_and_seconds():
     # the recipes record when each evaluation finished and how long it took; the row's own time is later (its
     # line also holds what was logged after the evaluation, e.g. the final evaluation merged into it)
     rows[-1] = {**rows[-1], "time": 120.0, "eval_time": 113.0, "eval_seconds": 2.5, "val/accuracy": 0.95}
-    pts = tta.recipe_eval_points(rows, train_start=100.0, compile_s=1.0)
+    pts = tta.recipe_eval_points(rows, train_start=101.0)
     assert [p["time_s"] for p in pts] == pytest.approx([5.0, 12.0]) and pts[1]["eval_s"] == 2.5
 
 
@@ -82,7 +86,7 @@ def write_run(run, summary, rows, tail=""):
 
 
 def test_read_recipe_run(tmp_path):
-    ok = {"status": "completed", "timing": {"train_start": 100.0, "compile_s": 0.0}}
+    ok = {"status": "completed", "timing": {"train_start": 100.0}}
     write_run(tmp_path / "ok", ok, metrics_rows(100.0), tail='{"step": 70, "ti')  # cut short by a kill
     run = tta.read_recipe_run(tmp_path / "ok")
     assert len(run["rows"]) == 6 and run["train_start"] == 100.0 and run["config"]["batch_size"] == 128
@@ -107,8 +111,11 @@ def test_ratio_and_spread():
 
 
 def test_bad_input_exits_2(capsys):
-    for argv in (["--target", "99.3"], ["--target", "0.99", "--seeds", "a,b"],
-                 ["--target", "0.99", "--recipe-args", "--seed 3"]):
+    for argv in (
+        ["--target", "99.3"],
+        ["--target", "0.99", "--seeds", "a,b"],
+        ["--target", "0.99", "--recipe-args", "--seed 3"],
+    ):
         with pytest.raises(SystemExit) as exc:
             tta.parse_args(["--recipe", "mnist_convnet", "--dataset", "x", *argv])
         assert exc.value.code == 2
@@ -117,8 +124,18 @@ def test_bad_input_exits_2(capsys):
 
 
 def test_the_baseline_reads_the_data_as_the_recipes_own_parser_does(tmp_path):
-    args = tta.parse_args(["--recipe", "mnist_convnet", "--dataset", "d", "--target", "0.9",
-                           "--recipe-args", "--val-fraction=0.2 --channels 3 --width 8"])
+    args = tta.parse_args(
+        [
+            "--recipe",
+            "mnist_convnet",
+            "--dataset",
+            "d",
+            "--target",
+            "0.9",
+            "--recipe-args",
+            "--val-fraction=0.2 --channels 3 --width 8",
+        ]
+    )
     cfg = tta.data_config(args, 7, tmp_path)
     assert (cfg.val_fraction, cfg.channels, cfg.image_size, cfg.seed, cfg.dataset) == (0.2, 3, 0, 7, "d")
     assert cfg.cache_dir == str(tmp_path)
@@ -138,8 +155,9 @@ def test_baseline_trains_and_evaluates_in_process(tiny, tmp_path):
     import torch
 
     torch.set_num_threads(1)
-    args = tta.parse_args(["--recipe", "mnist_convnet", "--dataset", str(tiny), "--target", "0.5",
-                           "--recipe-args", "--val-fraction 0.2"])
+    args = tta.parse_args(
+        ["--recipe", "mnist_convnet", "--dataset", str(tiny), "--target", "0.5", "--recipe-args", "--val-fraction 0.2"]
+    )
     train, val = tta.load_split(args, 1, tmp_path / "cache")
     assert (len(train), len(val)) == (160, 40)  # the recipes' hold-out: round(0.2 x 200)
 
@@ -182,11 +200,28 @@ def test_cli_end_to_end(tiny, tmp_path, monkeypatch, capsys):
     real recipe as a subprocess and the baseline in-process; the table printed and the JSON written."""
 
     out = tmp_path / "tta.json"
-    argv = ["--recipe", "mnist_convnet",
-            "--dataset", str(tiny), "--target", "0.05", "--seeds", "1", "--threads", "1",
-            "--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
-            "--eval-every-steps", "2",
-            "--max-baseline-epochs", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    argv = [
+        "--recipe",
+        "mnist_convnet",
+        "--dataset",
+        str(tiny),
+        "--target",
+        "0.05",
+        "--seeds",
+        "1",
+        "--threads",
+        "1",
+        "--recipe-args",
+        "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2",
+        "--eval-every-steps",
+        "2",
+        "--max-baseline-epochs",
+        "1",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     stdout = run_main(argv, tmp_path, monkeypatch, capsys)
     assert "ratio" in stdout and "median" in stdout
 
@@ -208,10 +243,30 @@ def test_goal_e_times_the_whole_command_in_the_baseline_first_epochs(tiny, tmp_p
     """--goal-e: per seed the recipe's launch-to-exit wall and final accuracy against E, the MNIST script's first
     epoch with its evaluation measured in the same run; every seed must meet both or the goal is missed."""
     out = tmp_path / "e.json"
-    argv = ["--recipe", "mnist_convnet", "--dataset", str(tiny), "--target", "0.3", "--baseline-target", "0.999",
-            "--seeds", "1", "--threads", "1", "--max-baseline-epochs", "1", "--goal-e", "1000",
-            "--recipe-args", "--epochs 2 --batch-size 32 --width 8 --val-fraction 0.2",
-            "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    argv = [
+        "--recipe",
+        "mnist_convnet",
+        "--dataset",
+        str(tiny),
+        "--target",
+        "0.3",
+        "--baseline-target",
+        "0.999",
+        "--seeds",
+        "1",
+        "--threads",
+        "1",
+        "--max-baseline-epochs",
+        "1",
+        "--goal-e",
+        "1000",
+        "--recipe-args",
+        "--epochs 2 --batch-size 32 --width 8 --val-fraction 0.2",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     stdout = run_main(argv, tmp_path, monkeypatch, capsys)
     report = json.loads(out.read_text())
     (seed,) = report["seeds"]
@@ -231,19 +286,37 @@ def test_goal_e_times_the_whole_command_in_the_baseline_first_epochs(tiny, tmp_p
     assert "goal every seed >= 0.00% within" in (text := capsys.readouterr().out) and "PASS (1 of 1 seeds)" in text
 
 
-def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_factory, tmp_path, monkeypatch,
-                                                                         capsys):
+def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_factory, tmp_path, monkeypatch, capsys):
     """cifar_cnn against the CIFAR notebook baseline, --target baseline: the notebook runs all its epochs
     (per-sample random crop and flip through torchvision), and both sides are timed to the accuracy it
     ended with; main() in this process, the real recipe as a subprocess."""
 
-    data = write_parquet_dataset(tmp_path_factory.mktemp("cifar_tta"), {"train": 160}, shape=(3, 16, 16),
-                                 image_col="img")
+    data = write_parquet_dataset(
+        tmp_path_factory.mktemp("cifar_tta"), {"train": 160}, shape=(3, 16, 16), image_col="img"
+    )
     out = tmp_path / "tta.json"
-    argv = ["--recipe", "cifar_cnn", "--dataset", str(data), "--target", "baseline", "--seeds", "1",
-            "--threads", "1", "--max-baseline-epochs", "2", "--work-dir", str(tmp_path / "work"), "--out", str(out),
-            "--recipe-args", "--epochs 2 --batch-size 16 --widths 8,16,16 --lr 0.05 --log-every 1 --val-fraction 0.2",
-            "--eval-every-steps", "2"]
+    argv = [
+        "--recipe",
+        "cifar_cnn",
+        "--dataset",
+        str(data),
+        "--target",
+        "baseline",
+        "--seeds",
+        "1",
+        "--threads",
+        "1",
+        "--max-baseline-epochs",
+        "2",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--recipe-args",
+        "--epochs 2 --batch-size 16 --widths 8,16,16 --lr 0.05 --log-every 1 --val-fraction 0.2",
+        "--eval-every-steps",
+        "2",
+    ]
     stdout = run_main(argv, tmp_path, monkeypatch, capsys)
     report = json.loads(out.read_text())
     (seed,) = report["seeds"]
@@ -265,8 +338,9 @@ def test_target_baseline_needs_the_baseline():
     assert args.target_from_baseline and args.max_baseline_epochs == 3 and args.baseline_kind == "cifar_notebook"
 
 
-def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accuracy(cifar_like, tmp_path,
-                                                                                      monkeypatch, capsys):
+def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accuracy(
+    cifar_like, tmp_path, monkeypatch, capsys
+):
     """--baseline-kind airbench94: the record's method (benchmarks/airbench94.py) trains on the split the recipe
     trains on and is evaluated once, at its end; the recipe is timed to the accuracy it reached. A small network
     and batch stand in for the paper's (the same code path)."""
@@ -275,9 +349,28 @@ def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accu
     for key, value in (("batch_size", 32), ("widths", (8, 16, 16)), ("epochs", 2)):
         monkeypatch.setitem(airbench94.HYP, key, value)
     out = tmp_path / "tta.json"
-    argv = ["--recipe", "cifar_cnn", "--dataset", str(cifar_like), "--target", "baseline", "--baseline-kind",
-            "airbench94", "--seeds", "1", "--threads", "1", "--work-dir", str(tmp_path / "work"), "--out", str(out),
-            "--recipe-args", "--epochs 2 --batch-size 32 --widths 8,16,16 --log-every 1", "--eval-every-steps", "2"]
+    argv = [
+        "--recipe",
+        "cifar_cnn",
+        "--dataset",
+        str(cifar_like),
+        "--target",
+        "baseline",
+        "--baseline-kind",
+        "airbench94",
+        "--seeds",
+        "1",
+        "--threads",
+        "1",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+        "--recipe-args",
+        "--epochs 2 --batch-size 32 --widths 8,16,16 --log-every 1",
+        "--eval-every-steps",
+        "2",
+    ]
     run_main(argv, tmp_path, monkeypatch, capsys)
     (seed,) = json.loads(out.read_text())["seeds"]
     (point,) = seed["baseline"]["curve"]  # one evaluation, at the end, as the paper times it
@@ -298,8 +391,23 @@ def test_airbench_baseline_cli(cifar_like, tmp_path, monkeypatch, capsys):
         airbench94.main(["--dataset", str(cifar_like), "--device", "cpu", "--out", str(tmp_path / "a.json")])
     assert exit_.value.code == 2 and "no batch of 1024" in capsys.readouterr().err
     monkeypatch.setitem(airbench94.HYP, "batch_size", 64)
-    assert airbench94.main(["--dataset", str(cifar_like), "--device", "cpu", "--epochs", "1", "--seeds", "1,2",
-                            "--out", str(tmp_path / "a.json")]) == 0
+    assert (
+        airbench94.main(
+            [
+                "--dataset",
+                str(cifar_like),
+                "--device",
+                "cpu",
+                "--epochs",
+                "1",
+                "--seeds",
+                "1,2",
+                "--out",
+                str(tmp_path / "a.json"),
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "a.json").read_text())
     assert [r["seed"] for r in report["rows"]] == [1, 2] and all(r["steps"] == len(train) // 64 for r in report["rows"])
     assert "mean" in capsys.readouterr().out and report["machine"]["cpu_count"] >= 1

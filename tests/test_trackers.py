@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import check_ok, read_jsonl, read_scalars, run_in_process
 
 MLP = ["--hidden", "32"]
@@ -21,9 +20,27 @@ def test_tensorboard_and_mlflow_get_the_same_scalars_and_hparams(tmp_path, env, 
     store = (tmp_path / "mlruns").as_uri()
     env.update(MLFLOW_TRACKING_URI=store, MLFLOW_ALLOW_FILE_STORE="true", MLFLOW_EXPERIMENT_NAME="digits")
     run = tmp_path / "run"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP,
-                                                  "--log-every", 2, "--output-dir", run,
-                                                  "--report-to", "tensorboard,mlflow"], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [
+                "--dataset",
+                mnist_like,
+                "--epochs",
+                2,
+                "--batch-size",
+                32,
+                *MLP,
+                "--log-every",
+                2,
+                "--output-dir",
+                run,
+                "--report-to",
+                "tensorboard,mlflow",
+            ],
+            env,
+        )
+    )
     rows = read_jsonl(run / "metrics.jsonl")
     client = MlflowClient(store)
     [experiment] = [e for e in client.search_experiments() if e.name == "digits"]
@@ -45,8 +62,25 @@ def test_tensorboard_and_mlflow_get_the_same_scalars_and_hparams(tmp_path, env, 
 
 def test_report_to_none_writes_the_run_files_only(tmp_path, env, mnist_like):
     run = tmp_path / "run"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *MLP,
-                                                  "--output-dir", run, "--report-to", "none"], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [
+                "--dataset",
+                mnist_like,
+                "--epochs",
+                1,
+                "--batch-size",
+                32,
+                *MLP,
+                "--output-dir",
+                run,
+                "--report-to",
+                "none",
+            ],
+            env,
+        )
+    )
     assert not (run / "tensorboard").exists() and not list(run.rglob("events.out.tfevents.*"))
     assert any("test/accuracy" in r for r in read_jsonl(run / "metrics.jsonl"))
     assert (run / "curves.png").is_file() and (run / "confusion_matrix.png").is_file()
@@ -58,12 +92,15 @@ def test_an_unknown_or_missing_tracker_is_refused_before_anything_runs(tmp_path,
 
     installed = {str(t) for t in get_available_trackers()}
     missing = next(name for name in LOGGER_TYPE_TO_CLASS if name not in installed)
-    for value, needles in ((f"tensorboard,{missing}", [f"pip install {missing}", "not installed", "tensorboard"]),
-                           ("tensorbord", ["not one of Accelerate's trackers", "wandb", "mlflow"]),
-                           ("all,none", ["stand alone"])):
+    for value, needles in (
+        (f"tensorboard,{missing}", [f"pip install {missing}", "not installed", "tensorboard"]),
+        ("tensorbord", ["not one of Accelerate's trackers", "wandb", "mlflow"]),
+        ("all,none", ["stand alone"]),
+    ):
         run = tmp_path / value.replace(",", "-")
-        proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--output-dir", run,
-                                                    "--report-to", value], env)
+        proc = run_in_process(
+            "fashion_mnist_mlp", ["--dataset", mnist_like, "--output-dir", run, "--report-to", value], env
+        )
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         message = proc.stderr.strip().splitlines()[-1]
         assert all(n in message for n in needles), message

@@ -8,15 +8,20 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 import textwrap
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-
-from conftest import (ACCELERATE, CONFIGS, REPO, check_ok, free_port, read_jsonl, recipe_env, run_in_process,
-                      write_image_folder)
+from conftest import (
+    ACCELERATE,
+    REPO,
+    check_ok,
+    read_jsonl,
+    recipe_env,
+    run_in_process,
+    write_image_folder,
+)
 
 MLP = ["--hidden", "32"]
 
@@ -28,8 +33,25 @@ def mlp_run(tmp_path_factory, mnist_like):
     root = tmp_path_factory.mktemp("user-commands")
     env = recipe_env(root)
     run = root / "run"
-    args = ["--dataset", mnist_like, "--epochs", 3, "--batch-size", 32, *MLP, "--lr", "3e-2", "--monitor", "eval/loss",
-            "--progress-every-s", 0, "--log-every", 2, "--output-dir", run]
+    args = [
+        "--dataset",
+        mnist_like,
+        "--epochs",
+        3,
+        "--batch-size",
+        32,
+        *MLP,
+        "--lr",
+        "3e-2",
+        "--monitor",
+        "eval/loss",
+        "--progress-every-s",
+        0,
+        "--log-every",
+        2,
+        "--output-dir",
+        run,
+    ]
     proc = check_ok(run_in_process("fashion_mnist_mlp", args, env))
     return run, proc, env
 
@@ -44,8 +66,11 @@ def test_best_model_by_loss_keeps_the_lowest_loss(mlp_run):
 
 
 def test_unknown_monitor_is_refused_before_anything_runs(tmp_path, mnist_like):
-    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--monitor", "eval/acc",
-                                                "--output-dir", tmp_path / "run"], recipe_env(tmp_path))
+    proc = run_in_process(
+        "fashion_mnist_mlp",
+        ["--dataset", mnist_like, "--monitor", "eval/acc", "--output-dir", tmp_path / "run"],
+        recipe_env(tmp_path),
+    )
     assert proc.returncode == 2 and "--monitor" in proc.stderr and "eval/accuracy" in proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -64,8 +89,25 @@ def test_logs_read_in_a_file(mlp_run):
 
 def test_max_steps_below_log_every_still_logs_train_scalars(tmp_path, mnist_like):
     run = tmp_path / "run"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, *MLP, "--batch-size", 32, "--max-steps", 3,
-                                                  "--log-every", 10, "--output-dir", run], recipe_env(tmp_path)))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            [
+                "--dataset",
+                mnist_like,
+                *MLP,
+                "--batch-size",
+                32,
+                "--max-steps",
+                3,
+                "--log-every",
+                10,
+                "--output-dir",
+                run,
+            ],
+            recipe_env(tmp_path),
+        )
+    )
     train = [r for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in train] == [3] and train[0]["train/lr"] > 0
 
@@ -92,8 +134,9 @@ def test_eval_only_uses_the_runs_split_and_keeps_earlier_results(mlp_run):
 
 def test_output_dir_that_holds_something_else_is_refused(tmp_path, mnist_like):
     before = sorted(p.relative_to(mnist_like) for p in mnist_like.rglob("*"))
-    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, *MLP, "--output-dir", mnist_like],
-                          recipe_env(tmp_path))
+    proc = run_in_process(
+        "fashion_mnist_mlp", ["--dataset", mnist_like, *MLP, "--output-dir", mnist_like], recipe_env(tmp_path)
+    )
     assert proc.returncode == 2 and "not a run" in proc.stderr and "Nothing was written" in proc.stderr
     assert sorted(p.relative_to(mnist_like) for p in mnist_like.rglob("*")) == before
 
@@ -104,7 +147,9 @@ def test_malformed_list_flag_names_the_flag(tmp_path, cifar_like):
 
 
 def test_technique_flag_of_another_recipe_is_explained(tmp_path, mnist_like):
-    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--lookahead-every", "5"], recipe_env(tmp_path))
+    proc = run_in_process(
+        "fashion_mnist_mlp", ["--dataset", mnist_like, "--lookahead-every", "5"], recipe_env(tmp_path)
+    )
     assert proc.returncode == 2 and "--lookahead-every (a knob of cifar_cnn)" in proc.stderr
     # which recipes have a flag is read from the recipes' Config classes, not from a list kept by hand
     proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--sync_bn", "true"], recipe_env(tmp_path))
@@ -118,34 +163,82 @@ def test_snake_case_flags_and_a_config_file_work_and_hf_flags_are_translated(tmp
     file with a setting the recipe does not know is refused, naming it."""
     env = recipe_env(tmp_path)
     first = tmp_path / "first"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--epochs", 1, "--batch_size", 32,
-                                                  *MLP, "--max_steps", 2, "--output_dir", first], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp",
+            ["--dataset", mnist_like, "--epochs", 1, "--batch_size", 32, *MLP, "--max_steps", 2, "--output_dir", first],
+            env,
+        )
+    )
     saved = json.loads((first / "config.json").read_text())
     assert saved["batch_size"] == 32 and saved["max_steps"] == 2
     again = tmp_path / "again"
-    check_ok(run_in_process("fashion_mnist_mlp", ["--config", first / "config.json", "--max-steps", 3,
-                                                  "--output-dir", again], env))
+    check_ok(
+        run_in_process(
+            "fashion_mnist_mlp", ["--config", first / "config.json", "--max-steps", 3, "--output-dir", again], env
+        )
+    )
     merged = json.loads((again / "config.json").read_text())
     assert {**saved, "max_steps": 3, "output_dir": str(again)} == merged
     (tmp_path / "c.yaml").write_text(f"dataset: {mnist_like}\nlr: 0.01\nlearning_rate: 0.02\n")
     proc = run_in_process("fashion_mnist_mlp", ["--config", tmp_path / "c.yaml"], env)
     assert proc.returncode == 2 and "does not know: learning_rate" in proc.stderr, proc.stderr
-    proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--learning_rate", 0.1,
-                                                "--per_device_train_batch_size", 8, "--mixed_precision", "bf16"], env)
+    proc = run_in_process(
+        "fashion_mnist_mlp",
+        [
+            "--dataset",
+            mnist_like,
+            "--learning_rate",
+            0.1,
+            "--per_device_train_batch_size",
+            8,
+            "--mixed_precision",
+            "bf16",
+        ],
+        env,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    for hint in ("--learning_rate -> --lr", "--per_device_train_batch_size -> --batch-size (the GLOBAL batch",
-                 "`accelerate launch --mixed_precision bf16 recipes/<recipe>.py`"):
+    for hint in (
+        "--learning_rate -> --lr",
+        "--per_device_train_batch_size -> --batch-size (the GLOBAL batch",
+        "`accelerate launch --mixed_precision bf16 recipes/<recipe>.py`",
+    ):
         assert hint in proc.stderr, proc.stderr
 
 
 def test_cpu_config_that_starts_one_process_says_so(tmp_path, mnist_like):
     """`accelerate launch --cpu --num_processes 2` without MPI starts one process: the recipe sees it and
     names the config that really gives two."""
-    proc = subprocess.run([ACCELERATE, "launch", "--cpu", "--num_processes", "2", "--num_machines", "1",
-                           "--mixed_precision", "no", "--dynamo_backend", "no",
-                           str(REPO / "recipes" / "fashion_mnist_mlp.py"), "--dataset", str(mnist_like), *MLP,
-                           "--batch-size", "32", "--max-steps", "1", "--output-dir", str(tmp_path / "run")],
-                          env=recipe_env(tmp_path), cwd=str(REPO), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            ACCELERATE,
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(REPO / "recipes" / "fashion_mnist_mlp.py"),
+            "--dataset",
+            str(mnist_like),
+            *MLP,
+            "--batch-size",
+            "32",
+            "--max-steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        env=recipe_env(tmp_path),
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     check_ok(proc)
     startup = next(l for l in proc.stdout.splitlines() if l.startswith("startup:"))
     assert "processes=1" in startup and "accelerate_configs/cpu_2proc.yaml" in startup
@@ -196,9 +289,30 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monk
     # trained as copy_recipe prints it: `accelerate launch <copy>` from a folder outside the repository,
     # no --config_file, no PYTHONPATH (common is installed, the copy imports it from anywhere)
     launch_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    trained = check_ok(subprocess.run([ACCELERATE, "launch", str(dest), "--dataset", str(data), "--width", "8",
-                                       "--batch-size", "16", "--epochs", "2", "--output-dir", str(run)],
-                                      env=launch_env, cwd=str(workdir), capture_output=True, text=True, timeout=180))
+    trained = check_ok(
+        subprocess.run(
+            [
+                ACCELERATE,
+                "launch",
+                str(dest),
+                "--dataset",
+                str(data),
+                "--width",
+                "8",
+                "--batch-size",
+                "16",
+                "--epochs",
+                "2",
+                "--output-dir",
+                str(run),
+            ],
+            env=launch_env,
+            cwd=str(workdir),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    )
     assert "startup: processes=1 " in trained.stdout, trained.stdout
     card = json.loads((run / "final" / "model.json").read_text())
     assert card["model"] == "TinyNet" and card["recipe"] == "my_digits"
@@ -209,8 +323,9 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monk
     assert predict.main([str(run), str(data / "cat"), "--format", "json", "--recipe", str(dest)]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 16 and results[0]["predictions"][0]["label"] in ("cat", "dog", "frog")
-    assert export.main([str(run), "--onnx", str(workdir / "m.onnx"), "--recipe", str(dest)]) == 0, \
+    assert export.main([str(run), "--onnx", str(workdir / "m.onnx"), "--recipe", str(dest)]) == 0, (
         capsys.readouterr().err
+    )
     assert (workdir / "m.onnx").stat().st_size > 0
     check_ok(run_in_process(dest, ["--eval-only", "--checkpoint", run], env, cwd=workdir))
     result = json.loads((run / "best" / "eval-val.json").read_text())
@@ -224,6 +339,9 @@ def test_model_files_follow_the_umask(mlp_run):
     run, _, _ = mlp_run
     mask = os.umask(0)
     os.umask(mask)
-    for path in (run / "final" / "model.safetensors", run / "best" / "model.safetensors",
-                 next((run / "checkpoints").glob("step-*/model.safetensors"))):
+    for path in (
+        run / "final" / "model.safetensors",
+        run / "best" / "model.safetensors",
+        next((run / "checkpoints").glob("step-*/model.safetensors")),
+    ):
         assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path

@@ -1,4 +1,5 @@
-"""Batch preprocessing and augmentation on the device, on whole uint8 batches.
+"""Batch preprocessing and augmentation on the device, on whole uint8 batches; MixUp and CutMix on the normalised
+batch (``batch_mix``, ``mixed``).
 
 Randomness is stateless: each batch's draws come from a generator seeded with
 (seed, epoch, step, rank), on the device the batch is on (a GPU draws its own numbers: no host-to-device
@@ -17,8 +18,9 @@ import torch.nn.functional as F
 
 def batch_generator(seed: int, epoch: int, step: int, rank: int, device="cpu") -> torch.Generator:
     # Mix the four numbers into one 63-bit seed (splitmix-style odd multipliers keep them apart).
-    mixed = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB
-             + rank * 0x2545F4914F6CDD1D) & 0x7FFF_FFFF_FFFF_FFFF
+    mixed = (
+        seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB + rank * 0x2545F4914F6CDD1D
+    ) & 0x7FFF_FFFF_FFFF_FFFF
     return torch.Generator(device=device).manual_seed(mixed)
 
 
@@ -88,3 +90,21 @@ def channel_stats(split, max_images: int = 10000) -> tuple[list[float], list[flo
     mean = x.mean(dim=(0, 2, 3))
     std = x.std(dim=(0, 2, 3)).clamp_min(1e-3)
     return mean.tolist(), std.tolist()
+
+
+def batch_mix(mixup: float, cutmix: float, num_classes: int):
+    """torchvision's MixUp and/or CutMix (one of the two per batch when both are on); None when both are off."""
+    from torchvision.transforms import v2
+
+    mixes = ([v2.MixUp(alpha=mixup, num_classes=num_classes)] if mixup else []) + (
+        [v2.CutMix(alpha=cutmix, num_classes=num_classes)] if cutmix else []
+    )
+    return None if not mixes else mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+
+
+def mixed(mix, images: torch.Tensor, labels: torch.Tensor, gen: torch.Generator):
+    """``mix`` applied to a batch, its draws seeded from the batch's generator (torchvision draws from torch's
+    global generator: forked here, so the run's own stream is untouched and a resumed run draws the same)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(gen.initial_seed())  # the CPU one only (no lazy CUDA seeding)
+        return mix(images, labels)

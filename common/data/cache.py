@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from common import console
+from common.data.splits import ImageSplit
 from common.errors import DataError
 from common.files import create_exclusive as _create_exclusive
 from common.files import fsync_dir as _fsync_dir
 from common.files import temp_name as _temp_name
 from common.files import write_atomic
-from common.data.splits import ImageSplit
 
 CACHE_VERSION = "3"  # 3: 16-bit scaled, transparency flattened, EXIF applied, channels over the split
 CACHE_FORMAT = "accelerate-recipes-decoded/2"
@@ -42,7 +42,7 @@ def cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
     return cache_dir / f"{key[:32]}.safetensors"
 
 
-def _read_cache(path: Path, mmap: bool = True) -> ImageSplit:
+def _read_cache(path: Path) -> ImageSplit:
     """Open a cache file written by ``_write_cache``; FileNotFoundError if absent, _Damaged if not intact."""
     import numpy as np
 
@@ -75,15 +75,11 @@ def _read_cache(path: Path, mmap: bool = True) -> ImageSplit:
         if f"{zlib.crc32(labels):08x}" != meta["labels_crc32"] or f"{zlib.crc32(tail):08x}" != meta["tail_crc32"]:
             raise _Damaged("checksum mismatch")
         shape = tuple(img["shape"])
-        # Map / read through the descriptor that was checked, not the name, which a peer may rename over.
-        if mmap:
-            # Copy-on-write mapping: pages are the page cache's, shared by every process of the node until one
-            # writes to them (nothing here does: batches are gathered copies). NOTE: the file must never be
-            # rewritten in place (a truncated mapped file faults its readers); writers rename a new file over it.
-            images = np.memmap(f, dtype=np.uint8, mode="c", offset=start + 8 * n, shape=shape)
-        else:
-            f.seek(start + 8 * n)
-            images = np.fromfile(f, dtype=np.uint8, count=n_img).reshape(shape)
+        # Mapped through the descriptor that was checked, not the name, which a peer may rename over.
+        # Copy-on-write mapping: pages are the page cache's, shared by every process of the node until one
+        # writes to them (nothing here does: batches are gathered copies). NOTE: the file must never be
+        # rewritten in place (a truncated mapped file faults its readers); writers rename a new file over it.
+        images = np.memmap(f, dtype=np.uint8, mode="c", offset=start + 8 * n, shape=shape)
     labels = torch.from_numpy(np.frombuffer(labels, dtype="<i8").astype(np.int64))
     return ImageSplit(torch.from_numpy(images), labels, note=meta.get("note", ""))
 
@@ -96,9 +92,13 @@ def _write_cache(path: Path, split: ImageSplit, class_names):
     labels = split.labels.numpy().astype("<i8").tobytes()
     n, n_img = images.shape[0], images.size
     header = {
-        "__metadata__": {"format": CACHE_FORMAT, "class_names": json.dumps(class_names), "note": split.note,
-                         "labels_crc32": f"{zlib.crc32(labels):08x}",
-                         "tail_crc32": f"{zlib.crc32(images.reshape(-1)[-TAIL_BYTES:]):08x}"},
+        "__metadata__": {
+            "format": CACHE_FORMAT,
+            "class_names": json.dumps(class_names),
+            "note": split.note,
+            "labels_crc32": f"{zlib.crc32(labels):08x}",
+            "tail_crc32": f"{zlib.crc32(images.reshape(-1)[-TAIL_BYTES:]):08x}",
+        },
         "labels": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
         "images": {"dtype": "U8", "shape": list(images.shape), "data_offsets": [8 * n, 8 * n + n_img]},
     }
@@ -118,8 +118,10 @@ def _write_cache(path: Path, split: ImageSplit, class_names):
     except OSError as err:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise DataError(f"Could not write the decoded-image cache {path} ({err.strerror or err}). Free space there, "
-                        "or pass --cache-dir a writable directory with room for the decoded images.") from None
+        raise DataError(
+            f"Could not write the decoded-image cache {path} ({err.strerror or err}). Free space there, "
+            "or pass --cache-dir a writable directory with room for the decoded images."
+        ) from None
     _fsync_dir(path.parent)
 
 
@@ -142,8 +144,10 @@ def _file_lock(lock_path: Path, on_wait):
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)  # follows the umask, like the cache
     except OSError as err:
-        raise DataError(f"Could not create {lock_path} ({err.strerror or err}). Pass --cache-dir a directory this "
-                        "user can write, or fix the permissions of that one.") from None
+        raise DataError(
+            f"Could not create {lock_path} ({err.strerror or err}). Pass --cache-dir a directory this "
+            "user can write, or fix the permissions of that one."
+        ) from None
     try:
         locked, deadline = True, time.time() + LOCK_WAIT_S
         while True:
@@ -153,10 +157,12 @@ def _file_lock(lock_path: Path, on_wait):
             except BlockingIOError:  # a peer decodes: wait (a stop signal interrupts the wait, common.train.stopping)
                 holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
                 if time.time() > deadline:
-                    raise DataError(f"Gave up after {LOCK_WAIT_S // 60} minutes waiting for {holder} to decode into "
-                                    f"the cache (it holds {lock_path}). If that process is gone (a machine that lost "
-                                    "its connection to a network filesystem can hold a lock), delete the lock file "
-                                    "and rerun, or pass --cache-dir a folder of your own.") from None
+                    raise DataError(
+                        f"Gave up after {LOCK_WAIT_S // 60} minutes waiting for {holder} to decode into "
+                        f"the cache (it holds {lock_path}). If that process is gone (a machine that lost "
+                        "its connection to a network filesystem can hold a lock), delete the lock file "
+                        "and rerun, or pass --cache-dir a folder of your own."
+                    ) from None
                 if on_wait is not None:
                     on_wait(holder)
                     on_wait = None
@@ -189,24 +195,28 @@ def _prepare(product: Path):
     try:
         product.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise DataError(f"Could not create the cache directory {product.parent} ({err.strerror or err}). Pass "
-                        "--cache-dir a directory this user can write.") from None
+        raise DataError(
+            f"Could not create the cache directory {product.parent} ({err.strerror or err}). Pass "
+            "--cache-dir a directory this user can write."
+        ) from None
     error_file = product.with_suffix(".error")
     return error_file, _identity(error_file)
 
 
-def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap: bool) -> ImageSplit:
+def cached_split(path: Path, decode, what: str, class_names, is_main: bool) -> ImageSplit:
     """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
     say = console.say if is_main else (lambda *_: None)  # the process that decodes says what it does
     damage = None
     try:
-        return _read_cache(path, mmap)
+        return _read_cache(path)
     except FileNotFoundError:
         pass
     except PermissionError as err:
-        raise DataError(f"The decoded-image cache {path} is not readable by this user ({err.strerror}). Make it "
-                        "readable (a cache shared with a team wants a umask of 002 for whoever writes it), or pass "
-                        "--cache-dir a directory of your own.") from None
+        raise DataError(
+            f"The decoded-image cache {path} is not readable by this user ({err.strerror}). Make it "
+            "readable (a cache shared with a team wants a umask of 002 for whoever writes it), or pass "
+            "--cache-dir a directory of your own."
+        ) from None
     except _Damaged as err:
         damage = err
         say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
@@ -217,7 +227,7 @@ def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap
 
     with _file_lock(path.with_suffix(".lock"), waiting) as locked:
         try:
-            return _read_cache(path, mmap)  # a peer wrote it while this process waited
+            return _read_cache(path)  # a peer wrote it while this process waited
         except FileNotFoundError:
             pass
         except _Damaged as err:
@@ -239,13 +249,13 @@ def cached_split(path: Path, decode, what: str, class_names, is_main: bool, mmap
             raise
         with contextlib.suppress(OSError):
             error_file.unlink()
-        if not mmap:
-            return split
         try:
-            return _read_cache(path, mmap)
+            return _read_cache(path)
         except (OSError, _Damaged) as err:
-            raise DataError(f"The decoded-image cache {path} could not be read back right after writing it ({err}). "
-                            "Check the disk behind --cache-dir, or pass another --cache-dir.") from None
+            raise DataError(
+                f"The decoded-image cache {path} could not be read back right after writing it ({err}). "
+                "Check the disk behind --cache-dir, or pass another --cache-dir."
+            ) from None
 
 
 def once(marker: Path, work, what: str, is_main: bool) -> None:
@@ -257,8 +267,9 @@ def once(marker: Path, work, what: str, is_main: bool) -> None:
         return
     say = console.say if is_main else (lambda *_: None)
     error_file, before = _prepare(marker)
-    with _file_lock(marker.with_suffix(".lock"), lambda holder: say(f"waiting for {holder} to finish {what} ...")) \
-            as locked:
+    with _file_lock(
+        marker.with_suffix(".lock"), lambda holder: say(f"waiting for {holder} to finish {what} ...")
+    ) as locked:
         if marker.exists():  # a peer did it while this process waited
             return
         after = _identity(error_file)
@@ -304,12 +315,12 @@ def source_index_path(cache_dir: Path, state: str | None, settings: dict) -> Pat
     return cache_dir / f"source-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def read_source_index(index: Path, mmap: bool):
+def read_source_index(index: Path):
     """(splits, class names) when the index and every split file it names are intact, else None: the caller
     then takes the full path, which re-decodes what is missing or damaged."""
     try:
         entry = json.loads(index.read_text())
-        return {k: _read_cache(index.parent / f, mmap) for k, f in entry["splits"].items()}, entry["class_names"]
+        return {k: _read_cache(index.parent / f) for k, f in entry["splits"].items()}, entry["class_names"]
     except (OSError, ValueError, KeyError, TypeError, _Damaged):
         return None
 

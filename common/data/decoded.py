@@ -42,11 +42,12 @@ from pathlib import Path
 
 import torch
 
-from common.data import cache, folders, sources
 from common.console import say
+from common.data import cache, folders, sources
+from common.data.batches import loader_batch
 from common.data.cache import default_cache_dir  # noqa: F401 - part of this module's interface
-from common.errors import DataError  # noqa: F401 - raised by everything here
 from common.data.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
+from common.errors import DataError  # noqa: F401 - raised by everything here
 
 VALIDATION_SPLITS = ("validation", "valid", "val")
 
@@ -57,37 +58,53 @@ def _label_map(what: str, class_names, str_map):
 
     def label_map(value, src):
         if value is None:
-            raise DataError(f"{what} has an image with no label ({src}). Fill in its label, or remove the row, and run "
-                            "again.")
+            raise DataError(
+                f"{what} has an image with no label ({src}). Fill in its label, or remove the row, and run again."
+            )
         idx = str_map.get(value) if str_map is not None else value
         if idx is None or not isinstance(idx, int) or not 0 <= idx < num_classes:
-            raise DataError(f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
-                            f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
-                            "Make every split use the training classes, or fix the label column.")
+            raise DataError(
+                f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
+                f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
+                "Make every split use the training classes, or fix the label column."
+            )
         return idx
+
     return label_map
 
 
-def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool, mmap: bool):
+def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool):
     """An image folder read by ``common.data.folders`` (torchvision's ImageFolder rules), each split decoded into (or
     read from) the cache under a key made of every file's path, class, size and times."""
     scan = folders.scan(path, name)
     settings = {"channels": cfg.channels, "size": cfg.image_size}
     splits = {}
     for split_name, split in scan.splits.items():
-        def decode(split=split, split_name=split_name):
-            return sources.decode_split(split, None, None, cfg.channels, cfg.image_size, lambda label, src: label,
-                                        f"the {split_name} split of {name}", progress=is_main and sys.stderr.isatty())
 
-        splits[split_name] = cache.cached_split(cache.cache_path(cache_dir, split.fingerprint, settings), decode,
-                                                 f"the {split_name} split of {name} ({len(split)} images)",
-                                                 scan.class_names, is_main, mmap)
+        def decode(split=split, split_name=split_name):
+            return sources.decode_split(
+                split,
+                None,
+                None,
+                cfg.channels,
+                cfg.image_size,
+                lambda label, src: label,
+                f"the {split_name} split of {name}",
+                progress=is_main and sys.stderr.isatty(),
+            )
+
+        splits[split_name] = cache.cached_split(
+            cache.cache_path(cache_dir, split.fingerprint, settings),
+            decode,
+            f"the {split_name} split of {name} ({len(split)} images)",
+            scan.class_names,
+            is_main,
+        )
         splits[split_name].provenance = split.provenance()
     return splits, scan.class_names, scan.skipped_line()
 
 
-def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, mmap: bool, state: str | None,
-                   index: Path | None):
+def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, state: str | None, index: Path | None):
     """Each split of a table dataset (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``
     and decoded into (or read from) the cache. A local folder's splits are keyed by its files' identity too."""
     ds = sources.load_source(name, cache_dir / "datasets" / state if state else None)
@@ -103,18 +120,26 @@ def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, mmap: bool, s
         split = ds[split_name]
         for col in (img_col, lab_col):
             if col not in split.features:
-                raise DataError(f"The {split_name} split of {name!r} has no column {col!r}. Give every split the "
-                                "same columns.")
+                raise DataError(
+                    f"The {split_name} split of {name!r} has no column {col!r}. Give every split the same columns."
+                )
 
         def decode(split=split, split_name=split_name):
-            return sources.decode_split(split, img_col, lab_col, cfg.channels, cfg.image_size,
-                                        _label_map(f"The {split_name} split", class_names, str_map),
-                                        f"the {split_name} split of {name!r}", progress=is_main and sys.stderr.isatty())
+            return sources.decode_split(
+                split,
+                img_col,
+                lab_col,
+                cfg.channels,
+                cfg.image_size,
+                _label_map(f"The {split_name} split", class_names, str_map),
+                f"the {split_name} split of {name!r}",
+                progress=is_main and sys.stderr.isatty(),
+            )
 
         files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
-        splits[split_name] = cache.cached_split(files[split_name], decode,
-                                                 f"the {split_name} split of {name} ({len(split)} images)",
-                                                 class_names, is_main, mmap)
+        splits[split_name] = cache.cached_split(
+            files[split_name], decode, f"the {split_name} split of {name} ({len(split)} images)", class_names, is_main
+        )
 
     if index is not None and is_main:
         cache.write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
@@ -128,8 +153,10 @@ def _same_channels(splits: dict, cfg, is_main: bool) -> dict:
         return splits
     grey = [k for k, c in counts.items() if c == 1]
     if is_main:
-        say(f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
-            "(pass --channels 1 to train on grey).")
+        say(
+            f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
+            "(pass --channels 1 to train on grey)."
+        )
     out = dict(splits)
     for k in grey:
         s = splits[k]
@@ -138,41 +165,53 @@ def _same_channels(splits: dict, cfg, is_main: bool) -> dict:
     return out
 
 
-def load_image_data(cfg, default_dataset: str, is_main: bool = True, *, mmap: bool = True) -> ImageData:
+def load_image_data(cfg, default_dataset: str, is_main: bool = True) -> ImageData:
     """Load, decode (or read from cache), split. Call on every process at once (see the module docstring).
 
-    ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed.
-    ``mmap=False`` reads the cached images into this process's own memory instead of mapping them (the
-    behaviour before memory-mapping; kept for measuring it)."""
+    ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed."""
     name = cfg.dataset or default_dataset
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
     path, skipped = sources.local_folder(name), ""
     if path is not None and folders.is_image_folder(path):
-        splits, class_names, skipped = _decode_folder(cfg, path, name, cache_dir, is_main, mmap)
+        splits, class_names, skipped = _decode_folder(cfg, path, name, cache_dir, is_main)
     else:
         state = cache.source_state(name)  # a local folder's files, hashed; None for a Hub id
-        index = cache.source_index_path(cache_dir, state, {"img": cfg.image_column, "lab": cfg.label_column,
-                                                           "channels": cfg.channels, "size": cfg.image_size})
-        known = cache.read_source_index(index, mmap) if index else None
+        index = cache.source_index_path(
+            cache_dir,
+            state,
+            {"img": cfg.image_column, "lab": cfg.label_column, "channels": cfg.channels, "size": cfg.image_size},
+        )
+        known = cache.read_source_index(index) if index else None
         if known is not None:  # a local folder decoded before and unchanged since: no `datasets` import, no scan
             splits, class_names = known
         else:
-            splits, class_names = _decode_source(cfg, name, cache_dir, is_main, mmap, state, index)
+            splits, class_names = _decode_source(cfg, name, cache_dir, is_main, state, index)
     splits = _same_channels(splits, cfg, is_main)
     shapes = {k: v.image_shape for k, v in splits.items()}
     if len(set(shapes.values())) > 1:
-        raise DataError(f"The splits of {name!r} have different image shapes {shapes}. Pass --image-size N "
-                        "(and --channels) so every split is decoded to the same shape.")
+        raise DataError(
+            f"The splits of {name!r} have different image shapes {shapes}. Pass --image-size N "
+            "(and --channels) so every split is decoded to the same shape."
+        )
     val_name = next((s for s in VALIDATION_SPLITS if s in splits), None)
     train_split, val_split = splits["train"], splits.get(val_name) if val_name else None
     if val_split is None and cfg.val_fraction > 0:
         train_split, val_split = hold_out(train_split, cfg.val_fraction, cfg.seed)
     notes = [n for n in [skipped] + [s.note for s in splits.values()] if n]
-    return ImageData(train_split, val_split, splits.get("test"), class_names, name, "; ".join(notes),
-                     make_loader=split_loader, on_device=cfg.data_on_device)
+    return ImageData(
+        train_split,
+        val_split,
+        splits.get("test"),
+        class_names,
+        name,
+        "; ".join(notes),
+        make_loader=split_loader,
+        on_device=cfg.data_on_device,
+    )
 
 
 # --- batching ------------------------------------------------------------------------------------
+
 
 class TensorImages(torch.utils.data.Dataset):
     """A dataset over decoded tensors. ``__getitems__`` lets the DataLoader fetch a whole batch with one
@@ -225,17 +264,31 @@ def keep_batch(batch):
     return batch
 
 
-def make_loader(split: ImageSplit, batch_size: int, train: bool, device=None, pin: bool = False,
-                flip_seed: int | None = None, drop_last: bool | None = None):
+def make_loader(
+    split: ImageSplit,
+    batch_size: int,
+    train: bool,
+    device=None,
+    pin: bool = False,
+    flip_seed: int | None = None,
+    drop_last: bool | None = None,
+):
     dataset = TensorImages(split, flip_seed)
     if device is not None:
         dataset.to(device)
     # Its own generator: creating an iterator must not draw from the global RNG (dropout's stream),
     # or a run resumed mid-epoch would diverge from the uninterrupted one.
     drop_last = train if drop_last is None else drop_last
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=train, drop_last=drop_last,
-                                       collate_fn=keep_batch, num_workers=0, pin_memory=pin and device is None,
-                                       generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=train,
+        drop_last=drop_last,
+        collate_fn=keep_batch,
+        num_workers=0,
+        pin_memory=pin and device is None,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 DEVICE_SHARE = 0.25  # the decoded data may take this share of the GPU's free memory; the rest is the model's
@@ -246,8 +299,11 @@ def place_on_device(cfg, accelerator, data: ImageData) -> str:
     of the free memory (a batch is then one on-device gather, no host-to-device copy per step), recorded in
     ``data.on_device``. Returns the note for the startup line ('' on a CPU, where host memory is the device's, and
     for photos, decoded per batch). CPU runs are unchanged."""
-    shared = {id(s.source_images): s.source_images for s in (data.train, data.val, data.test)
-              if s is not None and hasattr(s, "source_images")}  # decoded splits (photos hold file names)
+    shared = {
+        id(s.source_images): s.source_images
+        for s in (data.train, data.val, data.test)
+        if s is not None and hasattr(s, "source_images")
+    }  # decoded splits (photos hold file names)
     if accelerator.device.type != "cuda" or "data_on_device" in getattr(cfg, "explicit", ()) or not shared:
         return ""
     need = sum(t.numel() * t.element_size() for t in shared.values())  # train and held-out share one source
@@ -257,18 +313,29 @@ def place_on_device(cfg, accelerator, data: ImageData) -> str:
     return f"data {where}: {need / 2**20:,.0f} MB of {free / 2**20:,.0f} MB free; --data-on-device false|true decides"
 
 
-def split_loader(cfg, accelerator, split: ImageSplit | None, train: bool = False, on_device: bool = False,
-                 alternating_flip: bool = False, drop_last: bool | None = None):
+def split_loader(
+    cfg,
+    accelerator,
+    split: ImageSplit | None,
+    train: bool = False,
+    on_device: bool = False,
+    alternating_flip: bool = False,
+    drop_last: bool | None = None,
+):
     """A recipe's DataLoader over a decoded split (None for none): the global --batch-size split over processes
     and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator
     when ``on_device`` (--data-on-device, or ``place_on_device``'s choice). ``alternating_flip``: airbench's flip,
     seeded by --seed (``TensorImages``)."""
-    from common.train.accelerator import loader_batch
-
     if split is None:
         return None
     n = accelerator.num_processes
     batch = loader_batch(cfg, n, train)
-    return make_loader(split, batch, train, device=accelerator.device if on_device else None,
-                       pin=accelerator.device.type == "cuda", flip_seed=cfg.seed if alternating_flip else None,
-                       drop_last=drop_last)
+    return make_loader(
+        split,
+        batch,
+        train,
+        device=accelerator.device if on_device else None,
+        pin=accelerator.device.type == "cuda",
+        flip_seed=cfg.seed if alternating_flip else None,
+        drop_last=drop_last,
+    )

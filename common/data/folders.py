@@ -32,26 +32,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.data.walk import dir_state, entries, image_endings, walk_images
 from common.errors import DataError
 
-SPLIT_FOLDERS = {"train": "train", "validation": "validation", "valid": "validation", "val": "validation",
-                 "test": "test"}
-TABLE_ENDINGS = {".parquet", ".arrow"}  # a folder holding these is a dataset repository, read by `datasets`
+SPLIT_FOLDERS = {
+    "train": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "test": "test",
+}
+REPOSITORY_ENDINGS = {".parquet", ".arrow"}  # a folder holding these is a dataset repository, read by `datasets`
 METADATA_FILES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SHOWN = 5
-
-
-# Pillow registers these formats but opens them only with a plug-in or program of its own (ghostscript for EPS)
-NOT_DECODED = {"BUFR", "GRIB", "HDF5", "MPEG", "WMF", "EPS"}
-
-
-def image_endings() -> set[str]:
-    """The file endings read as images: those of the formats Pillow decodes by itself."""
-    from PIL import Image
-
-    Image.init()
-    return {ext.lower() for ext, fmt in Image.registered_extensions().items()
-            if fmt in Image.OPEN and fmt not in NOT_DECODED}
 
 
 def _listing(names) -> str:
@@ -110,8 +103,10 @@ class FolderScan:
         other = [(k, n) for k, n in self.skipped.most_common() if k != "hidden"]
         parts = [f"{hidden} hidden"] if hidden else []
         if other:
-            parts.append(f"{sum(n for _, n in other)} not images ({', '.join(f'{k} {n}' for k, n in other[:SHOWN])}"
-                         f"{', ...' if len(other) > SHOWN else ''})")
+            parts.append(
+                f"{sum(n for _, n in other)} not images ({', '.join(f'{k} {n}' for k, n in other[:SHOWN])}"
+                f"{', ...' if len(other) > SHOWN else ''})"
+            )
         return f"skipped {', '.join(parts)}" if parts else ""
 
 
@@ -128,117 +123,25 @@ def is_image_folder(root: Path) -> bool:
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for f in filenames:
             ext = os.path.splitext(f)[1].lower()
-            if ext in TABLE_ENDINGS:
+            if ext in REPOSITORY_ENDINGS:
                 return False
             found = found or (ext in endings and not f.startswith("."))
     return found
 
 
-def _walk_error(err: OSError):
-    if isinstance(err, FileNotFoundError):
-        raise DataError(f"The folder {err.filename} vanished while the dataset was read (moved or deleted meanwhile): "
-                        "its images would be left out. Run again once the dataset folder is settled.")
-    raise DataError(f"Could not read the folder {err.filename} ({err.strerror}): its images would be left out "
-                    "without a word. Fix its permissions (e.g. chmod -R u+rX) or move it out of the dataset.")
-
-
-def images_below(top: Path, endings: set[str] | None = None, skipped: Counter | None = None) -> list[str]:
-    """Every image file at any depth below ``top`` (links followed, each folder once; a link back up the tree
-    refused), sorted; hidden entries and other files counted in ``skipped``. The walk predict shares."""
-    return [path for path, _ in _walk_images(top, endings, skipped, stat=False)]
-
-
-def _walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, stat: bool = True,
-                 dirs: list | None = None) -> list:
-    """(path, (st_dev, st_ino, size, mtime_ns, ctime_ns, linked) or None) of every image below ``top``, sorted by
-    path: one stat per file (None for a dangling link: the decode names it among the unreadable files); ``linked``:
-    reached through a link, or one of several hard links to its file."""
-    endings = image_endings() if endings is None else endings
-    skipped = Counter() if skipped is None else skipped
-    found, visited, top_real = [], set(), os.path.realpath(top)
-    pending = [(str(top), os.path.islink(top))]  # (folder, reached through a link)
-    while pending:
-        dirpath, via_link = pending.pop()
-        real = os.path.realpath(dirpath)
-        if dirpath != str(top) and (real == top_real or top_real.startswith(real + os.sep)):
-            raise DataError(f"{dirpath} is a link back up the tree (to {real}), which holds the class folder {top}: "
-                            f"every image below {real} would also be read as class {Path(top).name}. Remove the "
-                            "link, or replace it with a copy of the images that belong to that class.")
-        try:
-            st = os.stat(dirpath)
-            entries = list(os.scandir(dirpath))
-        except OSError as err:  # it vanished (moved or deleted) while the folder was read, or is unreadable
-            _walk_error(err)
-        if (st.st_dev, st.st_ino) in visited:  # a second link to a folder already walked: once
-            continue
-        visited.add((st.st_dev, st.st_ino))
-        if dirs is not None:
-            dirs.append(_dir_state(dirpath, st))
-        below = []
-        for e in entries:
-            name = e.name
-            if name.startswith("."):
-                skipped["hidden"] += 1
-                continue
-            try:
-                is_dir = e.is_dir()  # follows a link, as os.walk(followlinks=True)
-            except OSError:
-                is_dir = False
-            if is_dir:
-                below.append((e.path, via_link or e.is_symlink()))
-                continue
-            dot = name.rfind(".")  # os.path.splitext's ending (hidden names are skipped above), without its cost
-            ext = name[dot:].lower() if dot > 0 else ""
-            if ext not in endings:
-                skipped[ext or "(no ending)"] += 1
-            elif not stat:
-                found.append((e.path, None))
-            else:
-                try:
-                    s = e.stat()
-                    found.append((e.path, (s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns,
-                                           via_link or s.st_nlink > 1 or e.is_symlink())))
-                except OSError:
-                    found.append((e.path, None))
-        pending.extend(sorted(below, reverse=True))  # folders in name order, depth first (a folder reached twice
-        # through links is walked where it comes first)
-    found.sort(key=lambda item: item[0])
-    return found
-
-
-def _dir_state(path, st=None) -> list:
-    """[path, st_dev, st_ino, mtime_ns, ctime_ns] of a folder: an entry added, removed or renamed in it changes it."""
-    st = os.stat(path) if st is None else st
-    return [str(path), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _entries(folder: Path, endings: set[str], skipped: Counter):
-    """(sub-folders, loose images) directly in ``folder``; hidden entries and other files counted."""
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as err:
-        _walk_error(err)
-    dirs, images = [], []
-    for e in entries:
-        if e.name.startswith("."):
-            skipped["hidden"] += 1
-        elif e.is_dir():
-            dirs.append(e.name)
-        elif os.path.splitext(e.name)[1].lower() in endings:
-            images.append(e.name)
-        else:
-            skipped[os.path.splitext(e.name)[1].lower() or "(no ending)"] += 1
-    return dirs, images
-
-
 def _refuse_shared_files(found: dict, name: str) -> None:
     """One file reached through links from two classes or two splits would train as both, or be scored on
     after training on it: refused, naming it. Within one class a file reached twice (a link to a folder of the
-    same class) is read once. ``found``: {split: {class: [(path, stat), ...]}}, from ``_walk_images``."""
+    same class) is read once. ``found``: {split: {class: [(path, stat), ...]}}, from ``walk_images``."""
     # only files that can be reached twice take part: those reached through a link or with several hard links,
     # and the files they are
-    linked = {st[:2] for classes in found.values() for items in classes.values() for _, st in items
-              if st is not None and st[5]}
+    linked = {
+        st[:2]
+        for classes in found.values()
+        for items in classes.values()
+        for _, st in items
+        if st is not None and st[5]
+    }
     if not linked:
         return
     owner, clashes = {}, []
@@ -257,15 +160,17 @@ def _refuse_shared_files(found: dict, name: str) -> None:
                     clashes.append(f"{path} (also {owner[key][2]})")
             items[:] = kept
     if clashes:
-        raise DataError(f"{len(clashes)} file(s) of {name} are reached from two classes or splits through links, e.g. "
-                        f"{'; '.join(clashes[:3])}: each would be trained on as two classes, or scored on after "
-                        "being trained on. Remove the links, or keep one copy of each file in its own class.")
+        raise DataError(
+            f"{len(clashes)} file(s) of {name} are reached from two classes or splits through links, e.g. "
+            f"{'; '.join(clashes[:3])}: each would be trained on as two classes, or scored on after "
+            "being trained on. Remove the links, or keep one copy of each file in its own class."
+        )
 
 
 def _relative_to(root: Path):
     """path -> its path relative to ``root`` (os.path.relpath's result, without its cost per file)."""
     prefix = os.path.join(str(root), "")
-    return lambda p: p[len(prefix):] if p.startswith(prefix) else os.path.relpath(p, root)
+    return lambda p: p[len(prefix) :] if p.startswith(prefix) else os.path.relpath(p, root)
 
 
 def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> dict[str, Path]:
@@ -276,7 +181,8 @@ def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> di
             raise DataError(
                 f"{name} holds {', '.join(d + '/' for d in dirs)} and no train/ folder. If these are splits, add "
                 "train/ with one sub-folder per class beside them; if they are class names, put them under "
-                f"train/ ({name}/train/{dirs[0]}/...): splits are read only beside a train/ folder.")
+                f"train/ ({name}/train/{dirs[0]}/...): splits are read only beside a train/ folder."
+            )
         for d in as_split:  # `test/cat/`, `test/dog/` beside `cat/`, `dog/`: a split that is not read as one
             inner = {s.name for s in (root / d).iterdir() if s.is_dir() and not s.name.startswith(".")}
             shared = sorted(inner & (set(dirs) - {d}))
@@ -285,7 +191,8 @@ def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> di
                     f"{name}/{d}/ holds folders named like the classes beside it ({_listing(shared)}), so it looks "
                     f"like a {as_split[d]} split; but without a train/ folder it would be read as one more class "
                     f"named {d!r}. Move the training classes into {name}/train/ (train/<class>/...), or rename "
-                    f"{d}/ if it really is a class.")
+                    f"{d}/ if it really is a class."
+                )
         return {"train": root}
     others = [d for d in dirs if d not in as_split]
     if others or loose:
@@ -293,13 +200,16 @@ def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> di
         raise DataError(
             f"{name} has a train/ folder, so its top-level folders are read as splits (train/, validation/ or "
             f"valid/ or val/, test/), but it also holds {what}, which belongs to no split. Move it into the "
-            "split it belongs to (train/<class>/...), or out of the dataset folder.")
+            "split it belongs to (train/<class>/...), or out of the dataset folder."
+        )
     roots: dict[str, Path] = {}
     for d, split in as_split.items():
         if split in roots:
             clash = [x for x, s in as_split.items() if s == split]
-            raise DataError(f"{name} holds {' and '.join(c + '/' for c in clash)}, both read as the {split} split. "
-                            "Merge them into one folder or remove one.")
+            raise DataError(
+                f"{name} holds {' and '.join(c + '/' for c in clash)}, both read as the {split} split. "
+                "Merge them into one folder or remove one."
+            )
         roots[split] = root / d
     return roots
 
@@ -308,57 +218,71 @@ def scan(root: Path, name: str) -> FolderScan:
     """Walk an image folder (module docstring); DataError with its fix for every layout that can't be read."""
     root = Path(root)
     endings, skipped = image_endings(), Counter()
-    top_dirs, top_loose = _entries(root, endings, skipped)
-    walked = [_dir_state(root)]
+    top_dirs, top_loose = entries(root, endings, skipped)
+    walked = [dir_state(root)]
     if not top_dirs and top_loose:
         meta = [m for m in METADATA_FILES if (root / m).is_file()]
         raise DataError(
             f"The {len(top_loose)} images in {name} are not sorted into class folders, so they have no labels. Put "
             f"the images of each class in a sub-folder named after the class ({name}/<class>/<image>, at least "
             "two classes; optionally under train/, validation/ and test/), then run again."
-            + (f" ({meta[0]} is not read: labels come from folder names only. To keep its labels, sort the "
-               "images into folders by its label column.)" if meta else ""))
+            + (
+                f" ({meta[0]} is not read: labels come from folder names only. To keep its labels, sort the "
+                "images into folders by its label column.)"
+                if meta
+                else ""
+            )
+        )
     roots = _split_roots(root, top_dirs, top_loose, name)
     found: dict[str, dict[str, list[str]]] = {}
     for split, split_root in roots.items():
         if split_root != root:
-            class_dirs, loose = _entries(split_root, endings, skipped)
-            walked.append(_dir_state(split_root))
+            class_dirs, loose = entries(split_root, endings, skipped)
+            walked.append(dir_state(split_root))
         else:
             class_dirs, loose = top_dirs, top_loose
         if loose:
             raise DataError(
                 f"{len(loose)} images lie directly in {split_root}, outside any class folder ({_listing(loose)}): "
-                f"they have no class. Move them into {split_root}/<class>/, or out of the dataset folder.")
+                f"they have no class. Move them into {split_root}/<class>/, or out of the dataset folder."
+            )
         classes: dict[str, list[str]] = {}
         for d in class_dirs:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
-                _walk_images(split_root / d, endings, skipped, dirs=walked))
+                walk_images(split_root / d, endings, skipped, dirs=walked)
+            )
         found[split] = classes
-    if any(ending in TABLE_ENDINGS for ending in skipped):
+    if any(ending in REPOSITORY_ENDINGS for ending in skipped):
         return FolderScan(root, [], {}, skipped, tables=True)
     _refuse_shared_files(found, name)
     train = found["train"]
     folded = Counter(c.casefold() for c in train)
     twins = sorted(c for c in train if folded[c.casefold()] > 1)
     if twins:
-        raise DataError(f"The class folders {_listing(twins)} of {name} differ only in letter case: here they are "
-                        "separate classes, on a case-insensitive filesystem (macOS, Windows) one folder. Merge them "
-                        "into one folder, or rename one if they really are different classes.")
+        raise DataError(
+            f"The class folders {_listing(twins)} of {name} differ only in letter case: here they are "
+            "separate classes, on a case-insensitive filesystem (macOS, Windows) one folder. Merge them "
+            "into one folder, or rename one if they really are different classes."
+        )
     empty = [c for c, files in train.items() if not files]
     if not any(train.values()):
         raise DataError(
             f"No images were found in {name} (the files there end in "
             f"{_listing(k for k in skipped if k != 'hidden') or 'nothing'}). The image folder reads files Pillow "
             f"opens (.png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, ...), one sub-folder per class "
-            f"({name}/<class>/<image>).")
+            f"({name}/<class>/<image>)."
+        )
     if empty:
-        raise DataError(f"The training class folder(s) {_listing(sorted(empty))} of {name} hold no images: the model "
-                        "would have an output for a class it never sees. Add images to them or remove them.")
+        raise DataError(
+            f"The training class folder(s) {_listing(sorted(empty))} of {name} hold no images: the model "
+            "would have an output for a class it never sees. Add images to them or remove them."
+        )
     class_names = sorted(train)
     if len(class_names) < 2:
-        raise DataError(f"{name} has a single class folder ({class_names[0]}/) in train: a classifier needs at "
-                        "least two. Add a sub-folder for each other class.")
+        raise DataError(
+            f"{name} has a single class folder ({class_names[0]}/) in train: a classifier needs at "
+            "least two. Add a sub-folder for each other class."
+        )
     index = {c: i for i, c in enumerate(class_names)}
     splits = {}
     for split, classes in found.items():
@@ -368,12 +292,20 @@ def scan(root: Path, name: str) -> FolderScan:
                 f"The {split} split of {name} has the class folder(s) {_listing(unknown)}, which train does not "
                 f"have (train's classes: {_listing(class_names)}): the model would be scored on a class it never "
                 "saw. Add those classes to train, or remove them from the split (check the folder names' spelling "
-                "and letter case).")
+                "and letter case)."
+            )
         files = [(item, index[c]) for c in sorted(classes) for item in classes[c]]
         if not files:
-            raise DataError(f"The {split} split of {name} ({roots[split]}) is empty. Add images to it, or remove the "
-                            "folder so the recipe holds out part of train instead.")
+            raise DataError(
+                f"The {split} split of {name} ({roots[split]}) is empty. Add images to it, or remove the "
+                "folder so the recipe holds out part of train instead."
+            )
         relative, missing = _relative_to(root), (-1, -1, -1)
-        splits[split] = FolderSplit(split, root, [relative(p) for (p, _), _ in files], [k for _, k in files],
-                                    [st[2:5] if st else missing for (_, st), _ in files])
+        splits[split] = FolderSplit(
+            split,
+            root,
+            [relative(p) for (p, _), _ in files],
+            [k for _, k in files],
+            [st[2:5] if st else missing for (_, st), _ in files],
+        )
     return FolderScan(root, class_names, splits, skipped, dirs=walked)

@@ -18,7 +18,9 @@ import multiprocessing
 import os
 from pathlib import Path
 
+from common.data.pixels import open_rgb, unreadable_error, unreadable_reason
 from common.errors import DataError
+from common.files import write_atomic
 
 CHECKED_FIRST = 20_000
 ENV = "ACCELERATE_RECIPES_CHECK_FIRST"
@@ -30,8 +32,10 @@ def checked_first() -> int:
     try:
         return int(text) if text else CHECKED_FIRST
     except ValueError:
-        raise DataError(f"{ENV}={text!r} is not a whole number. Set it to the largest photo count to check before "
-                        f"training starts (default {CHECKED_FIRST}), or unset it.") from None
+        raise DataError(
+            f"{ENV}={text!r} is not a whole number. Set it to the largest photo count to check before "
+            f"training starts (default {CHECKED_FIRST}), or unset it."
+        ) from None
 
 
 class Forked:
@@ -71,9 +75,6 @@ def _check_rows(split, rows, side: int) -> list:
     """In a forked process: decode the photos at ``rows`` as training reads them; [(source, reason), ...]."""
     import torch
 
-    from common.data.photos import open_rgb
-    from common.data.pixels import unreadable_reason
-
     torch.set_num_threads(1)
     parent, bad = os.getppid(), []
     for k, i in enumerate(rows):
@@ -99,12 +100,14 @@ class PhotoCheck:
         self.done = False
         self._jobs = []
 
-    def start(self, processes: int, nice: int = 0) -> "PhotoCheck":
+    def start(self, processes: int, nice: int = 0) -> PhotoCheck:
         """Fork ``processes`` checkers per split, each decoding a share of its rows."""
         for split, marker, what in self.items:
             rows = range(len(split))
-            parts = [Forked(_check_rows, (split, rows[k::processes], self.side), nice, "photo-check")
-                     for k in range(processes)]
+            parts = [
+                Forked(_check_rows, (split, rows[k::processes], self.side), nice, "photo-check")
+                for k in range(processes)
+            ]
             self._jobs.append((split, marker, what, parts))
         return self
 
@@ -115,9 +118,6 @@ class PhotoCheck:
         return self.error
 
     def _finish(self) -> None:
-        from common.files import write_atomic
-        from common.data.pixels import unreadable_error
-
         errors = []
         for split, marker, what, parts in self._jobs:
             bad = sorted(b for part in parts if part.answer for b in part.answer)

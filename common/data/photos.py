@@ -19,47 +19,22 @@ files and labels; memory grows with the number of file names, not pixels, and no
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from common.data.augment import channel_stats
+from common.data.batches import loader_batch
+from common.data.pixels import read_rgb, unreadable_reason
+from common.data.splits import Rows
 from common.errors import DataError, UnreadablePhoto
-from common.data.splits import ImageData, Rows
 
 EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
 
 
 def resize_side(image_size: int) -> int:
     return int(round(image_size / EVAL_RATIO))
-
-
-@contextlib.contextmanager
-def open_rgb(source, min_side: int):
-    """The photo at ``source`` (a path, or a file object holding its bytes) decoded whole as RGB; a JPEG at the
-    smallest scale whose shorter side is still at least ``min_side``."""
-    from PIL import Image
-
-    from common.data.pixels import as_mode
-
-    with Image.open(source) as img:
-        if img.format == "JPEG":
-            w, h = img.size
-            scale = min_side / min(w, h)
-            img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))  # at least this big; 1/2, 1/4, 1/8
-        img.load()
-        yield as_mode(img, "RGB")
-
-
-def read_rgb(source, min_side: int) -> torch.Tensor:
-    """uint8 (3, H, W) of the photo at ``source`` (``open_rgb``)."""
-    from torchvision.transforms.v2.functional import pil_to_tensor
-
-    with open_rgb(source, min_side) as img:
-        return pil_to_tensor(img)
 
 
 def eval_view(image: torch.Tensor, image_size: int) -> torch.Tensor:
@@ -85,7 +60,7 @@ class Paths:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> str:
-        return self.prefix + self.blob[self.starts[i]:self.ends[i]].tobytes().decode("utf-8", "surrogateescape")
+        return self.prefix + self.blob[self.starts[i] : self.ends[i]].tobytes().decode("utf-8", "surrogateescape")
 
 
 class PhotoSplit(Rows):
@@ -119,16 +94,15 @@ class PhotoSplit(Rows):
         try:
             return read_rgb(self.source_at(position), min_side)
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
-            from common.data.pixels import unreadable_reason
-
             raise UnreadablePhoto(
                 f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged from the "
                 "start, remove or replace it (the run's photo check names every damaged photo of the folder) and "
                 "start again; if it changed while the run went on, put the original back and resume (--resume-from "
                 "latest): a resume refuses a folder whose files changed, as the held-out split would no longer be the "
-                "run's.") from None
+                "run's."
+            ) from None
 
-    def with_index(self, index: torch.Tensor) -> "PhotoSplit":
+    def with_index(self, index: torch.Tensor) -> PhotoSplit:
         return PhotoSplit(self.files, self.source_labels, self.image_size, index, self.note)
 
     def images_at(self, positions) -> torch.Tensor:
@@ -169,117 +143,31 @@ class PhotoDataset(torch.utils.data.Dataset):
             image = self.train_view(image)
         if image.shape != (3, self.side, self.side) or image.dtype != torch.uint8:
             epoch = f" (epoch {self.epoch + 1}'s crop side)" if self.side != size else ""
-            raise DataError(f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of "
-                            f"{self.split.file_at(i)}; the loader hands out (3, {self.side}, {self.side}) uint8 "
-                            f"images (--image-size {size}{epoch}), normalised on the device. End train_view with a "
-                            "crop or resize to that side and keep uint8 pixels.")
+            raise DataError(
+                f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of "
+                f"{self.split.file_at(i)}; the loader hands out (3, {self.side}, {self.side}) uint8 "
+                f"images (--image-size {size}{epoch}), normalised on the device. End train_view with a "
+                "crop or resize to that side and keep uint8 pixels."
+            )
         return image, self.split.label_at(i)
 
 
-def load_photos(cfg, default_dataset: str = "", is_main: bool = True) -> ImageData:
-    """An image folder (``common.data.folders`` rules), or a table dataset (``common.data.photo_tables``: a Hugging Face image
-    dataset, parquet files), as PhotoSplits at ``cfg.image_size``; validation held out of train (``--val-fraction``,
-    seeded) when there is no validation split. A folder is scanned once per node (``node_shared``); the photos are
-    checked once per state of their files (``common.data.photo_check``)."""
-    from accelerate import PartialState
-
-    from common.data import folders, photo_check, scan_cache, sources
-    from common.data.cache import default_cache_dir
-    from common.data.splits import hold_out
-
-    name = cfg.dataset or default_dataset
-    if not name:
-        raise DataError("No --dataset given. Pass a folder of photos (<dir>/<class>/<image>, optionally under train/ "
-                        "val/ test/), a folder of parquet files, or a Hugging Face image dataset id (e.g. beans).")
-    path = sources.local_folder(name)
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    fresh = not (cfg.resume_from or cfg.eval_only)  # a resume and --eval-only compare the files: they walk
-
-    def walk():
-        kept = scan_cache.read(cache_dir, path) if fresh else None
-        if kept is not None:
-            return kept
-        scan = folders.scan(path, name)
-        if not scan.tables:
-            scan_cache.write(cache_dir, scan)
-        return scan
-
-    scan = node_shared(walk) if path is not None else None
-    local_main = PartialState().is_local_main_process
-    verify = scan_cache.Verify(cache_dir, scan, name) if scan is not None and scan.kept and local_main else None
-    splits, checks, identity = {}, [], ""
-    if scan is None or scan.tables:  # a Hub id, or a folder of parquet/arrow files: read through `datasets`
-        from common.data.photo_tables import load_table_photos
-
-        splits, class_names, identity = load_table_photos(cfg, name, cache_dir)
-        checks = [(split, cache_dir / f"photos-checked-{identity}-{k}", split.where) for k, split in splits.items()]
-    else:
-        class_names = scan.class_names
-        for split_name, fs in scan.splits.items():
-            prefix = os.path.join(str(fs.base), "")
-            split = PhotoSplit(Paths(prefix, fs.files), torch.tensor(fs.labels, dtype=torch.int64), cfg.image_size)
-            split.provenance = fs.provenance()
-            splits[split_name] = split
-            # a marker in the cache folder says these very files (the fingerprint: every file's size and times)
-            # were decoded whole once
-            checks.append((split, cache_dir / f"photos-checked-{fs.fingerprint}", f"the {split_name} split of {name}"))
-    held = {}  # the local main process's running check, when it runs beside training
-
-    def check_first():  # a DataError of the check made before training reaches the node's other processes too
-        held["check"] = photo_check.check_splits(checks, resize_side(cfg.image_size))
-
-    node_shared(check_first)
-    check = held.get("check")
-    train, val = splits["train"], splits.get("validation")
-    if val is None and cfg.val_fraction > 0:
-        train, val = hold_out(train, cfg.val_fraction, cfg.seed)
-    notes = [scan.skipped_line() if scan and not scan.tables else ""]
-    if check is not None:
-        notes.append(f"its {check.total:,} photos are checked while training runs (a damaged one stops the run at the "
-                     "next step)")
-    return ImageData(train, val, splits.get("test"), class_names, name, "; ".join(n for n in notes if n),
-                     make_loader=photo_loader, check=check, identity=identity, verify=verify)
-
-
-_NODE_GROUPS: dict = {}
-
-
-def node_shared(compute):
-    """``compute()`` on the local main process of each node, its result (or its DataError) handed to the node's
-    other processes: one folder scan per node, not one per rank."""
-    from accelerate import PartialState
-
-    state = PartialState()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if state.num_processes == 1 or local <= 1 or state.num_processes % local:
-        return compute()
-    import torch.distributed as dist
-
-    if _NODE_GROUPS.get("world") is not dist.group.WORLD:  # made once per process group: every rank makes them all
-        _NODE_GROUPS.update(world=dist.group.WORLD, group=dist.new_subgroups(group_size=local, backend="gloo")[0])
-    group = _NODE_GROUPS["group"]
-    box = [None]
-    if state.is_local_main_process:
-        try:
-            box[0] = compute()
-        except DataError as err:
-            box[0] = err
-    dist.broadcast_object_list(box, src=state.process_index - state.local_process_index, group=group)
-    if isinstance(box[0], DataError):
-        raise box[0]
-    return box[0]
-
-
-def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False, on_device: bool = False,
-                 train_view=None, sides=None, drop_last: bool | None = None):
+def photo_loader(
+    cfg,
+    accelerator,
+    split: PhotoSplit | None,
+    train: bool = False,
+    on_device: bool = False,
+    train_view=None,
+    sides=None,
+    drop_last: bool | None = None,
+):
     """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
     accumulation steps for training, --eval-batch-size over processes for evaluation. ``train_view``: the recipe's
     per-image training transform (uint8 (3, H, W) in, (3, --image-size, --image-size) out), required for training;
     evaluation resizes the shorter side and centre-crops. ``sides``: progressive resizing (``PhotoDataset``): a
     function of the epoch giving its crop side, ``train_view`` then a function of the side giving the transform.
     ``on_device``: unused (photos are decoded on the host)."""
-    from common.train.accelerator import loader_batch
-
     if split is None:
         return None
     if train and train_view is None:
@@ -293,16 +181,19 @@ def photo_loader(cfg, accelerator, split: PhotoSplit | None, train: bool = False
         workers = min(8, max(0, len(os.sched_getaffinity(0)) // max(1, local) - 1))
     # Workers start anew each epoch (not persistent): they copy the dataset after set_epoch, so every epoch
     # draws its own crops. The loader's own generator keeps the shuffle off the global RNG (exact resume).
-    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=train,
-                                       drop_last=train if drop_last is None else drop_last,
-                                       num_workers=workers, pin_memory=accelerator.device.type == "cuda",
-                                       generator=torch.Generator().manual_seed(0),
-                                       prefetch_factor=4 if workers else None)
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=train,
+        drop_last=train if drop_last is None else drop_last,
+        num_workers=workers,
+        pin_memory=accelerator.device.type == "cuda",
+        generator=torch.Generator().manual_seed(0),
+        prefetch_factor=4 if workers else None,
+    )
 
 
 def photo_stats(split: PhotoSplit, count: int = 500) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views)."""
-    from common.data.augment import channel_stats
-
     positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique()
     return channel_stats(split.images_at(positions))

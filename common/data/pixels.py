@@ -14,6 +14,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+
+import torch
+
 from common.errors import DataError
 
 MAX_SHOWN = 5  # unreadable files named in one message
@@ -36,8 +41,10 @@ def natural(img):
         values = np.asarray(img, dtype=np.float64)
         lo, hi = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
         if not (np.isfinite(lo) and np.isfinite(hi)) or lo < 0 or hi > 255:
-            raise DataError(f"a floating-point image with values from {lo:g} to {hi:g}: neither 0-1 nor 0-255, so "
-                            "there is no one way to read it as pixels; save it scaled to 8 or 16 bits")
+            raise DataError(
+                f"a floating-point image with values from {lo:g} to {hi:g}: neither 0-1 nor 0-255, so "
+                "there is no one way to read it as pixels; save it scaled to 8 or 16 bits"
+            )
         scale = 255.0 if hi <= 1.0 else 1.0
         return Image.fromarray(np.rint(values * scale).astype(np.uint8), "L")
     if mode == "P":
@@ -67,8 +74,10 @@ def unreadable_reason(err: Exception) -> str:
     from PIL import Image, UnidentifiedImageError
 
     if isinstance(err, Image.DecompressionBombError):
-        return (f"{err}; shrink it below {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, e.g. "
-                "`mogrify -resize 4096x4096\\> FILE`, or remove it")
+        return (
+            f"{err}; shrink it below {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels, e.g. "
+            "`mogrify -resize 4096x4096\\> FILE`, or remove it"
+        )
     if isinstance(err, UnidentifiedImageError):
         return "not an image file Pillow can read"
     return str(err) if isinstance(err, (OSError, DataError)) else f"{type(err).__name__}: {err}"
@@ -78,5 +87,30 @@ def unreadable_error(bad: list[tuple[str, str]], total: int, what: str) -> DataE
     """One paragraph naming every unreadable file of a split ((file, reason) pairs), not only the first."""
     shown = "; ".join(f"{src} ({reason})" for src, reason in bad[:MAX_SHOWN])
     more = f"; and {len(bad) - MAX_SHOWN} more" if len(bad) > MAX_SHOWN else ""
-    return DataError(f"{len(bad)} of the {total} images in {what} could not be read: {shown}{more}. Remove or "
-                     "replace those files and run again.")
+    return DataError(
+        f"{len(bad)} of the {total} images in {what} could not be read: {shown}{more}. Remove or "
+        "replace those files and run again."
+    )
+
+
+@contextlib.contextmanager
+def open_rgb(source, min_side: int):
+    """The photo at ``source`` (a path, or a file object holding its bytes) decoded whole as RGB; a JPEG at the
+    smallest scale whose shorter side is still at least ``min_side``."""
+    from PIL import Image
+
+    with Image.open(source) as img:
+        if img.format == "JPEG":
+            w, h = img.size
+            scale = min_side / min(w, h)
+            img.draft("RGB", (math.ceil(w * scale), math.ceil(h * scale)))  # at least this big; 1/2, 1/4, 1/8
+        img.load()
+        yield as_mode(img, "RGB")
+
+
+def read_rgb(source, min_side: int) -> torch.Tensor:
+    """uint8 (3, H, W) of the photo at ``source`` (``open_rgb``)."""
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    with open_rgb(source, min_side) as img:
+        return pil_to_tensor(img)

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import DataError
+from common.data import folders
 from common.data.folders import FolderScan, FolderSplit
 from common.data.photo_check import Forked
+from common.errors import DataError
+from common.files import write_atomic
 
 VERSION = 1
 
@@ -65,14 +67,13 @@ def read(cache_dir: Path, root: Path) -> FolderScan | None:
                 splits[name] = split
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return FolderScan(Path(root), entry["class_names"], splits, Counter(entry["skipped"]), dirs=entry["dirs"],
-                      kept=True)
+    return FolderScan(
+        Path(root), entry["class_names"], splits, Counter(entry["skipped"]), dirs=entry["dirs"], kept=True
+    )
 
 
 def write(cache_dir: Path, scan: FolderScan) -> None:
     """Keep ``scan`` (only a shortcut: a failure costs the next launch a walk)."""
-    from common.files import write_atomic
-
     index = _index(cache_dir, scan.root)
     arrays_name = f"{index.stem}-{uuid.uuid4().hex[:8]}.npz"
     arrays = {}
@@ -87,10 +88,20 @@ def write(cache_dir: Path, scan: FolderScan) -> None:
         except (OSError, ValueError, AttributeError):
             old = None
         np.savez(cache_dir / arrays_name, **arrays)
-        write_atomic(index, json.dumps({"version": VERSION, "root": str(scan.root), "arrays": arrays_name,
-                                        "dirs": scan.dirs, "class_names": scan.class_names,
-                                        "skipped": dict(scan.skipped),
-                                        "splits": {k: s.fingerprint for k, s in scan.splits.items()}}))
+        write_atomic(
+            index,
+            json.dumps(
+                {
+                    "version": VERSION,
+                    "root": str(scan.root),
+                    "arrays": arrays_name,
+                    "dirs": scan.dirs,
+                    "class_names": scan.class_names,
+                    "skipped": dict(scan.skipped),
+                    "splits": {k: s.fingerprint for k, s in scan.splits.items()},
+                }
+            ),
+        )
         if old and old != arrays_name:
             (cache_dir / old).unlink(missing_ok=True)
 
@@ -105,8 +116,6 @@ def drop(cache_dir: Path, root: Path) -> None:
 
 def _walk_again(root, name, kept: dict) -> str:
     """In a forked process: walk the folder; '' when every split's files are those kept, else a file that differs."""
-    from common.data import folders
-
     try:
         fresh = folders.scan(root, name)
         diff = ""
@@ -139,5 +148,6 @@ class Verify:
                 f"The folder {self.name} changed since its scan was kept in the cache folder ({self._walk.answer}: a "
                 "photo replaced in place under its own name leaves its folder's times as they were), so this run "
                 "started from a list of files that is not the folder's. The run stopped; start it again (a new "
-                "--output-dir, or remove this run's): the folder is walked afresh.")
+                "--output-dir, or remove this run's): the folder is walked afresh."
+            )
         return self.error

@@ -15,9 +15,11 @@ from urllib.parse import urlparse
 import torch
 
 from common import console
-from common.errors import DataError
-from common.data.folders import FolderSplit, image_endings
+from common.data.folders import REPOSITORY_ENDINGS, FolderSplit
+from common.data.pixels import natural, unreadable_error, unreadable_reason
 from common.data.splits import ImageSplit
+from common.data.walk import image_endings
+from common.errors import DataError
 
 IMAGE_COLUMNS = ("image", "img")
 LABEL_COLUMNS = ("label", "labels")
@@ -45,7 +47,8 @@ def _go_offline():
     huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
-TABLE_ENDINGS = {".parquet", ".arrow", ".csv", ".tsv", ".json", ".jsonl"}
+# files `datasets` reads as tables: a folder holding any is not said to hold "no images"
+TABLE_ENDINGS = REPOSITORY_ENDINGS | {".csv", ".tsv", ".json", ".jsonl"}
 EXTENSIONS_SHOWN = ".png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff and the other formats Pillow reads"
 
 
@@ -79,7 +82,8 @@ def _lfs_error(name: str, pointers) -> DataError:
         f"{len(pointers)} file(s) in {name!r} are git-lfs pointer files, not data ({shown}): the repository was "
         "cloned without git-lfs, which leaves a small text stub in place of each parquet file. Install git-lfs "
         "(e.g. `apt install git-lfs` or `brew install git-lfs`), then run `git lfs install` and `git lfs pull` "
-        "inside the clone, and run again.")
+        "inside the clone, and run again."
+    )
 
 
 def _no_images_error(name: str, endings: Counter) -> DataError:
@@ -87,28 +91,37 @@ def _no_images_error(name: str, endings: Counter) -> DataError:
     return DataError(
         f"No images were found in {name!r} (found: {found}). The image-folder layout reads files ending "
         f"{EXTENSIONS_SHOWN}, one sub-folder per class ({name}/<class>/<image>). Put the images there, or pass "
-        "--dataset a directory with the dataset's parquet files.")
+        "--dataset a directory with the dataset's parquet files."
+    )
 
 
 def local_folder(name: str) -> Path | None:
     """The checked local directory ``name`` names, or None for a Hub id; DataError for a path that is missing,
     a file or unreadable."""
-    looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1] \
+    looks_local = (
+        name.startswith((".", "/", "~"))
+        or os.sep in name.strip("/").split("/", 1)[-1]
         or Path(name).expanduser().exists()
+    )
     path = Path(name).expanduser()
     if looks_local and not path.exists():
         raise DataError(
             f"The dataset path {name!r} does not exist. Pass --dataset a directory that holds the dataset "
             "(a clone of the Hub repo with its parquet files, or an image folder with one sub-folder per "
-            "class), or a Hub id such as ylecun/mnist on a machine with network access.")
+            "class), or a Hub id such as ylecun/mnist on a machine with network access."
+        )
     if not path.exists():
         return None
     if not path.is_dir():
-        raise DataError(f"The dataset path {name!r} is a file, not a directory. Pass --dataset the folder "
-                        "that holds the parquet files or the class sub-folders.")
+        raise DataError(
+            f"The dataset path {name!r} is a file, not a directory. Pass --dataset the folder "
+            "that holds the parquet files or the class sub-folders."
+        )
     if not os.access(path, os.R_OK | os.X_OK):
-        raise DataError(f"The dataset directory {name!r} is not readable by this user. Fix its permissions "
-                        "(e.g. chmod -R u+rX) or copy it somewhere readable.")
+        raise DataError(
+            f"The dataset directory {name!r} is not readable by this user. Fix its permissions "
+            "(e.g. chmod -R u+rX) or copy it somewhere readable."
+        )
     return path
 
 
@@ -127,8 +140,9 @@ def load_source(name: str, hf_cache: Path | None = None):
     own_copy = hf_cache if hf_cache and path.exists() else None
 
     def load():
-        return datasets.load_dataset(str(path) if path.exists() else name,
-                                     cache_dir=str(own_copy) if own_copy else None)
+        return datasets.load_dataset(
+            str(path) if path.exists() else name, cache_dir=str(own_copy) if own_copy else None
+        )
 
     try:
         try:
@@ -140,13 +154,17 @@ def load_source(name: str, hf_cache: Path | None = None):
 
             shutil.rmtree(own_copy, ignore_errors=True)
             ds = load()
-            console.say(f"NOTE: the arrow copy of {name} in {own_copy} could not be read (damaged by an interrupted "
-                        "write); it was rebuilt from the dataset's files.")
+            console.say(
+                f"NOTE: the arrow copy of {name} in {own_copy} could not be read (damaged by an interrupted "
+                "write); it was rebuilt from the dataset's files."
+            )
     except Exception as err:  # datasets raises many types; all mean "could not load"
         if "corresponds to no data" in str(err):  # datasets' wording for a split with no rows
             split = str(err).split('"')[1] if '"' in str(err) else "a"
-            raise DataError(f"The {split} split of {name!r} is empty. Add images to it, or remove its files so the "
-                            "recipe holds out part of train instead.") from None
+            raise DataError(
+                f"The {split} split of {name!r} is empty. Add images to it, or remove its files so the "
+                "recipe holds out part of train instead."
+            ) from None
         if path.exists():
             endings, pointers = _survey(path)
             if pointers:
@@ -154,33 +172,42 @@ def load_source(name: str, hf_cache: Path | None = None):
             if not any(e in TABLE_ENDINGS | image_endings() for e in endings):
                 raise _no_images_error(name, endings) from None
             raise DataError(
-                f"datasets could not read {name!r}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. "
+                f"datasets could not read {name!r}: {type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}. "
                 "Pass a directory laid out like the Hub repo (data/train-*.parquet, ...) or an image folder "
-                "with one sub-folder per class.") from None
+                "with one sub-folder per class."
+            ) from None
         raise DataError(
             f"Could not load the Hub dataset {name!r}: the Hugging Face Hub is not reachable from this machine "
             "and the dataset is not in the local cache. On an offline machine, copy the dataset first "
             f"(e.g. `git clone https://huggingface.co/datasets/{name}` elsewhere) and pass --dataset "
-            "<that directory>; or set HF_ENDPOINT to a reachable mirror.") from None
+            "<that directory>; or set HF_ENDPOINT to a reachable mirror."
+        ) from None
     if isinstance(ds, datasets.Dataset):
         ds = datasets.DatasetDict({"train": ds})
     if "train" not in ds:
-        raise DataError(f"The dataset {name!r} has no 'train' split (found: {', '.join(ds) or 'none'}). "
-                        "Name the training files train-*.parquet (e.g. data/train-00000-of-00001.parquet).")
+        raise DataError(
+            f"The dataset {name!r} has no 'train' split (found: {', '.join(ds) or 'none'}). "
+            "Name the training files train-*.parquet (e.g. data/train-00000-of-00001.parquet)."
+        )
     return ds
 
 
 def _pick_column(features, wanted: str, candidates, kind: str, name: str) -> str:
     if wanted:
         if wanted not in features:
-            raise DataError(f"The dataset {name!r} has no column {wanted!r} (columns: {', '.join(features)}). "
-                            f"Pass --{kind}-column with one of those.")
+            raise DataError(
+                f"The dataset {name!r} has no column {wanted!r} (columns: {', '.join(features)}). "
+                f"Pass --{kind}-column with one of those."
+            )
         return wanted
     for col in candidates:
         if col in features:
             return col
-    raise DataError(f"The dataset {name!r} has no {kind} column: looked for {', '.join(candidates)} among "
-                    f"{', '.join(features)}. Pass --{kind}-column <name> to say which column holds the {kind}s.")
+    raise DataError(
+        f"The dataset {name!r} has no {kind} column: looked for {', '.join(candidates)} among "
+        f"{', '.join(features)}. Pass --{kind}-column <name> to say which column holds the {kind}s."
+    )
 
 
 def pick_columns(train, cfg, name: str) -> tuple[str, str]:
@@ -199,6 +226,7 @@ def pick_columns(train, cfg, name: str) -> tuple[str, str]:
 
 # --- decoding ------------------------------------------------------------------------------------
 
+
 def _items(split, img_col: str | None, lab_col: str | None):
     """(where, how to open, label) for every image of a split: a ``FolderSplit`` or a ``datasets`` split."""
     if isinstance(split, FolderSplit):
@@ -216,8 +244,7 @@ def _items(split, img_col: str | None, lab_col: str | None):
             yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path"), label
 
 
-def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str,
-                 progress: bool = False):
+def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str, progress: bool = False):
     """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
 
     Pixels are read by ``common.data.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
@@ -225,21 +252,22 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
     image is in colour (the grey ones are repeated to three channels, and the split's ``note`` says how many),
     else grey. Every file that can't be read is listed in one error, not only the first."""
     import numpy as np
-    from tqdm.auto import tqdm
     from PIL import Image
-
-    from common.data.pixels import natural, unreadable_error, unreadable_reason
+    from tqdm.auto import tqdm
 
     if not isinstance(split, FolderSplit):
         from datasets import Image as ImageFeature
 
         if not isinstance(split.features[img_col], ImageFeature):
-            raise DataError(f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
-                            "Pass --image-column with the column of images.")
+            raise DataError(
+                f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
+                "Pass --image-column with the column of images."
+            )
     n = len(split)
     if n == 0:
-        raise DataError(f"The {what} split is empty. Add images to it, or remove it so the recipe holds out "
-                        "part of train instead.")
+        raise DataError(
+            f"The {what} split is empty. Add images to it, or remove it so the recipe holds out part of train instead."
+        )
     forced = {1: "L", 3: "RGB"}.get(channels)
     arrays, labels, bad, size = [], [], [], None
     bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
@@ -260,8 +288,10 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
         elif size is None:
             size = img.size
         elif img.size != size:
-            raise DataError(f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
-                            f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN.")
+            raise DataError(
+                f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
+                f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN."
+            )
         labels.append(label_map(label, src))
         arrays.append(np.asarray(img, dtype=np.uint8))
     bar.close()
@@ -286,13 +316,17 @@ def class_names_of(train, lab_col: str):
     column = list(train[lab_col])
     distinct = set(column)
     if None in distinct:
-        raise DataError(f"Row {column.index(None)} of the train split has no label (column {lab_col!r} is empty "
-                        "there). Fill in its label, or remove the row, and run again.")
+        raise DataError(
+            f"Row {column.index(None)} of the train split has no label (column {lab_col!r} is empty "
+            "there). Fill in its label, or remove the row, and run again."
+        )
     values = sorted(distinct)
     if all(isinstance(v, int) for v in values):
         if values[0] < 0:
-            raise DataError(f"Label column {lab_col!r} holds negative labels ({values[0]}). Labels must be "
-                            "0..num_classes-1 or class-name strings.")
+            raise DataError(
+                f"Label column {lab_col!r} holds negative labels ({values[0]}). Labels must be "
+                "0..num_classes-1 or class-name strings."
+            )
         return [str(i) for i in range(values[-1] + 1)], None
     names = [str(v) for v in values]
     return names, {v: i for i, v in enumerate(values)}

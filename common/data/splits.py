@@ -88,7 +88,7 @@ class ImageSplit(Rows):
     def images(self) -> torch.Tensor:
         return self.source_images if self.index is None else self.source_images[self.index]
 
-    def with_index(self, index: torch.Tensor) -> "ImageSplit":
+    def with_index(self, index: torch.Tensor) -> ImageSplit:
         return ImageSplit(self.source_images, self.source_labels, index, self.note)
 
     def __repr__(self):
@@ -104,8 +104,8 @@ class ImageData:
     class_names: list[str]
     source: str
     note: str = ""  # files skipped and conversions made while reading the data, for the startup line
-    # how a loader over one of its splits is made (common.data.decoded.split_loader, common.data.photos.photo_loader): the reader
-    # that made the data says, so every recipe gets its loaders from run.loader(...) alike
+    # how a loader over one of its splits is made (common.data.decoded.split_loader, common.data.photos.photo_loader):
+    # the reader that made the data says, so every recipe gets its loaders from run.loader(...) alike
     make_loader: Callable | None = None
     on_device: bool = False  # the decoded images were placed on the accelerator (common.data.decoded.place_on_device)
     check: object | None = None  # photos still being checked while training runs (common.data.photo_check.PhotoCheck)
@@ -123,7 +123,7 @@ class ImageData:
         return len(self.class_names)
 
 
-def data_fingerprint(data: "ImageData") -> str:
+def data_fingerprint(data: ImageData) -> str:
     """A short hash of what training and validation see: the class names, the image shape, and each split's
     labels and held-out positions. A checkpoint records it; a resume on other data is refused."""
     h = hashlib.sha256(json.dumps([list(data.class_names), list(data.shape)]).encode())
@@ -138,7 +138,7 @@ def data_fingerprint(data: "ImageData") -> str:
     return h.hexdigest()[:16]
 
 
-def files_listing(data: "ImageData") -> dict | None:
+def files_listing(data: ImageData) -> dict | None:
     """Which file is at each row of training and validation, {"train": [[path, size, mtime_ns], ...], "val": ...}
     (None for a table dataset): what a run records, so a changed folder can be named file by file. Size and
     modification time are the identity a copy with ``cp -p`` or ``rsync -a`` keeps (the change time is not)."""
@@ -149,14 +149,14 @@ def files_listing(data: "ImageData") -> dict | None:
     return data.listing  # rows are tuples: json writes them as the lists it reads back
 
 
-def files_listing_json(data: "ImageData") -> str | None:
+def files_listing_json(data: ImageData) -> str | None:
     """``files_listing`` as the JSON a run records (``DATA_FILES``), made once per data."""
     if data.listing_json is None and files_listing(data) is not None:
         data.listing_json = json.dumps(data.listing)
     return data.listing_json
 
 
-def files_fingerprint(data: "ImageData") -> str | None:
+def files_fingerprint(data: ImageData) -> str | None:
     """A short hash of ``files_listing``: a renamed, swapped or replaced file changes it."""
     text = files_listing_json(data)
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -165,7 +165,7 @@ def files_fingerprint(data: "ImageData") -> str | None:
 DATA_FILES = "data_files.json"  # a run's files_listing, in its run directory
 
 
-def recorded_files_changed(run_dir, data: "ImageData") -> str:
+def recorded_files_changed(run_dir, data: ImageData) -> str:
     """Where the data's files differ from the run's recorded listing (``DATA_FILES`` in ``run_dir``), or ''."""
     from pathlib import Path
 
@@ -176,7 +176,7 @@ def recorded_files_changed(run_dir, data: "ImageData") -> str:
     return files_changed(recorded, data) if isinstance(recorded, dict) else ""
 
 
-def files_changed(recorded: dict, data: "ImageData", shown: int = 5) -> str:
+def files_changed(recorded: dict, data: ImageData, shown: int = 5) -> str:
     """'' or where the files differ from ``recorded`` (a ``files_listing``), first ``shown`` rows named."""
     now, diffs = files_listing(data) or {}, []
     for split in ("train", "val"):
@@ -194,10 +194,11 @@ def files_changed(recorded: dict, data: "ImageData", shown: int = 5) -> str:
     return f"{len(diffs)} row(s) differ, e.g. {'; '.join(diffs[:shown])}"
 
 
-def data_record(data: "ImageData") -> dict:
+def data_record(data: ImageData) -> dict:
     """What a model card records of the data: the fingerprints and each split's size."""
-    sizes = {k: len(v) if v is not None else 0 for k, v in (("train", data.train), ("val", data.val),
-                                                            ("test", data.test))}
+    sizes = {
+        k: len(v) if v is not None else 0 for k, v in (("train", data.train), ("val", data.val), ("test", data.test))
+    }
     files = files_fingerprint(data)
     return {"fingerprint": data_fingerprint(data), **({"files": files} if files else {}), **sizes}
 
@@ -208,8 +209,10 @@ def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit,
     n = len(split)
     n_val = max(1, int(round(n * fraction)))
     if n_val >= n:
-        raise DataError(f"Holding out {fraction:.0%} of a {n}-image train split leaves nothing to train on. "
-                        "Lower --val-fraction or add images.")
+        raise DataError(
+            f"Holding out {fraction:.0%} of a {n}-image train split leaves nothing to train on. "
+            "Lower --val-fraction or add images."
+        )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     val_idx, train_idx = perm[:n_val].sort().values, perm[n_val:].sort().values
     return split.select(train_idx), split.select(val_idx)

@@ -26,10 +26,10 @@ Exporters (``--exporter``):
   It needs ``onnx`` and ``onnxscript``; requirements.txt does not install onnxscript, so run
   ``pip install onnxscript`` before choosing it.
 
-The check: a random batch, and a batch of one, are run through the ONNX file with onnxruntime
-(installed by requirements.txt) and through the PyTorch model; the max abs difference of the logits
-must be below ``--atol`` (default 1e-4; relative to the largest logit when that is above 1). Class names, mean/std and the input description are stored
-in the file's ``metadata_props`` (with the ``onnx`` package).
+The check: a random batch, and a batch of one, are run through the ONNX file with onnxruntime (installed by
+requirements.txt) and through the PyTorch model; the max abs difference of the logits must be below ``--atol`` (default
+1e-4; relative to the largest logit when that is above 1). Class names, mean/std and the input description are stored in
+the file's ``metadata_props`` (with the ``onnx`` package).
 
 Exit codes: 0 ok (the check passed), 1 the onnxruntime check failed, 2 bad input or a missing package
 (one paragraph on stderr that names the fix, no traceback, no file written).
@@ -51,7 +51,7 @@ from torch import nn
 
 from common.errors import EXIT_CHECK_FAILED, RecipeError, printable, run_command
 from common.tools.predict import load_predictor
-
+from common.train.metrics import tta_logits
 
 
 class ExportWrapper(nn.Module):
@@ -65,7 +65,6 @@ class ExportWrapper(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         x = (images - self.mean) / self.std if self.preprocess else images
-        from common.train.metrics import tta_logits
 
         return tta_logits(self.model, x, self.tta)
 
@@ -74,19 +73,26 @@ def input_description(card: dict, preprocess: bool, tta: bool) -> str:
     c, h, w = card["input_shape"]
     kind = {1: "grayscale", 3: "RGB"}.get(c, f"{c}-channel")
     if preprocess:
-        what = (f"float32 (N, {c}, {h}, {w}) {kind} images with values in [0, 1]; normalization with mean "
-                f"{[round(m, 4) for m in card['mean']]} std {[round(s, 4) for s in card['std']]} is inside the graph")
+        what = (
+            f"float32 (N, {c}, {h}, {w}) {kind} images with values in [0, 1]; normalization with mean "
+            f"{[round(m, 4) for m in card['mean']]} std {[round(s, 4) for s in card['std']]} is inside the graph"
+        )
     else:
-        what = (f"float32 (N, {c}, {h}, {w}) {kind} images already normalized: (pixel/255 - mean) / std with "
-                f"mean {card['mean']} std {card['std']}")
+        what = (
+            f"float32 (N, {c}, {h}, {w}) {kind} images already normalized: (pixel/255 - mean) / std with "
+            f"mean {card['mean']} std {card['std']}"
+        )
     if card.get("preprocess"):  # a photo run (common.data.photos): how a photo of any size becomes that input
         p = card["preprocess"]
-        what = (f"photos of any size: resize the shorter side to {p['resize_shorter']} (bilinear, antialiased) and "
-                f"crop the centre {p['center_crop']}x{p['center_crop']}, then {what}")
-    views = {1: "; logits averaged with the mirror image (TTA)",
-             2: "; logits averaged over 6 views: the image, its 1-pixel shifts and their mirrors (TTA)"}
-    return what + views.get(int(tta), "") + \
-        f". Output: logits (N, {len(card['class_names'])})."
+        what = (
+            f"photos of any size: resize the shorter side to {p['resize_shorter']} (bilinear, antialiased) and "
+            f"crop the centre {p['center_crop']}x{p['center_crop']}, then {what}"
+        )
+    views = {
+        1: "; logits averaged with the mirror image (TTA)",
+        2: "; logits averaged over 6 views: the image, its 1-pixel shifts and their mirrors (TTA)",
+    }
+    return what + views.get(int(tta), "") + f". Output: logits (N, {len(card['class_names'])})."
 
 
 def require(module: str, needed_for: str, fix: str) -> None:
@@ -94,8 +100,9 @@ def require(module: str, needed_for: str, fix: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as err:
-        raise RecipeError(f"{needed_for} needs the {module} package, which is not importable ({err}). {fix} "
-                          "Nothing was written.") from None
+        raise RecipeError(
+            f"{needed_for} needs the {module} package, which is not importable ({err}). {fix} Nothing was written."
+        ) from None
 
 
 def check_packages(exporter: str) -> bool:
@@ -107,11 +114,16 @@ def check_packages(exporter: str) -> bool:
     if exporter != "dynamo":
         return False
     if "dynamo" not in inspect.signature(torch.onnx.export).parameters:
-        raise RecipeError(f"--exporter dynamo needs torch 2.5 or newer (this is torch {torch.__version__}). "
-                          "Leave out --exporter to use the TorchScript exporter, or upgrade torch.")
-    require("onnxscript", "--exporter dynamo (the torch.export-based exporter)",
-            "Run `pip install onnxscript`, or leave out --exporter to use the default TorchScript exporter, "
-            "which needs only onnx (installed by requirements.txt).")
+        raise RecipeError(
+            f"--exporter dynamo needs torch 2.5 or newer (this is torch {torch.__version__}). "
+            "Leave out --exporter to use the TorchScript exporter, or upgrade torch."
+        )
+    require(
+        "onnxscript",
+        "--exporter dynamo (the torch.export-based exporter)",
+        "Run `pip install onnxscript`, or leave out --exporter to use the default TorchScript exporter, "
+        "which needs only onnx (installed by requirements.txt).",
+    )
     return True
 
 
@@ -120,8 +132,15 @@ def export_onnx(wrapper: nn.Module, example: torch.Tensor, out: Path, dynamo: bo
     common = dict(input_names=["images"], output_names=["logits"], opset_version=opset)
     if dynamo:
         batch = torch.export.Dim("batch", min=1)
-        torch.onnx.export(wrapper, (example,), str(out), dynamo=True, external_data=False,
-                          dynamic_shapes={"images": {0: batch}}, **common)
+        torch.onnx.export(
+            wrapper,
+            (example,),
+            str(out),
+            dynamo=True,
+            external_data=False,
+            dynamic_shapes={"images": {0: batch}},
+            **common,
+        )
         return
     # Since torch 2.9 torch.onnx.export defaults to dynamo=True, which needs onnxscript; torch < 2.5 has
     # no dynamo argument and only this exporter.
@@ -129,8 +148,9 @@ def export_onnx(wrapper: nn.Module, example: torch.Tensor, out: Path, dynamo: bo
         common["dynamo"] = False
     with warnings.catch_warnings():  # torch >= 2.9 warns on every call that this exporter is deprecated
         warnings.simplefilter("ignore")
-        torch.onnx.export(wrapper, (example,), str(out), dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}},
-                          **common)
+        torch.onnx.export(
+            wrapper, (example,), str(out), dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, **common
+        )
 
 
 def add_metadata(out: Path, card: dict, description: str) -> None:
@@ -138,10 +158,16 @@ def add_metadata(out: Path, card: dict, description: str) -> None:
     import onnx
 
     model = onnx.load(str(out))
-    meta = {"class_names": json.dumps([str(n) for n in card["class_names"]]), "input": description,
-            "mean": json.dumps(card["mean"]), "std": json.dumps(card["std"]),
-            "input_shape": json.dumps(card["input_shape"]), "recipe": str(card.get("recipe", "")),
-            "model": str(card.get("model", "")), "preprocess": json.dumps(card.get("preprocess"))}
+    meta = {
+        "class_names": json.dumps([str(n) for n in card["class_names"]]),
+        "input": description,
+        "mean": json.dumps(card["mean"]),
+        "std": json.dumps(card["std"]),
+        "input_shape": json.dumps(card["input_shape"]),
+        "recipe": str(card.get("recipe", "")),
+        "model": str(card.get("model", "")),
+        "preprocess": json.dumps(card.get("preprocess")),
+    }
     del model.metadata_props[:]
     for key, value in meta.items():
         entry = model.metadata_props.add()
@@ -168,22 +194,42 @@ def check_onnxruntime(out: Path, wrapper: nn.Module, example: torch.Tensor) -> f
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m common.tools.export", description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.tools.export",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", help="run directory, or its best/ or final/ folder")
     parser.add_argument("--onnx", required=True, help="path of the .onnx file to write")
-    parser.add_argument("--no-preprocess", action="store_true",
-                        help="export the bare network, which takes normalized images")
-    parser.add_argument("--no-tta", action="store_true", help="leave the test-time augmentation out of the graph "
-                        "even if the run evaluated with --tta")
-    parser.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
-                        help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
-                             "torch.export-based exporter, also needs `pip install onnxscript`")
-    parser.add_argument("--recipe", help="the recipe file that defines the model, when it is not one of this "
-                        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust")
+    parser.add_argument(
+        "--no-preprocess", action="store_true", help="export the bare network, which takes normalized images"
+    )
+    parser.add_argument(
+        "--no-tta",
+        action="store_true",
+        help="leave the test-time augmentation out of the graph even if the run evaluated with --tta",
+    )
+    parser.add_argument(
+        "--exporter",
+        choices=("torchscript", "dynamo"),
+        default="torchscript",
+        help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
+        "torch.export-based exporter, also needs `pip install onnxscript`",
+    )
+    parser.add_argument(
+        "--recipe",
+        help="the recipe file that defines the model, when it is not one of this "
+        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust",
+    )
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check-batch", type=int, default=4, help="random images in the onnxruntime check")
-    parser.add_argument("--atol", type=float, default=1e-4, help="max logit difference allowed, relative to the largest logit when that is above 1 (default 1e-4)")
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=1e-4,
+        help="max logit difference allowed, relative to the largest logit when that is above 1 (default 1e-4)",
+    )
     return parser.parse_args(argv)
 
 
@@ -207,32 +253,43 @@ def run(args: argparse.Namespace) -> int:
         export_onnx(wrapper, example, out, dynamo, args.opset)
     except Exception as err:  # the exporters raise many types
         out.unlink(missing_ok=True)  # a half-written file is worse than none
-        other = ("leave out --exporter to use the TorchScript exporter" if dynamo else
-                 "try the torch.export-based exporter: `pip install onnxscript`, then add --exporter dynamo")
+        other = (
+            "leave out --exporter to use the TorchScript exporter"
+            if dynamo
+            else "try the torch.export-based exporter: `pip install onnxscript`, then add --exporter dynamo"
+        )
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise RecipeError(f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter, torch "
-                          f"{torch.__version__}) failed on this model: {type(err).__name__}: {first}. To get a file, "
-                          f"{other}, or pass another --opset (e.g. --opset 17).") from None
+        raise RecipeError(
+            f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter, torch "
+            f"{torch.__version__}) failed on this model: {type(err).__name__}: {first}. To get a file, "
+            f"{other}, or pass another --opset (e.g. --opset 17)."
+        ) from None
     try:
         description = input_description(card, preprocess, predictor.tta)
         add_metadata(out, card, description)
         diff = check_onnxruntime(out, wrapper, example)
         if not diff < args.atol:
-            print(f"onnxruntime check FAILED: max logit difference to torch is {diff:.3g} (relative to the largest "
-                  f"logit above 1; allowed {args.atol:g}) on {args.check_batch} random images; {final} was not written"
-                  f"{' (the previous file there is kept)' if final.exists() else ''}")
+            print(
+                f"onnxruntime check FAILED: max logit difference to torch is {diff:.3g} (relative to the largest "
+                f"logit above 1; allowed {args.atol:g}) on {args.check_batch} random images; {final} was not written"
+                f"{' (the previous file there is kept)' if final.exists() else ''}"
+            )
             return EXIT_CHECK_FAILED
         os.replace(out, final)
     finally:
         out.unlink(missing_ok=True)
     out = final
-    print(f"wrote {out} from {printable(predictor.model_dir)} ({printable(card.get('model'))}, "
-          f"{'dynamo' if dynamo else 'TorchScript'} exporter, torch {torch.__version__})")
+    print(
+        f"wrote {out} from {printable(predictor.model_dir)} ({printable(card.get('model'))}, "
+        f"{'dynamo' if dynamo else 'TorchScript'} exporter, torch {torch.__version__})"
+    )
     print(f"input: {printable(description)}")  # it quotes model.json's mean and std
     import onnxruntime
 
-    print(f"onnxruntime check passed: max logit difference to torch {diff:.3g} < {args.atol:g} "
-          f"({args.check_batch} random images, onnxruntime {onnxruntime.__version__})")
+    print(
+        f"onnxruntime check passed: max logit difference to torch {diff:.3g} < {args.atol:g} "
+        f"({args.check_batch} random images, onnxruntime {onnxruntime.__version__})"
+    )
     return 0
 
 

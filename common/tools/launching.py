@@ -14,6 +14,9 @@ import sys
 import time
 from pathlib import Path
 
+from common.config import parse_config
+from common.tools.machine import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPES_DIR, CONFIGS_DIR = REPO / "recipes", REPO / "accelerate_configs"
 _IMPORTED: dict[Path, object] = {}
@@ -45,19 +48,24 @@ def import_recipe(recipe, prefix: str = "_recipe"):
 def recipe_config(recipe, argv=()):
     """The recipe's Config as its own command line makes it from ``argv``: its defaults, then the flags. A bad
     flag exits 2 with the recipe's one-paragraph message, as the recipe itself would."""
-    from common.config import parse_config
-
     return parse_config(import_recipe(recipe).Config, [str(a) for a in argv])
 
 
-def launch_command(recipe, args=(), *, nproc: int = 1, config: str | None = None, port: int | None = None,
-                   precision: str | None = "no", threads: int | None = None, extra_launch=()) -> list[str]:
+def launch_command(
+    recipe,
+    args=(),
+    *,
+    nproc: int = 1,
+    config: str | None = None,
+    port: int | None = None,
+    precision: str | None = "no",
+    threads: int | None = None,
+    extra_launch=(),
+) -> list[str]:
     """``accelerate launch --config_file <config> ... recipe ARGS`` with a free port: ``config`` is a file in
     accelerate_configs/ or a path (default: cpu.yaml for 1 process, cpu_2proc.yaml for 2); ``precision`` is passed
     to the launcher (default "no": fp32 whatever the CPU, as the golden losses are; None keeps the config's);
     ``nproc=0`` gives the plain ``python recipe ARGS`` a user runs without the launcher."""
-    from common.tools.machine import free_port
-
     script = [str(recipe_path(recipe)), *map(str, args)]
     if nproc == 0:
         return [sys.executable, *script]
@@ -72,8 +80,15 @@ def launch_command(recipe, args=(), *, nproc: int = 1, config: str | None = None
     return [*cmd, *map(str, extra_launch), *script]
 
 
-def recipe_env(root: Path | None = None, *, threads: int | None = 1, cache_dir: Path | None = None,
-               cpu_only: bool = False, offline: bool = True, base: dict | None = None) -> dict:
+def recipe_env(
+    root: Path | None = None,
+    *,
+    threads: int | None = 1,
+    cache_dir: Path | None = None,
+    cpu_only: bool = False,
+    offline: bool = True,
+    base: dict | None = None,
+) -> dict:
     """The environment for a recipe process: no network (Hub and datasets offline), unbuffered output, ``threads``
     per process, the decoded cache in ``cache_dir`` (or ``root``/decoded-cache) and the Hub's cache in
     ``root``/hf-home; precision from the launcher only; ``cpu_only`` hides GPUs from the Accelerator."""
@@ -102,8 +117,9 @@ def run_logged(cmd, env: dict, log: Path, timeout: float | None = None) -> tuple
     t0 = time.perf_counter()
     with open(log, "w") as out:
         try:
-            code = subprocess.run(cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
+            code = subprocess.run(
+                cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     return code, time.perf_counter() - t0
@@ -133,8 +149,11 @@ def read_run(run_dir: Path) -> dict:
         path = run_dir / name
         return json.loads(path.read_text()) if path.exists() else {}
 
-    return {"rows": read_jsonl(run_dir / "metrics.jsonl"), "summary": json_file("summary.json"),
-            "config": json_file("config.json")}
+    return {
+        "rows": read_jsonl(run_dir / "metrics.jsonl"),
+        "summary": json_file("summary.json"),
+        "config": json_file("config.json"),
+    }
 
 
 def stop_children_on_term() -> None:

@@ -12,6 +12,8 @@ import platform
 import socket
 from pathlib import Path
 
+from common.train.accelerator import cpu_bf16_support
+
 # the flags that say whether bf16 is native (AMX, AVX512-BF16) or emulated (AVX2 only)
 CPU_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
 
@@ -26,8 +28,6 @@ def machine_info(device) -> dict:
     """Host, CPU model and flags, usable CPUs, torch threads and, on ``device`` "cuda", the GPU."""
     import torch
 
-    from common.train.accelerator import cpu_bf16_support
-
     device = torch.device(device)
     cpu_model, flags = platform.processor(), set()
     with contextlib.suppress(OSError):
@@ -36,13 +36,19 @@ def machine_info(device) -> dict:
                 cpu_model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and ":" in line:
                 flags = set(line.split(":", 1)[1].split())
-    return {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu": cpu_model,
-            "cpu_count": os.cpu_count(),
-            "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "cpu_flags": sorted(flags & CPU_FLAGS),
-            "cpu_bf16_support": cpu_bf16_support() or "none (emulated)", "torch_num_threads": torch.get_num_threads(),
-            "device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            "gpu_count": torch.cuda.device_count() if device.type == "cuda" else 0}
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_flags": sorted(flags & CPU_FLAGS),
+        "cpu_bf16_support": cpu_bf16_support() or "none (emulated)",
+        "torch_num_threads": torch.get_num_threads(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "gpu_count": torch.cuda.device_count() if device.type == "cuda" else 0,
+    }
 
 
 def versions() -> dict:
@@ -50,8 +56,12 @@ def versions() -> dict:
     import torch
     import torchvision
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "accelerate": accelerate.__version__,
-            "torchvision": torchvision.__version__}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "torchvision": torchvision.__version__,
+    }
 
 
 def load_average():

@@ -33,11 +33,17 @@ from pathlib import Path
 
 import torch
 
+from common.data.augment import normalize
+from common.data.photos import eval_view
+from common.data.pixels import as_mode, read_rgb, unreadable_reason
+from common.data.walk import images_below
 from common.errors import RecipeError, printable, run_command
-from common.data.folders import images_below
-
+from common.tools.launching import import_recipe
+from common.train.checkpoint import find_model_dir, load_model_dir
+from common.train.metrics import tta_logits
 
 # --- model ---------------------------------------------------------------------------------------
+
 
 def load_recipe(card: dict, recipe_file=None):
     """Import the recipe that trained the model, as a module. A run folder is data, not code: without
@@ -55,21 +61,26 @@ def load_recipe(card: dict, recipe_file=None):
     elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and (recipes_dir / f"{name}.py").is_file():
         path = recipes_dir / f"{name}.py"
     else:
-        raise RecipeError(f"model.json names the recipe {name!r} ({recorded}), which is not one of this repository's "
-                          f"recipes in {recipes_dir}. Its model is defined in that file, and importing it runs it, so "
-                          "it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
-                          "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py.")
-    from common.tools.launching import import_recipe
+        raise RecipeError(
+            f"model.json names the recipe {name!r} ({recorded}), which is not one of this repository's "
+            f"recipes in {recipes_dir}. Its model is defined in that file, and importing it runs it, so "
+            "it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
+            "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py."
+        )
 
     try:
         module = import_recipe(path)  # recipes run nothing at import (their main is behind __name__)
     except Exception as err:
-        raise RecipeError(f"Could not import the recipe {path}: {type(err).__name__}: {err}. Fix it, or pass "
-                          "--recipe with the recipe file the run was trained with.") from None
+        raise RecipeError(
+            f"Could not import the recipe {path}: {type(err).__name__}: {err}. Fix it, or pass "
+            "--recipe with the recipe file the run was trained with."
+        ) from None
     for name in ("build_model", "Config"):
         if not hasattr(module, name):
-            raise RecipeError(f"The recipe {path} has no {name}; a recipe defines Config and build_model(cfg, "
-                              "in_shape, num_classes) so its runs can be predicted, exported and evaluated.")
+            raise RecipeError(
+                f"The recipe {path} has no {name}; a recipe defines Config and build_model(cfg, "
+                "in_shape, num_classes) so its runs can be predicted, exported and evaluated."
+            )
     return module
 
 
@@ -80,16 +91,20 @@ def build_model_from_card(card: dict, recipe_file=None) -> torch.nn.Module:
 
     missing = [k for k in ("input_shape", "class_names", "config") if k not in card]
     if missing:
-        raise RecipeError(f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
-                          "repository (or is damaged). Point at a best/ or final/ folder of a finished run.")
+        raise RecipeError(
+            f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
+            "repository (or is damaged). Point at a best/ or final/ folder of a finished run."
+        )
     recipe = load_recipe(card, recipe_file)
     known = {f.name for f in dataclasses.fields(recipe.Config)}
     try:
         cfg = recipe.Config(**{k: v for k, v in card["config"].items() if k in known})
         return recipe.build_model(cfg, tuple(card["input_shape"]), len(card["class_names"]))
     except Exception as err:
-        raise RecipeError(f"Could not rebuild the model of {card.get('recipe')} from model.json (input_shape "
-                          f"{card['input_shape']}): {type(err).__name__}: {err}.") from None
+        raise RecipeError(
+            f"Could not rebuild the model of {card.get('recipe')} from model.json (input_shape "
+            f"{card['input_shape']}): {type(err).__name__}: {err}."
+        ) from None
 
 
 @dataclass
@@ -113,9 +128,6 @@ class Predictor:
     @torch.no_grad()
     def logits(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 ``(N, C, H, W)`` at the model's input shape -> float32 logits ``(N, classes)``."""
-        from common.data.augment import normalize
-        from common.train.metrics import tta_logits
-
         x = normalize(images.to(self.device), self.card["mean"], self.card["std"])
         return tta_logits(self.model, x, self.tta)  # the same views as the run's evaluation
 
@@ -123,36 +135,41 @@ class Predictor:
         return torch.softmax(self.logits(images), dim=1)
 
 
-def load_predictor(path, device: str | torch.device = "cpu", tta: int | None = None,
-                   recipe_file=None) -> Predictor:
+def load_predictor(path, device: str | torch.device = "cpu", tta: int | None = None, recipe_file=None) -> Predictor:
     """Load model.safetensors + model.json from a run dir / best/ / final/ folder. ``tta=None``
     follows the run's config (``card["config"]["tta"]``)."""
-    from common.train.checkpoint import find_model_dir, load_model_dir
-
     path = Path(path).expanduser()
     if not path.exists():
-        raise RecipeError(f"The model path {path} does not exist. Pass a run directory (runs/<recipe>-<time>) "
-                           "or its best/ or final/ folder.")
+        raise RecipeError(
+            f"The model path {path} does not exist. Pass a run directory (runs/<recipe>-<time>) "
+            "or its best/ or final/ folder."
+        )
     try:
         model_dir = find_model_dir(path)
         state, card = load_model_dir(model_dir)
     except FileNotFoundError as err:
         raise RecipeError(str(err)) from None
     except Exception as err:  # safetensors / json raise several types for a damaged file
-        raise RecipeError(f"Could not read the model files in {path}: {type(err).__name__}: {err}. The files "
-                           "may be damaged or partly written; use the other folder (best/ or final/) or "
-                           "re-run the training.") from None
+        raise RecipeError(
+            f"Could not read the model files in {path}: {type(err).__name__}: {err}. The files "
+            "may be damaged or partly written; use the other folder (best/ or final/) or "
+            "re-run the training."
+        ) from None
     for key in ("mean", "std"):
         if key not in card:
-            raise RecipeError(f"{model_dir / 'model.json'} lacks {key!r}, which preprocessing needs. Point at a "
-                               "best/ or final/ folder written by a recipe of this repository.")
+            raise RecipeError(
+                f"{model_dir / 'model.json'} lacks {key!r}, which preprocessing needs. Point at a "
+                "best/ or final/ folder written by a recipe of this repository."
+            )
     model = build_model_from_card(card, recipe_file)
     try:
         model.load_state_dict(state)
     except RuntimeError as err:
-        raise RecipeError(f"The weights in {model_dir} do not fit the model model.json describes "
-                           f"({card.get('model')} of {card.get('recipe')}): {str(err).splitlines()[0]} The folder "
-                           "mixes files of different runs; re-copy it from one run.") from None
+        raise RecipeError(
+            f"The weights in {model_dir} do not fit the model model.json describes "
+            f"({card.get('model')} of {card.get('recipe')}): {str(err).splitlines()[0]} The folder "
+            "mixes files of different runs; re-copy it from one run."
+        ) from None
     device = torch.device(device)
     model.to(device).eval()
     if tta is None:
@@ -162,6 +179,7 @@ def load_predictor(path, device: str | torch.device = "cpu", tta: int | None = N
 
 # --- images --------------------------------------------------------------------------------------
 
+
 def collect_images(inputs) -> list[Path]:
     """Files as given, folders expanded (recursively, sorted) to the image files they hold."""
     found: list[Path] = []
@@ -170,8 +188,10 @@ def collect_images(inputs) -> list[Path]:
         if p.is_dir():  # walked as training walks an image folder (common.data.folders): links followed, hidden skipped
             files = [Path(f) for f in images_below(p)]
             if not files:
-                raise RecipeError(f"The folder {p} holds no image files (files Pillow opens: .png, .jpg, .jpeg, "
-                                  ".bmp, .gif, .webp, .tif, ...). Pass image files, or folders that contain some.")
+                raise RecipeError(
+                    f"The folder {p} holds no image files (files Pillow opens: .png, .jpg, .jpeg, "
+                    ".bmp, .gif, .webp, .tif, ...). Pass image files, or folders that contain some."
+                )
             found.extend(files)
         elif p.is_file():
             found.append(p)
@@ -186,21 +206,17 @@ def collect_images(inputs) -> list[Path]:
 
 
 def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
-    """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized to a size it did not
-    have). Pixels and mode follow ``common.data.decoded`` decoding (``common.data.pixels``: 'L' or 'RGB'). ``preprocess`` (a
+    """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized to a size it did not have).
+    Pixels and mode follow ``common.data.decoded`` decoding (``common.data.pixels``: 'L' or 'RGB'). ``preprocess`` (a
     photo run's model.json: ``common.data.photos``): the shorter side resized and the centre cropped, as the run
     evaluated; else a bilinear resize to the input size, as the decoded-cache recipes decode."""
     import numpy as np
     from PIL import Image
 
-    from common.data.pixels import as_mode
-
     c, h, w = input_shape
     img = as_mode(img, "L" if c == 1 else "RGB")  # EXIF, 16-bit and transparency read as in training
     if preprocess:
         from torchvision.transforms.v2.functional import pil_to_tensor
-
-        from common.data.photos import eval_view
 
         return eval_view(pil_to_tensor(img), int(preprocess["center_crop"])).contiguous(), False
     resized = img.size != (w, h)
@@ -213,12 +229,8 @@ def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[
 def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
     from PIL import Image, UnidentifiedImageError
 
-    from common.data.pixels import unreadable_reason
-
     try:
         if preprocess:  # a photo run: the very reading its training and evaluation did (JPEG draft decoding too)
-            from common.data.photos import eval_view, read_rgb
-
             view = eval_view(read_rgb(str(path), int(preprocess["resize_shorter"])), int(preprocess["center_crop"]))
             return view.contiguous(), False
         with Image.open(path) as img:
@@ -226,12 +238,13 @@ def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch
             return preprocess_image(img, input_shape, preprocess)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
         reason = unreadable_reason(err)
-        raise RecipeError(f"Could not read {printable(path)} as an image ({printable(reason)}). Pass image files "
-                          "(PNG, JPEG, ...) or remove that file from the folder.") from None
+        raise RecipeError(
+            f"Could not read {printable(path)} as an image ({printable(reason)}). Pass image files "
+            "(PNG, JPEG, ...) or remove that file from the folder."
+        ) from None
 
 
-def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int = 64,
-                  on_resize=None) -> list[dict]:
+def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int = 64, on_resize=None) -> list[dict]:
     """Top-k predictions per file: ``[{"file", "predictions": [{"label", "index", "probability"}]}]``.
     Images are read ``batch_size`` at a time. ``on_resize(path)`` is called for each resized image."""
     names = predictor.class_names
@@ -239,7 +252,7 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
     paths = [Path(p) for p in paths]
     results = []
     for start in range(0, len(paths), max(1, batch_size)):
-        chunk = paths[start:start + max(1, batch_size)]
+        chunk = paths[start : start + max(1, batch_size)]
         tensors = []
         for p in chunk:
             t, resized = load_image(p, predictor.input_shape, predictor.card.get("preprocess"))
@@ -249,8 +262,12 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
         probs = predictor.probabilities(torch.stack(tensors)).cpu()
         top_p, top_i = probs.topk(k, dim=1)
         for p, ps, idx in zip(chunk, top_p.tolist(), top_i.tolist()):
-            results.append({"file": str(p), "predictions": [
-                {"label": names[i], "index": i, "probability": prob} for i, prob in zip(idx, ps)]})
+            results.append(
+                {
+                    "file": str(p),
+                    "predictions": [{"label": names[i], "index": i, "probability": prob} for i, prob in zip(idx, ps)],
+                }
+            )
     return results
 
 
@@ -259,14 +276,16 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
 # printable(), so an escape sequence in a received run folder shows as text instead of acting on the
 # terminal. JSON escapes control characters itself.
 
+
 def format_table(results: list[dict]) -> str:
     if not results:
         return ""
     k = len(results[0]["predictions"])
     rows = [["file"] + [f"top-{i + 1}" for i in range(k)]]
     for r in results:
-        rows.append([printable(r["file"])] + [f"{printable(p['label'])} {p['probability']:.1%}"
-                                              for p in r["predictions"]])
+        rows.append(
+            [printable(r["file"])] + [f"{printable(p['label'])} {p['probability']:.1%}" for p in r["predictions"]]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows) + "\n"
 
@@ -277,22 +296,33 @@ def format_csv(results: list[dict]) -> str:
     k = len(results[0]["predictions"]) if results else 0
     writer.writerow(["file"] + [f"top{i + 1}_{c}" for i in range(k) for c in ("label", "probability")])
     for r in results:
-        writer.writerow([printable(r["file"])] + [v for p in r["predictions"]
-                                                  for v in (printable(p["label"]), f"{p['probability']:.6f}")])
+        writer.writerow(
+            [printable(r["file"])]
+            + [v for p in r["predictions"] for v in (printable(p["label"]), f"{p['probability']:.6f}")]
+        )
     return buf.getvalue()
 
 
 def format_json(results: list[dict], predictor: Predictor) -> str:
-    doc = {"model_dir": str(predictor.model_dir), "model": predictor.card.get("model"),
-           "recipe": predictor.card.get("recipe"), "tta": predictor.tta, "results": results}
+    doc = {
+        "model_dir": str(predictor.model_dir),
+        "model": predictor.card.get("model"),
+        "recipe": predictor.card.get("recipe"),
+        "tta": predictor.tta,
+        "results": results,
+    }
     return json.dumps(doc, indent=2) + "\n"
 
 
 # --- command line --------------------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m common.tools.predict", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m common.tools.predict",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("model", help="run directory, or its best/ or final/ folder")
     parser.add_argument("inputs", nargs="+", help="image files or folders of images")
     parser.add_argument("--top-k", type=int, default=3, help="how many classes to list per image (default 3)")
@@ -300,10 +330,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", help="write the output to this file instead of stdout")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    parser.add_argument("--recipe", help="the recipe file that defines the model, when it is not one of this "
-                        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust")
-    parser.add_argument("--no-tta", action="store_true", help="no test-time augmentation even if the run "
-                        "evaluated with it")
+    parser.add_argument(
+        "--recipe",
+        help="the recipe file that defines the model, when it is not one of this "
+        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust",
+    )
+    parser.add_argument(
+        "--no-tta", action="store_true", help="no test-time augmentation even if the run evaluated with it"
+    )
     return parser.parse_args(argv)
 
 
@@ -324,20 +358,26 @@ def run(args: argparse.Namespace) -> int:
     results = predict_files(predictor, files, args.top_k, args.batch_size, on_resize=resized.append)
     c, h, w = predictor.input_shape
     card = predictor.card
-    print(f"model: {printable(predictor.model_dir)} ({printable(card.get('model'))}, recipe "
-          f"{printable(card.get('recipe'))}, input {c}x{h}x{w}, tta level {predictor.tta}); {len(results)} image(s)",
-          file=sys.stderr)
+    print(
+        f"model: {printable(predictor.model_dir)} ({printable(card.get('model'))}, recipe "
+        f"{printable(card.get('recipe'))}, input {c}x{h}x{w}, tta level {predictor.tta}); {len(results)} image(s)",
+        file=sys.stderr,
+    )
     if resized:
-        print(f"note: {len(resized)} image(s) were not {w}x{h} and were resized bilinearly (e.g. "
-              f"{printable(resized[0])}); accuracy may differ from the run's if it trained on another size.",
-              file=sys.stderr)
+        print(
+            f"note: {len(resized)} image(s) were not {w}x{h} and were resized bilinearly (e.g. "
+            f"{printable(resized[0])}); accuracy may differ from the run's if it trained on another size.",
+            file=sys.stderr,
+        )
     text = {"table": format_table, "csv": format_csv}.get(args.format, lambda r: format_json(r, predictor))(results)
     if args.output:
         try:
             Path(args.output).write_text(text)
         except OSError as err:
-            raise RecipeError(f"Could not write --output {args.output}: {err.strerror or err}. Pass a path in "
-                               "an existing, writable folder.") from None
+            raise RecipeError(
+                f"Could not write --output {args.output}: {err.strerror or err}. Pass a path in "
+                "an existing, writable folder."
+            ) from None
         print(f"wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)

@@ -28,7 +28,9 @@ from functools import lru_cache
 
 import torch
 
+from common.data.batches import per_process_batch
 from common.errors import RecipeError
+from common.train.tracking import log_with
 
 CPU_2PROC_CONFIG = "accelerate_configs/cpu_2proc.yaml"
 
@@ -54,8 +56,10 @@ def lost_processes_note() -> str:
     """Non-empty when the launcher was asked for several processes but started only this one."""
     single = "WORLD_SIZE" not in os.environ and not any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"))
     if single and os.environ.get("MASTER_PORT") and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true"):
-        return (f"the launch config asks for several CPU processes but without MPI `accelerate launch --cpu` starts "
-                f"one: this run has 1 process. Use --config_file {CPU_2PROC_CONFIG} for real multi-process CPU training")
+        return (
+            f"the launch config asks for several CPU processes but without MPI `accelerate launch --cpu` starts "
+            f"one: this run has 1 process. Use --config_file {CPU_2PROC_CONFIG} for real multi-process CPU training"
+        )
     return ""
 
 
@@ -105,13 +109,17 @@ def idle_cores_note(cpu: bool) -> str:
     asked = str(asked or "1")
     cores = len(os.sched_getaffinity(0))
     if asked.isdigit() and int(asked) > 1:
-        return (f"`accelerate launch` with {source.format(asked)} starts one process on a machine without a GPU: this "
-                f"run has 1 process at {torch.get_num_threads()} thread(s). For {asked} CPU processes run "
-                f"`accelerate launch --config_file {CPU_2PROC_CONFIG} ...` (gloo)")
+        return (
+            f"`accelerate launch` with {source.format(asked)} starts one process on a machine without a GPU: this "
+            f"run has 1 process at {torch.get_num_threads()} thread(s). For {asked} CPU processes run "
+            f"`accelerate launch --config_file {CPU_2PROC_CONFIG} ...` (gloo)"
+        )
     if torch.get_num_threads() < cores and os.environ.get("OMP_NUM_THREADS") == "1":
-        return (f"this process trains on 1 of the {cores} CPU cores (accelerate launch sets OMP_NUM_THREADS=1). To "
-                f"use them all: `accelerate launch --num_cpu_threads_per_process {cores} ...`, or 2 processes with "
-                f"`--config_file {CPU_2PROC_CONFIG}`")
+        return (
+            f"this process trains on 1 of the {cores} CPU cores (accelerate launch sets OMP_NUM_THREADS=1). To "
+            f"use them all: `accelerate launch --num_cpu_threads_per_process {cores} ...`, or 2 processes with "
+            f"`--config_file {CPU_2PROC_CONFIG}`"
+        )
     return ""
 
 
@@ -119,8 +127,6 @@ def make_accelerator(cfg):
     """Build the Accelerator. Returns (accelerator, note), the note being '' or a one-line warning."""
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
-
-    from common.train.tracking import log_with
 
     cpu = not has_accelerator_device()
     precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
@@ -130,42 +136,25 @@ def make_accelerator(cfg):
         notes.append("fp16 was asked for but this is a CPU: using bf16 instead")
     if cpu and precision == "bf16" and not cpu_bf16_support():
         precision = "no"
-        notes.append("bf16 was asked for but this CPU has no native bf16 (no AMX or AVX512-BF16), where it runs "
-                     "several times slower than fp32: using fp32 instead")
+        notes.append(
+            "bf16 was asked for but this CPU has no native bf16 (no AMX or AVX512-BF16), where it runs "
+            "several times slower than fp32: using fp32 instead"
+        )
     note = "; ".join(n for n in notes if n)
     if note:
-        warnings.warn(note)
+        warnings.warn(note, stacklevel=2)
     note = "; ".join(n for n in (note, idle_cores_note(cpu)) if n)  # the startup line says it (no warning)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
-                                                  non_blocking=not cpu),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
         step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
         log_with=log_with(cfg.report_to) or None,  # pointed at the run directory once all ranks agree on it
         project_config=ProjectConfiguration(project_dir="."),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
     )
     return accelerator, note
-
-
-def per_process_batch(cfg, num_processes: int) -> int:
-    """--batch-size is the global batch per optimizer step: split over processes x accumulation steps."""
-    div = num_processes * cfg.grad_accum
-    if cfg.batch_size % div:
-        raise RecipeError(
-            f"--batch-size {cfg.batch_size} is the global batch and must split evenly over {num_processes} "
-            f"process(es) x {cfg.grad_accum} accumulation step(s) (= {div}); it leaves "
-            f"{cfg.batch_size / div:g} per process. Pass a multiple of {div}, e.g. --batch-size "
-            f"{max(div, cfg.batch_size // div * div)}.")
-    return cfg.batch_size // div
-
-
-def loader_batch(cfg, num_processes: int, train: bool) -> int:
-    """A DataLoader's batch on each process: training, the global --batch-size split over processes and
-    accumulation steps; evaluation, --eval-batch-size split over processes."""
-    return per_process_batch(cfg, num_processes) if train else max(1, cfg.eval_batch_size // num_processes)
 
 
 def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
@@ -184,7 +173,7 @@ def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
         f"per_process_batch={per_process_batch(cfg, accelerator.num_processes)}",
         f"grad_accum={cfg.grad_accum}",
         f"steps_per_epoch={steps_per_epoch}",
-        # where the peak LR came from (common.config.follow_batch): a batch the LR was not tuned at is the
+        # where the peak LR came from (common.schedules.LRRule.follow): a batch the LR was not tuned at is the
         # first thing to suspect when a run diverges or crawls
         f"lr={cfg.lr:g}" + (f" ({cfg.lr_note})" if getattr(cfg, "lr_note", "") else ""),
     ]

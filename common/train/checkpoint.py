@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from common.data.splits import data_record
 from common.errors import RecipeError
 from common.files import fsync_dir as _fsync_dir
 from common.files import fsync_file as _fsync_file
@@ -37,6 +38,8 @@ STATE_FILE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
 MODEL_CARD = "model.json"
 STEP_DIR = re.compile(r"^step-\d{8}$")
+
+
 def follow_umask(path: Path) -> None:
     """safetensors writes files 0600; give them the mode every other file of the run gets."""
     mask = os.umask(0)
@@ -75,8 +78,9 @@ def read_state(path: Path) -> dict:
     if best is not None and (isinstance(best, bool) or not isinstance(best, (int, float))):
         bad.append(f"best = {best!r}")
     if bad:
-        raise DamagedCheckpoint(f"{file} holds values a run never writes ({'; '.join(bad)}): not counts of epochs, "
-                                "batches and steps")
+        raise DamagedCheckpoint(
+            f"{file} holds values a run never writes ({'; '.join(bad)}): not counts of epochs, batches and steps"
+        )
     return state
 
 
@@ -145,8 +149,9 @@ def prune(run_dir: Path, keep: int) -> None:
     for old in ckpts[: max(0, len(ckpts) - max(keep, 1))]:
         shutil.rmtree(old, ignore_errors=True)
     for child in (Path(run_dir) / "checkpoints").iterdir():
-        debris = child.name.startswith((".tmp-step-", ".old-step-")) or (STEP_DIR.match(child.name)
-                                                                         and not is_complete(child))
+        debris = child.name.startswith((".tmp-step-", ".old-step-")) or (
+            STEP_DIR.match(child.name) and not is_complete(child)
+        )
         if child.is_dir() and debris:
             shutil.rmtree(child, ignore_errors=True)
 
@@ -183,7 +188,9 @@ def verify_files(path: Path) -> None:
                 for key in handle.keys():
                     handle.get_slice(key)
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-            raise DamagedCheckpoint(f"{f} is damaged ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})") from None
+            raise DamagedCheckpoint(
+                f"{f} is damaged ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})"
+            ) from None
 
     bad = [f"{f} (custom state, which these recipes never write)" for f in sorted(path.glob("custom_checkpoint_*"))]
     for f in sorted(path.iterdir()):
@@ -195,14 +202,19 @@ def verify_files(path: Path) -> None:
                     raise DamagedCheckpoint(f"{f} is damaged ({str(err).splitlines()[0][:160]})") from None
                 bad.append(f"{f} ({str(err).splitlines()[-1][:160] if str(err) else type(err).__name__})")
             except (OSError, EOFError, RuntimeError, ValueError) as err:  # truncated or emptied by a crash
-                raise DamagedCheckpoint(f"{f} is damaged ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})") from None
+                raise DamagedCheckpoint(
+                    f"{f} is damaged ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})"
+                ) from None
     if bad:
-        raise RecipeError(f"The checkpoint {path} holds pickled data that is not plain tensors: {'; '.join(bad)}. "
-                          "Loading it could run code, so the resume was refused and nothing was loaded. Resume only "
-                          "from checkpoints you wrote or trust, or start a new run with a new --output-dir.")
+        raise RecipeError(
+            f"The checkpoint {path} holds pickled data that is not plain tensors: {'; '.join(bad)}. "
+            "Loading it could run code, so the resume was refused and nothing was loaded. Resume only "
+            "from checkpoints you wrote or trust, or start a new run with a new --output-dir."
+        )
 
 
 # --- model files (best/, final/) -----------------------------------------------------------------
+
 
 def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> dict:
     """What model.json says: the recipe that built the model (predict and export rebuild it from there), its
@@ -210,12 +222,18 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
     refuses data that changed since)."""
     import dataclasses
 
-    from common.data.splits import data_record
-
-    return {"recipe": recipe, "recipe_file": recipe_file, "model": type(model).__name__,
-            "input_shape": list(data.shape), "class_names": data.class_names, "mean": transform.mean,
-            "std": transform.std, "config": dataclasses.asdict(cfg), "data": data_record(data),
-            **({"preprocess": data.train.preprocess} if hasattr(data.train, "preprocess") else {})}
+    return {
+        "recipe": recipe,
+        "recipe_file": recipe_file,
+        "model": type(model).__name__,
+        "input_shape": list(data.shape),
+        "class_names": data.class_names,
+        "mean": transform.mean,
+        "std": transform.std,
+        "config": dataclasses.asdict(cfg),
+        "data": data_record(data),
+        **({"preprocess": data.train.preprocess} if hasattr(data.train, "preprocess") else {}),
+    }
 
 
 def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
@@ -260,7 +278,8 @@ def find_model_dir(path: Path) -> Path:
             return cand
     raise FileNotFoundError(
         f"{path} holds no model weights: expected {WEIGHTS} and {MODEL_CARD} in it or in its best/ or final/ "
-        "folder. Pass a run directory of a finished run, or its best/ or final/ folder.")
+        "folder. Pass a run directory of a finished run, or its best/ or final/ folder."
+    )
 
 
 def load_model_dir(path: Path):

@@ -11,14 +11,21 @@ import json
 import math
 from pathlib import Path
 
-from common.train import checkpoint as ckpt
-from common.train.accelerator import on_main
-from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, validate_received
+from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, save_config
+from common.config_checks import check_received
 from common.console import say
+from common.data.splits import (
+    DATA_FILES,
+    data_fingerprint,
+    files_fingerprint,
+    files_listing_json,
+    recorded_files_changed,
+)
 from common.errors import RecipeError
 from common.files import move_aside, write_atomic
 from common.schedules import lr_multiplier
-from common.data.splits import DATA_FILES, data_fingerprint, files_fingerprint, files_listing_json, recorded_files_changed
+from common.train import checkpoint as ckpt
+from common.train.accelerator import on_main
 
 
 class Checkpointer:
@@ -79,8 +86,6 @@ class Checkpointer:
         """Fresh, or resumed exactly from the newest complete checkpoint into everything prepared. Sets the position
         and returns the rest of the checkpoint's state (``best``, ``skipped_steps``). Restores a best/ or final/ a
         crash left mid-swap, and writes config.json (a resume continued in a new folder gets one too)."""
-        from common.config import save_config
-
         if self.accelerator.is_main_process:
             ckpt.restore_interrupted_swaps(self.run_dir)
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
@@ -89,8 +94,9 @@ class Checkpointer:
             self.saved_step = state["global_step"]
         elif self.cfg.resume_from == "latest":
             say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
-        if self.accelerator.is_main_process and (self.resume_path is None
-                                                 or not (self.run_dir / "config.json").exists()):
+        if self.accelerator.is_main_process and (
+            self.resume_path is None or not (self.run_dir / "config.json").exists()
+        ):
             save_config(self.cfg, self.run_dir / "config.json")
             listing = files_listing_json(self.data)  # recorded, so that a changed folder is named file by file
             if listing is not None:
@@ -109,15 +115,22 @@ class Checkpointer:
                 damaged = self.resume_path
                 older = [p for p in ckpt.complete_checkpoints(self.run_dir) if p.name < damaged.name]
                 if self.cfg.resume_from != "latest" or not older:
-                    raise RecipeError(f"Cannot resume from {damaged}: {err}. "
-                                      + ("Pass --resume-from latest to fall back to an older checkpoint, or another "
-                                         "checkpoint folder." if older else "No older complete checkpoint exists: "
-                                         "start a new run with a new --output-dir.")) from None
+                    raise RecipeError(
+                        f"Cannot resume from {damaged}: {err}. "
+                        + (
+                            "Pass --resume-from latest to fall back to an older checkpoint, or another "
+                            "checkpoint folder."
+                            if older
+                            else "No older complete checkpoint exists: start a new run with a new --output-dir."
+                        )
+                    ) from None
                 self.accelerator.wait_for_everyone()  # every rank has seen the damage before the folder moves
                 # a copy damaged before (the fallback re-wrote this step) keeps its name: this one gets damaged-step-N.2
-                kept = on_main(self.accelerator, lambda: move_aside(damaged, f"damaged-{damaged.name}").name)
-                say(f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
-                    f"{kept} and the run resumes from the previous one, {older[-1]}.")
+                kept = on_main(self.accelerator, lambda path=damaged: move_aside(path, f"damaged-{path.name}").name)
+                say(
+                    f"NOTE: the newest checkpoint {damaged} is damaged ({err}); it was renamed "
+                    f"{kept} and the run resumes from the previous one, {older[-1]}."
+                )
                 self.resume_path = older[-1]
 
     def _resume_from(self, path: Path, model, optimizer, scheduler) -> dict:
@@ -128,18 +141,22 @@ class Checkpointer:
         if state.get("data_fingerprint", self.data_fingerprint) != self.data_fingerprint or moved:
             named = recorded_files_changed(self.run_dir, self.data)
             named = f": {named}" if named else ""
-            raise RecipeError(f"The data differs from what the checkpoint {path} trained on: the training images' "
-                              "labels, the files at their places or the images held out for validation are not the "
-                              f"same (the dataset folder changed, or another dataset was given){named}. "
-                              "Resuming would train and validate on other images than the run did. Resume on the run's "
-                              "own data, or start a new run with a new --output-dir.")
+            raise RecipeError(
+                f"The data differs from what the checkpoint {path} trained on: the training images' "
+                "labels, the files at their places or the images held out for validation are not the "
+                f"same (the dataset folder changed, or another dataset was given){named}. "
+                "Resuming would train and validate on other images than the run did. Resume on the run's "
+                "own data, or start a new run with a new --output-dir."
+            )
         if state["config"].get("epochs", cfg.epochs) != cfg.epochs:
             notes.append(self._schedule_change_note(state))
         if cfg.resume_from != "latest":
             moved = on_main(acc, lambda: ckpt.supersede_newer(self.run_dir, state["global_step"]))
             if moved:
-                notes.append(f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
-                             f"renamed ({', '.join(moved)}) and will not be resumed from.")
+                notes.append(
+                    f"resuming from an older checkpoint: the newer ones of the abandoned continuation were "
+                    f"renamed ({', '.join(moved)}) and will not be resumed from."
+                )
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
         acc.load_state(str(path))
@@ -148,8 +165,10 @@ class Checkpointer:
             say(f"NOTE: {note}")
         if changes:
             say(f"NOTE: applied from the command line over the checkpoint's values: {', '.join(changes)}")
-        say(f"resumed from {path}: epoch {state['epoch'] + 1}, batch {state['batches_in_epoch']}, "
-            f"step {state['global_step']}")
+        say(
+            f"resumed from {path}: epoch {state['epoch'] + 1}, batch {state['batches_in_epoch']}, "
+            f"step {state['global_step']}"
+        )
         return state
 
     def _schedule_change_note(self, state: dict) -> str:
@@ -157,14 +176,17 @@ class Checkpointer:
 
         def multiplier(epochs):
             total = self.steps_per_epoch * epochs
-            return lr_multiplier(step, total, int(round(cfg.warmup_fraction * total)), cfg.schedule,
-                                 cfg.warmup_start, cfg.final_lr)
+            return lr_multiplier(
+                step, total, int(round(cfg.warmup_fraction * total)), cfg.schedule, cfg.warmup_start, cfg.final_lr
+            )
 
-        return (f"--epochs {cfg.epochs} differs from the run's {old_epochs}: the LR schedule is recomputed for "
-                f"{self.steps_per_epoch * cfg.epochs} steps instead of {self.steps_per_epoch * old_epochs}, so at step "
-                f"{step} the learning rate moves from {multiplier(old_epochs):.3g} to {multiplier(cfg.epochs):.3g} of "
-                f"its peak and follows the new curve from there; the result will differ from a run started with "
-                f"--epochs {cfg.epochs}.")
+        return (
+            f"--epochs {cfg.epochs} differs from the run's {old_epochs}: the LR schedule is recomputed for "
+            f"{self.steps_per_epoch * cfg.epochs} steps instead of {self.steps_per_epoch * old_epochs}, so at step "
+            f"{step} the learning rate moves from {multiplier(old_epochs):.3g} to {multiplier(cfg.epochs):.3g} of "
+            f"its peak and follows the new curve from there; the result will differ from a run started with "
+            f"--epochs {cfg.epochs}."
+        )
 
     # --- writing ---------------------------------------------------------------------------------
 
@@ -173,15 +195,21 @@ class Checkpointer:
         every = self.cfg.checkpoint_every
         return bool(every and self.global_step % every == 0)
 
-    def save(self, model, best, skipped_steps: int, batches_in_epoch: int | None = None,
-             epoch: int | None = None) -> Path:
+    def save(
+        self, model, best, skipped_steps: int, batches_in_epoch: int | None = None, epoch: int | None = None
+    ) -> Path:
         """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): by default
         after the batch running (``batch + 1`` batches of ``epoch`` consumed)."""
-        state = {"epoch": self.epoch if epoch is None else epoch,
-                 "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
-                 "global_step": self.global_step, "best": best, "skipped_steps": skipped_steps,
-                 "data_fingerprint": self.data_fingerprint, "files_fingerprint": self.files_fingerprint,
-                 **checkpoint_meta(self.cfg, self.accelerator, model)}
+        state = {
+            "epoch": self.epoch if epoch is None else epoch,
+            "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
+            "global_step": self.global_step,
+            "best": best,
+            "skipped_steps": skipped_steps,
+            "data_fingerprint": self.data_fingerprint,
+            "files_fingerprint": self.files_fingerprint,
+            **checkpoint_meta(self.cfg, self.accelerator, model),
+        }
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
         self.saved_step = self.global_step
         return path
@@ -189,12 +217,18 @@ class Checkpointer:
 
 # --- what a resume refuses, takes and applies ----------------------------------------------------------
 
+
 def checkpoint_meta(cfg, accelerator, model) -> dict:
     """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
     import dataclasses
 
-    return {"seed": cfg.seed, "world_size": accelerator.num_processes, "global_batch": cfg.batch_size,
-            "config": dataclasses.asdict(cfg), "model_signature": ckpt.model_signature(accelerator.unwrap_model(model))}
+    return {
+        "seed": cfg.seed,
+        "world_size": accelerator.num_processes,
+        "global_batch": cfg.batch_size,
+        "config": dataclasses.asdict(cfg),
+        "model_signature": ckpt.model_signature(accelerator.unwrap_model(model)),
+    }
 
 
 def adopt_resume_settings(path: Path, cfg) -> list[str]:
@@ -220,11 +254,13 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
             setattr(cfg, key, received(type(cfg), key, saved[key], f"the checkpoint {path}"))
             taken.append(f"{flag} {saved[key]!r}")
     if refused:
-        raise RecipeError(f"Refusing to resume from {path} with {'; '.join(refused)}. Resume without "
-                          f"{'that flag' if len(refused) == 1 else 'those flags'} (the run's own values are then "
-                          "used), or start a new run with a new --output-dir. Nothing was changed.")
+        raise RecipeError(
+            f"Refusing to resume from {path} with {'; '.join(refused)}. Resume without "
+            f"{'that flag' if len(refused) == 1 else 'those flags'} (the run's own values are then "
+            "used), or start a new run with a new --output-dir. Nothing was changed."
+        )
     if taken:
-        validate_received(cfg, f"the checkpoint {path}")
+        check_received(cfg, f"the checkpoint {path}")
     return [f"resuming with the run's own {', '.join(taken)} (from the checkpoint)"] if taken else []
 
 
@@ -236,12 +272,14 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
         raise RecipeError(
             f"The checkpoint {path} was written by a different model (first differences: {', '.join(diff[:4])}). "
             "Resume with the same recipe and model settings (see the config.json in its run directory), or "
-            "start a new run with a new --output-dir.")
+            "start a new run with a new --output-dir."
+        )
     if state["global_batch"] != cfg.batch_size:
         raise RecipeError(
             f"The checkpoint {path} was trained with global batch {state['global_batch']}, this run asks for "
             f"{cfg.batch_size}. The data position would be wrong; resume with --batch-size {state['global_batch']} "
-            "(the per-process batch adapts to the number of processes).")
+            "(the per-process batch adapts to the number of processes)."
+        )
     notes = []
     # the must-match ones were settled before; the applied and the free ones need no note
     noted = {f.name for f in dataclasses.fields(cfg)} - set(RESUME_MUST_MATCH) - RESUME_APPLIED - RESUME_FREE
@@ -249,10 +287,12 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
     if changed:
         notes.append(f"resuming with changed settings {changed}; the result will differ from the original run.")
     if state["world_size"] != accelerator.num_processes:
-        notes.append(f"the checkpoint was written by {state['world_size']} process(es), this run has "
-                     f"{accelerator.num_processes}. The global batch ({cfg.batch_size}) and data order are kept; "
-                     "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted "
-                     "one.")
+        notes.append(
+            f"the checkpoint was written by {state['world_size']} process(es), this run has "
+            f"{accelerator.num_processes}. The global batch ({cfg.batch_size}) and data order are kept; "
+            "per-rank augmentation draws differ, so the run will not be bit-identical to an uninterrupted "
+            "one."
+        )
     return notes
 
 
@@ -261,6 +301,7 @@ def apply_hyperparameters(optimizer, scheduler, fresh: list[dict], cfg) -> list[
     hyperparameters this command line asked for (``common.config.RESUME_APPLIED``, e.g. the
     learning rate, weight decay, momentum; ``fresh``: the param groups' values before loading), keeping the
     schedule's position. Returns what changed, e.g. ['lr 0.002 -> 1e-05']."""
+
     def show(value):
         return ",".join(f"{v:g}" for v in value) if isinstance(value, (tuple, list)) else f"{value:g}"
 

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from common.train import checkpoint as ckpt
 from common.console import say
+from common.train import checkpoint as ckpt
 
 
 def evaluation_due(cfg, step: int | None = None, epochs_done: int | None = None, last: bool = False) -> bool:
@@ -34,11 +34,11 @@ class Evaluator:
     def __init__(self, cfg, accelerator, evaluate, model, data, log, card: dict, run_dir, best):
         self.cfg, self.accelerator, self.evaluate, self.model = cfg, accelerator, evaluate, model
         self.data, self.log, self.card, self.run_dir, self.best = data, log, card, run_dir, best
-        self.now = False                # an --eval-every-steps evaluation is due at this step (set by at_step)
-        self.checkpoint_after = False   # ... and --checkpoint-every fell on it too: checkpoint after the result
-        self.evaluated_step = None      # the step whose weights were evaluated last
-        self.epoch_result = None        # the epoch's evaluation, for the epoch line
-        self.seconds = None             # how long the last evaluation took
+        self.now = False  # an --eval-every-steps evaluation is due at this step (set by at_step)
+        self.checkpoint_after = False  # ... and --checkpoint-every fell on it too: checkpoint after the result
+        self.evaluated_step = None  # the step whose weights were evaluated last
+        self.epoch_result = None  # the epoch's evaluation, for the epoch line
+        self.seconds = None  # how long the last evaluation took
 
     def at_step(self, step: int, checkpoint_now: bool, mid_epoch: bool) -> bool:
         """After an optimizer step: is an --eval-every-steps evaluation due? True when the step's checkpoint must
@@ -65,11 +65,17 @@ class Evaluator:
         value = metrics[cfg.monitor.split("/", 1)[1]]
         if self.best is None or (value > self.best if cfg.mode == "max" else value < self.best):
             self.best = value
-            ckpt.save_model_dir(self.accelerator, self.model, self.run_dir / "best",
-                                {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step})
+            ckpt.save_model_dir(
+                self.accelerator,
+                self.model,
+                self.run_dir / "best",
+                {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step},
+            )
         if self.now and mid_epoch:  # mid-epoch: its own line, not the epoch's
-            say(f"eval at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
-                f"({metrics['count']} images)")
+            say(
+                f"eval at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
+                f"({metrics['count']} images)"
+            )
         else:
             self.epoch_result = metrics
         self.now = False
@@ -78,11 +84,15 @@ class Evaluator:
 
     def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> np.ndarray | None:
         """Scalars to metrics.jsonl and the trackers, images to TensorBoard; returns the confusion matrix image."""
-        per_class = {f"{split}/accuracy_class/{name}": acc
-                     for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))}
-        self.log.log({f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
-                     step=step, extra={f"{split}_time": round(time.time(), 3),
-                                       f"{split}_seconds": round(metrics["seconds"], 3)})
+        per_class = {
+            f"{split}/accuracy_class/{name}": acc
+            for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))
+        }
+        self.log.log(
+            {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
+            step=step,
+            extra={f"{split}_time": round(time.time(), 3), f"{split}_seconds": round(metrics["seconds"], 3)},
+        )
         return self.log.images(split, metrics, data_split, self.data.class_names, step, final)
 
     def epoch_line(self) -> str:
@@ -96,9 +106,14 @@ class Evaluator:
         split = "test" if self.data.test is not None else "val"
         final, confusion = {}, None
         if metrics is not None:
-            confusion = self.log_result(split, metrics, self.data.test if split == "test" else self.data.val, step,
-                                        final=True)
+            confusion = self.log_result(
+                split, metrics, self.data.test if split == "test" else self.data.val, step, final=True
+            )
             final = {f"{split}/{k}": metrics[k] for k in ("loss", "accuracy", "count")}
-        ckpt.save_model_dir(self.accelerator, self.model, self.run_dir / "final",
-                            {**self.card, "metrics": final, "epoch": epochs_completed, "step": step})
+        ckpt.save_model_dir(
+            self.accelerator,
+            self.model,
+            self.run_dir / "final",
+            {**self.card, "metrics": final, "epoch": epochs_completed, "step": step},
+        )
         return split, final, confusion

@@ -36,15 +36,16 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import NonFiniteLoss, RecipeError
+from common.train.checkpoint import complete_checkpoints, step_of
 
 MAX_CONSECUTIVE_SKIPS = 25  # 25 halvings take the loss scale from 65536 below 0.002
 
 
 @dataclass
 class Flags:
-    step: int          # the optimizer step they belong to
-    nonfinite: bool    # a non-finite loss on some rank
-    stop: bool         # a stop request on some rank
+    step: int  # the optimizer step they belong to
+    nonfinite: bool  # a non-finite loss on some rank
+    stop: bool  # a stop request on some rank
 
 
 class StepGuard:
@@ -135,7 +136,8 @@ class LossScaleWatch:
                 f"fp16 loss scaling skipped the last {self.in_a_row} optimizer steps in a row (loss scale now "
                 f"{scale:g}): the gradients overflow at every step, so the model no longer trains. Lower --lr, set "
                 "--max-grad-norm, or train in bf16 (accelerate_configs/multi_gpu_bf16.yaml), then rerun with "
-                "--resume-from latest.")
+                "--resume-from latest."
+            )
         return not skipped
 
 
@@ -148,9 +150,9 @@ class StepChecks:
         self.guard, self.scale_watch = StepGuard(accelerator, optimizer), LossScaleWatch(accelerator.scaler)
         self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
         self.skipped_before, self.stopping = skipped_before, False
-        self.tracked = False   # this batch's loss was tracked (the loop called run.step)
-        self.stepped = False   # ... and the optimizer's step ran
-        self.taken = None      # ... and updated the weights (decided once per batch: reading the fp16 scale)
+        self.tracked = False  # this batch's loss was tracked (the loop called run.step)
+        self.stepped = False  # ... and the optimizer's step ran
+        self.taken = None  # ... and updated the weights (decided once per batch: reading the fp16 scale)
         self.hook = None
 
     def watch_updates(self, optimizer) -> None:
@@ -159,10 +161,12 @@ class StepChecks:
 
         def before_update(opt, args, kwargs):
             if not self.tracked:
-                raise RecipeError("The recipe's loop did not call run.step(loss) before optimizer.step(): nothing "
-                                  "would be logged, checkpointed or guarded (a NaN loss or a stop signal would go "
-                                  "unseen). Call run.step(loss) between accelerator.backward(loss) and "
-                                  "optimizer.step().")
+                raise RecipeError(
+                    "The recipe's loop did not call run.step(loss) before optimizer.step(): nothing "
+                    "would be logged, checkpointed or guarded (a NaN loss or a stop signal would go "
+                    "unseen). Call run.step(loss) between accelerator.backward(loss) and "
+                    "optimizer.step()."
+                )
             self.stepped = True
 
         self.hook = getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(before_update)
@@ -233,13 +237,15 @@ def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
 
 def nonfinite_advice(run_dir, step: int, epoch: int) -> str:
     """Name a checkpoint worth resuming: one older than the last update, which produced these weights."""
-    from common.train.checkpoint import complete_checkpoints, step_of
-
     usable = [p for p in complete_checkpoints(run_dir) if step_of(p) < step - 1]
-    where = (f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
-             f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
-             if usable else "No checkpoint predates the update that led here: start a new run with a lower --lr "
-             "(or --max-grad-norm).")
-    return (f"the training loss became non-finite at optimizer step {step} (epoch {epoch + 1}) on at least one "
-            f"process; that update was skipped on every process, every process stopped and nothing was written "
-            f"after it. {where} If the loss is non-finite from the first step, check the data.")
+    where = (
+        f"Last good checkpoint (from before the update that led here): {usable[-1]}. Rerun the same command "
+        f"with a lower --lr (or --max-grad-norm) and --resume-from {usable[-1]}; the new values apply on resume."
+        if usable
+        else "No checkpoint predates the update that led here: start a new run with a lower --lr (or --max-grad-norm)."
+    )
+    return (
+        f"the training loss became non-finite at optimizer step {step} (epoch {epoch + 1}) on at least one "
+        f"process; that update was skipped on every process, every process stopped and nothing was written "
+        f"after it. {where} If the loss is non-finite from the first step, check the data."
+    )

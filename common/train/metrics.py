@@ -6,8 +6,13 @@ the size of the eval set on any number of processes."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from common.train.tracking import on_terminal
 
 
 def tta_logits(model, x: torch.Tensor, level: int = 0) -> torch.Tensor:
@@ -15,6 +20,7 @@ def tta_logits(model, x: torch.Tensor, level: int = 0) -> torch.Tensor:
     mirror image's logits. 2: half of that, plus half the mean over the two images shifted by one pixel
     (up-left and down-right, edges reflected) and their mirrors: 6 views. In the paper's ablation level 2
     cut the epochs to 94% by about 7%."""
+
     def with_mirror(v):
         return 0.5 * (model(v).float() + model(v.flip(3)).float())
 
@@ -30,23 +36,16 @@ def tta_logits(model, x: torch.Tensor, level: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int = 0,
-             desc: str = "eval") -> dict | None:
+def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int = 0) -> dict | None:
     """Loss, accuracy, per-class accuracy and the confusion matrix over the whole split, exactly once per
     image on any number of processes. ``loader`` None (no such split) gives None."""
     if loader is None:
         return None
-    from tqdm.auto import tqdm
-
-    from common.train.tracking import on_terminal
-
-    import time
-
     t0 = time.perf_counter()
     was_training = model.training
     model.eval()
     preds, labels_all, losses = [], [], []
-    for images, labels in tqdm(loader, desc=desc, disable=not on_terminal(accelerator), leave=False):
+    for images, labels in tqdm(loader, desc="eval", disable=not on_terminal(accelerator), leave=False):
         x = transform.eval(images)
         with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap
             logits = tta_logits(model, x, tta)

@@ -88,22 +88,31 @@ def confusion_matrix_figure(confusion, class_names, title: str | None = None):
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="fraction of the true class")
     ticks = np.arange(c)
     label_size = 8 if c <= 20 else 6
-    ax.set_xticks(ticks, labels=names, rotation=90 if c > 6 else 45, ha="center" if c > 6 else "right",
-                  fontsize=label_size)
+    ax.set_xticks(
+        ticks, labels=names, rotation=90 if c > 6 else 45, ha="center" if c > 6 else "right", fontsize=label_size
+    )
     ax.set_yticks(ticks, labels=names, fontsize=label_size)
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     if title is None:
-        ax.set_title(f"confusion matrix: {total} images, accuracy {accuracy:.4f}" if total
-                     else "confusion matrix: no images")
+        ax.set_title(
+            f"confusion matrix: {total} images, accuracy {accuracy:.4f}" if total else "confusion matrix: no images"
+        )
     else:
         ax.set_title(f"{title}\naccuracy {accuracy:.4f}" if total else f"{title}\nno images")
     if c <= 30:
         size = 8 if c <= 12 else 6
         for i in range(c):
             for j in range(c):
-                ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=size,
-                        color="white" if fractions[i, j] > 0.5 else "black")
+                ax.text(
+                    j,
+                    i,
+                    str(counts[i, j]),
+                    ha="center",
+                    va="center",
+                    fontsize=size,
+                    color="white" if fractions[i, j] > 0.5 else "black",
+                )
     fig.tight_layout()
     return fig
 
@@ -116,14 +125,15 @@ def misclassified_grid(images, labels, preds, class_names, max_images: int = 36)
     if images.ndim != 4:
         raise ValueError(f"images must be (N, C, H, W), got shape {tuple(images.shape)}")
     if not len(images) == len(labels) == len(preds):
-        raise ValueError(f"{len(images)} images, {len(labels)} labels and {len(preds)} predictions: "
-                         "the counts must match")
+        raise ValueError(
+            f"{len(images)} images, {len(labels)} labels and {len(preds)} predictions: the counts must match"
+        )
     names = [str(n) for n in class_names]
 
     def name(i):
         return names[i] if 0 <= i < len(names) else str(i)
 
-    wrong = np.flatnonzero(labels != preds)[:max(0, max_images)]
+    wrong = np.flatnonzero(labels != preds)[: max(0, max_images)]
     if len(wrong) == 0:
         return _text_image("no misclassified images")
     # The titles are drawn as text on one figure and the images pasted into its pixels afterwards. (A
@@ -139,15 +149,21 @@ def misclassified_grid(images, labels, preds, class_names, max_images: int = 36)
     for k, idx in enumerate(wrong):
         r, q = divmod(k, cols)
         y, x = r * cell_h + band, q * cell_w + (cell_w - side) // 2
-        fig.text((q + 0.5) * cell_w / width, 1 - (y - 4) / height,
-                 f"true: {name(int(labels[idx]))}\npred: {name(int(preds[idx]))}", ha="center", va="bottom", fontsize=9)
+        fig.text(
+            (q + 0.5) * cell_w / width,
+            1 - (y - 4) / height,
+            f"true: {name(int(labels[idx]))}\npred: {name(int(preds[idx]))}",
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
         places.append((y, x, idx))
     grid = _to_array(fig)
     for y, x, idx in places:
         cell = _cell_image(images[idx], side)
         h, w = cell.shape[:2]
         top, left = y + (side - h) // 2, x + (side - w) // 2
-        grid[top:top + h, left:left + w] = cell
+        grid[top : top + h, left : left + w] = cell
     return grid
 
 
@@ -196,8 +212,12 @@ def _series(records: list[dict], suffix: str) -> dict[str, tuple[list, list]]:
     out: dict[str, tuple[list, list]] = {}
     for rec in records:
         for key, value in rec.items():
-            if key.endswith(suffix) and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and math.isfinite(value):
+            if (
+                key.endswith(suffix)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
                 steps, values = out.setdefault(key, ([], []))
                 steps.append(rec["step"])
                 values.append(value)
@@ -217,8 +237,9 @@ def curves_figure(records: list[dict], title: str = ""):
     """The matplotlib Figure behind :func:`save_curves_png`, from metrics records (``read_metrics``)."""
     fig = _figure(11, 4)
     panels = (("loss", _series(records, "/loss")), ("accuracy", _series(records, "/accuracy")))
-    prefixes = sorted({key.split("/", 1)[0] for _, series in panels for key in series},
-                      key=lambda p: (p != "train", p != "eval", p))
+    prefixes = sorted(
+        {key.split("/", 1)[0] for _, series in panels for key in series}, key=lambda p: (p != "train", p != "eval", p)
+    )
     colors = {p: f"C{i % 10}" for i, p in enumerate(prefixes)}  # eval/loss and eval/accuracy share a colour
     evals = [p for p in prefixes if p != "train"]
     for k, (name, series) in enumerate(panels):
@@ -237,8 +258,12 @@ def curves_figure(records: list[dict], title: str = ""):
                     style.update(marker="o", markersize=4)
             else:
                 rank = evals.index(prefix)
-                style.update(marker=MARKERS[rank % len(MARKERS)], markersize=max(4.0, 10.0 - 2.5 * rank),
-                             markerfacecolor="none", markeredgewidth=1.5)
+                style.update(
+                    marker=MARKERS[rank % len(MARKERS)],
+                    markersize=max(4.0, 10.0 - 2.5 * rank),
+                    markerfacecolor="none",
+                    markeredgewidth=1.5,
+                )
                 if len(steps) > FEW_POINTS:
                     style.update(markersize=3.0, markerfacecolor=colors[prefix], markeredgewidth=0.5)
             ax.plot(steps, values, **style)
@@ -259,8 +284,11 @@ def save_curves_png(metrics_jsonl_path, out_png) -> Path:
     series always have markers (a single evaluation is a visible point), train series when they have
     at most ``FEW_POINTS`` points."""
     records = read_metrics(metrics_jsonl_path)
-    fig = curves_figure(records, f"run {Path(metrics_jsonl_path).resolve().parent.name} (train loss includes "
-                                 "label smoothing, eval loss does not)")
+    fig = curves_figure(
+        records,
+        f"run {Path(metrics_jsonl_path).resolve().parent.name} (train loss includes "
+        "label smoothing, eval loss does not)",
+    )
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, format="png")

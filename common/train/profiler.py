@@ -20,10 +20,12 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
         self.dir, self.steps, self.left = run_dir / "profile", steps, steps + 2
-        self.prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
-                            on_trace_ready=tensorboard_trace_handler(str(self.dir),
-                                                                     worker_name=f"rank{accelerator.process_index}"),
-                            record_shapes=True)
+        self.prof = profile(
+            activities=activities,
+            schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
+            on_trace_ready=tensorboard_trace_handler(str(self.dir), worker_name=f"rank{accelerator.process_index}"),
+            record_shapes=True,
+        )
         self.prof.start()
 
     def step(self):
@@ -33,8 +35,10 @@ class StepProfiler:
         self.left -= 1
         if self.left <= 0:
             self.close()
-            say(f"profiler: trace of {self.steps} optimizer step(s) per process written to "
-                f"{self.dir} (tensorboard --logdir {self.dir.parent}, PyTorch Profiler tab)")
+            say(
+                f"profiler: trace of {self.steps} optimizer step(s) per process written to "
+                f"{self.dir} (tensorboard --logdir {self.dir.parent}, PyTorch Profiler tab)"
+            )
 
     def close(self):
         if self.prof is not None:

@@ -20,10 +20,11 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common.train.accelerator import on_main
 from common.console import say
-from common.train.checkpoint import find_latest, is_complete
 from common.errors import RecipeError, StorageError
+from common.train.accelerator import on_main
+from common.train.checkpoint import find_latest, is_complete
+from common.train.checkpointer import adopt_resume_settings
 
 RUN_MARKERS = ("config.json", "checkpoints", "metrics.jsonl", "summary.json")
 LOCK_FILE = ".lock"
@@ -49,8 +50,10 @@ class RunDirLock:
         try:
             self.file = open(self.path, "a+")
         except OSError as err:
-            raise RecipeError(f"Cannot write in the run directory {run_dir} ({err.strerror or err}): it is read-only, "
-                              "full or not this user's. Pass --output-dir a folder this user can write.") from None
+            raise RecipeError(
+                f"Cannot write in the run directory {run_dir} ({err.strerror or err}): it is read-only, "
+                "full or not this user's. Pass --output-dir a folder this user can write."
+            ) from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # EWOULDBLOCK: another process holds it
@@ -61,14 +64,16 @@ class RunDirLock:
             raise RecipeError(
                 f"The run directory {run_dir} is in use by another run ({who}); two runs writing one folder would "
                 "mix their checkpoints and logs. Wait for that run to end (or stop it), or pass another "
-                "--output-dir.") from None
+                "--output-dir."
+            ) from None
         except OSError as err:  # the filesystem cannot lock (an NFS mount without a lock service, say)
             self.file.close()
             raise RecipeError(
                 f"The filesystem of the run directory {run_dir} refused a file lock ({err.strerror or err}), which "
                 "keeps two runs from writing one folder. On NFS, run the lock service (rpc.statd / nfslock) or "
                 "mount with local_lock=all on a single node; on Lustre, mount with -o flock. Or pass --output-dir "
-                "on a filesystem that supports flock.") from None
+                "on a filesystem that supports flock."
+            ) from None
         self.token = secrets.token_hex(8)
         self.file.seek(0)
         self.file.truncate()
@@ -91,26 +96,31 @@ def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
             raise RecipeError(
                 f"--resume-from {cfg.resume_from} is not a complete checkpoint (no such folder, or it lacks the "
                 "completion marker because its write was interrupted). Pass --resume-from latest to pick the "
-                "newest complete one, or another checkpoint folder under <run>/checkpoints/.")
+                "newest complete one, or another checkpoint folder under <run>/checkpoints/."
+            )
         source_run = ckpt.resolve().parent.parent
         if not cfg.output_dir:
             if ckpt.resolve().parent.name != "checkpoints" or not holds_run(source_run):
                 raise RecipeError(
                     f"--resume-from {cfg.resume_from} is a checkpoint outside a run directory (it is not in a run's "
                     "checkpoints/ folder), so there is no run to continue in place. Pass --output-dir a new or "
-                    "empty folder for the continued run, or put the checkpoint back under <run>/checkpoints/.")
+                    "empty folder for the continued run, or put the checkpoint back under <run>/checkpoints/."
+                )
             return source_run, ckpt, False
         run_dir = Path(cfg.output_dir).expanduser()
         check_output_dir(run_dir)
         if holds_run(run_dir) and run_dir.resolve() != source_run:
             raise RecipeError(
                 f"--output-dir {run_dir} already holds another run than the one {cfg.resume_from} belongs to "
-                f"({source_run}). Nothing was overwritten. Pass a new or empty --output-dir for the continued run.")
+                f"({source_run}). Nothing was overwritten. Pass a new or empty --output-dir for the continued run."
+            )
         return run_dir, ckpt, not run_dir.exists()
     if not cfg.output_dir:
         if cfg.resume_from == "latest":
-            raise RecipeError("--resume-from latest needs --output-dir <run directory> to know which run to "
-                              "continue. Pass the same --output-dir as the run you want to resume.")
+            raise RecipeError(
+                "--resume-from latest needs --output-dir <run directory> to know which run to "
+                "continue. Pass the same --output-dir as the run you want to resume."
+            )
         return new_default_dir(recipe), None, True
     run_dir = Path(cfg.output_dir).expanduser()
     check_output_dir(run_dir)
@@ -120,7 +130,8 @@ def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
     if holds_run(run_dir):
         raise RecipeError(
             f"The output directory {run_dir} already holds a run. Nothing was overwritten. Pass "
-            "--resume-from latest to continue that run, or choose a new --output-dir.")
+            "--resume-from latest to continue that run, or choose a new --output-dir."
+        )
     return run_dir, None, made
 
 
@@ -132,7 +143,8 @@ def check_output_dir(run_dir: Path) -> None:
         raise RecipeError(
             f"--output-dir {run_dir} already holds files that are not a run (e.g. "
             f"{sorted(p.name for p in run_dir.iterdir())[0]}); writing a run into it would mix the two. Nothing "
-            "was written. Pass a new or empty folder.")
+            "was written. Pass a new or empty folder."
+        )
 
 
 def new_default_dir(recipe: str) -> Path:
@@ -173,7 +185,8 @@ def check_shared(accelerator, run_dir: Path, token: str | None) -> None:
             f"The run directory {run_dir} is not one folder shared by every process: {int(missing.item())} "
             f"process(es) (e.g. on {socket.gethostname() if not seen else 'another node'}) cannot see the files the "
             "main process writes there. Checkpoints are written by one process and read by all, so a multi-node "
-            "run needs --output-dir on a filesystem every node mounts (NFS, Lustre, ...).")
+            "run needs --output-dir on a filesystem every node mounts (NFS, Lustre, ...)."
+        )
 
 
 class RunDir:
@@ -184,13 +197,11 @@ class RunDir:
         self.path, self.resume_path, self.made, self.lock = path, resume_path, made, lock
 
     @classmethod
-    def claim(cls, cfg, recipe: str, accelerator) -> "RunDir":
+    def claim(cls, cfg, recipe: str, accelerator) -> RunDir:
         """The main process resolves the directory, checks a resume's settings (a refused resume changes nothing
         there, its lock file included) and takes the lock; every rank then learns the directory, checks that it
         sees the same folder, and takes the checkpoint's settings that decide what the run means (into ``cfg``)."""
         import copy
-
-        from common.train.checkpointer import adopt_resume_settings
 
         lock = None
 
@@ -202,9 +213,11 @@ class RunDir:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
-                raise RecipeError(f"Cannot create the run directory {run_dir} ({err.strerror or err}): its filesystem "
-                                  "is read-only, full or not this user's. Pass --output-dir a folder this user can "
-                                  "write.") from None
+                raise RecipeError(
+                    f"Cannot create the run directory {run_dir} ({err.strerror or err}): its filesystem "
+                    "is read-only, full or not this user's. Pass --output-dir a folder this user can "
+                    "write."
+                ) from None
             lock = RunDirLock(run_dir)
             return run_dir, resume, made, lock.token
 
@@ -249,15 +262,18 @@ def storage_error(err: BaseException, run_dir) -> StorageError | None:
     said = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
     if not (full or read_only or said):
         return None
-    from common.train.checkpoint import find_latest
 
     latest = find_latest(run_dir)
     what = "is read-only" if read_only or getattr(err, "errno", None) == errno.EROFS else "is full"
     return StorageError(
         f"The filesystem of the run directory {run_dir} {what}: a write failed ({type(err).__name__}: "
         f"{str(err).strip().splitlines()[-1] if str(err).strip() else err!r}). "
-        + (f"The last complete checkpoint, {latest}, is intact (an interrupted write is never loaded). Free some "
-           f"space (or make it writable), then rerun the same command with --output-dir {run_dir} --resume-from "
-           "latest to continue." if latest is not None else
-           "No checkpoint was complete yet. Free some space (or make it writable), or pass --output-dir a folder on "
-           "another filesystem, then start the run again."))
+        + (
+            f"The last complete checkpoint, {latest}, is intact (an interrupted write is never loaded). Free some "
+            f"space (or make it writable), then rerun the same command with --output-dir {run_dir} --resume-from "
+            "latest to continue."
+            if latest is not None
+            else "No checkpoint was complete yet. Free some space (or make it writable), or pass --output-dir a folder "
+            "on another filesystem, then start the run again."
+        )
+    )

@@ -21,13 +21,22 @@ import os
 import signal
 import threading
 
+from common.errors import Preempted
+
 WATCH_INTERVAL_S = 1.0
 # torchrun forwards TERM, INT, HUP and QUIT to its workers; USR1 comes from slurm/train.sbatch's warning.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
-LAUNCHERS = ("accelerate launch", "accelerate-launch", "accelerate.commands.launch", "accelerate/commands/launch",
-             "torchrun", "torch.distributed.run", "torch/distributed/run")
+LAUNCHERS = (
+    "accelerate launch",
+    "accelerate-launch",
+    "accelerate.commands.launch",
+    "accelerate/commands/launch",
+    "torchrun",
+    "torch.distributed.run",
+    "torch/distributed/run",
+)
 
 
 def launched_by_a_launcher(parent: int) -> bool:
@@ -42,7 +51,7 @@ def launched_by_a_launcher(parent: int) -> bool:
 
 
 class StopFlag:
-    def __init__(self, watch_parent: bool = True):
+    def __init__(self):
         self.reason, self.phase, self.error, self.checks = "", None, None, []
         self._previous = {}
         for sig in STOP_SIGNALS:
@@ -53,7 +62,7 @@ class StopFlag:
         self._done = threading.Event()
         # Only a launcher's worker watches its parent: a plain `python recipe.py` (under nohup, say) outlives
         # the shell that started it on purpose.
-        if watch_parent and self._parent != 1 and launched_by_a_launcher(self._parent):
+        if self._parent != 1 and launched_by_a_launcher(self._parent):
             threading.Thread(target=self._watch_parent, name="launcher-watch", daemon=True).start()
 
     def __bool__(self) -> bool:
@@ -82,14 +91,14 @@ class StopFlag:
         self.reason = self.reason or "a failed data check"
 
     def _raise(self) -> None:
-        from common.errors import Preempted
-
         if self.error is not None:
             raise self.error
         phase, self.phase = self.phase, None
-        raise Preempted(f"stopped by {self.reason} while {phase}; no training was lost (nothing had trained since "
-                        "the last checkpoint). Rerun the same command (with --resume-from latest once the run has "
-                        "started) to continue.")
+        raise Preempted(
+            f"stopped by {self.reason} while {phase}; no training was lost (nothing had trained since "
+            "the last checkpoint). Rerun the same command (with --resume-from latest once the run has "
+            "started) to continue."
+        )
 
     def interruptible(self, phase: str | None) -> None:
         """From now on a stop request ends the process at once with Preempted (``phase`` names what it was

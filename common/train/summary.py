@@ -15,8 +15,9 @@ from importlib.metadata import version
 import torch
 
 from common.console import say
+from common.errors import Preempted
 from common.files import write_atomic
-
+from common.train.plots import save_curves_png, save_image_png
 
 RESERVED_BYTES = 16384  # summary.json keeps this much allocated, so that an ending can be recorded on a full disk
 
@@ -43,9 +44,9 @@ class Summary:
     when this start began (``t_start``) and which start it is (``start_id``); ``train_start`` is set when training
     starts, ``path`` when the run directory is known."""
 
-    def __init__(self, recipe: str, accelerator, t_start: float | None = None):
+    def __init__(self, recipe: str, accelerator):
         self.recipe, self.accelerator = recipe, accelerator
-        self.t_start = time.time() if t_start is None else t_start
+        self.t_start = time.time()
         # which start of the run wrote summary.json (slurm/train.sbatch sets it per job start)
         self.start_id = os.environ.get("RECIPES_START_ID") or f"{os.getpid()}-{int(self.t_start)}"
         self.train_start, self.first_step_at, self.path = None, None, None
@@ -55,15 +56,27 @@ class Summary:
         error."""
         acc, now = self.accelerator, time.time()
         summary = {
-            "recipe": self.recipe, "status": status, "start_id": self.start_id, "final": {}, **values,
+            "recipe": self.recipe,
+            "status": status,
+            "start_id": self.start_id,
+            "final": {},
+            **values,
             "wall_time_s": round(now - self.t_start, 2),
-            "timing": {"train_start": self.train_start, "first_step_at": self.first_step_at,
-                       "train_s": round(now - (self.train_start or now), 2),
-                       "compile_s": 0.0},
-            "processes": acc.num_processes, "precision": acc.mixed_precision, "device": acc.device.type,
-            "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "accelerate": version("accelerate"), "datasets": version("datasets"),
-                         "platform": platform.platform()},
+            "timing": {
+                "train_start": self.train_start,
+                "first_step_at": self.first_step_at,
+                "train_s": round(now - (self.train_start or now), 2),
+            },
+            "processes": acc.num_processes,
+            "precision": acc.mixed_precision,
+            "device": acc.device.type,
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "accelerate": version("accelerate"),
+                "datasets": version("datasets"),
+                "platform": platform.platform(),
+            },
             **(extra or {}),
         }
         if acc.is_main_process:
@@ -74,12 +87,11 @@ class Summary:
         """summary.json for a start that ended in ``err`` after the start of training. A stop while reading the data
         (before it) is recorded too, so a requeue script sees this start's "preempted", not an earlier start's
         status."""
-        from common.errors import Preempted
-
         if started or (isinstance(err, Preempted) and self.path is not None):
             try:
-                self.write(status, values,
-                           {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"})
+                self.write(
+                    status, values, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"}
+                )
             except OSError:  # a full disk: summary.json keeps its last whole version ("running")
                 pass
 
@@ -91,15 +103,15 @@ class Summary:
         missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
         status = "target_missed" if missed else "completed"
         if self.accelerator.is_main_process:
-            from common.train.plots import save_curves_png, save_image_png
-
             save_curves_png(self.path / "metrics.jsonl", self.path / "curves.png")
             if confusion is not None:
                 save_image_png(confusion, self.path / "confusion_matrix.png")
         say(self.table(cfg.monitor, values, final, self.write(status, values, {"final": final})))
         if missed:
-            say(f"TARGET MISSED: final {split} accuracy {value if value is None else f'{value:.4f}'} "
-                f"is below --target-accuracy {cfg.target_accuracy:.4f}.")
+            say(
+                f"TARGET MISSED: final {split} accuracy {value if value is None else f'{value:.4f}'} "
+                f"is below --target-accuracy {cfg.target_accuracy:.4f}."
+            )
         elif cfg.target_accuracy:
             say(f"target reached: final {split} accuracy {value:.4f} >= {cfg.target_accuracy:.4f}")
         return status
@@ -107,10 +119,14 @@ class Summary:
     def table(self, monitor: str, values: dict, final: dict, summary: dict) -> str:
         acc, best = self.accelerator, values["best"][monitor]
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
-        rows += [("best " + monitor, f"{best:.4f}" if best is not None else "-"),
-                 ("epochs completed", str(values["epochs_completed"])),
-                 ("optimizer steps", str(values["global_step"])),
-                 ("wall time", f"{summary['wall_time_s']:.1f} s"), ("processes", str(acc.num_processes)),
-                 ("precision", acc.mixed_precision), ("run dir", str(self.path))]
+        rows += [
+            ("best " + monitor, f"{best:.4f}" if best is not None else "-"),
+            ("epochs completed", str(values["epochs_completed"])),
+            ("optimizer steps", str(values["global_step"])),
+            ("wall time", f"{summary['wall_time_s']:.1f} s"),
+            ("processes", str(acc.num_processes)),
+            ("precision", acc.mixed_precision),
+            ("run dir", str(self.path)),
+        ]
         width = max(len(k) for k, _ in rows)
         return "summary:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)

@@ -16,6 +16,7 @@ import torch
 from common import console
 from common.errors import ConfigError
 from common.train.evaluator import evaluation_due
+from common.train.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
 
@@ -32,21 +33,27 @@ def trackers_from(report_to: str) -> list[str]:
         return []
     if "all" in names or "none" in names:
         if len(names) > 1:
-            raise ConfigError(f"--report-to {report_to!r}: 'all' and 'none' stand alone; pass one of them, or a "
-                              "comma-separated list of trackers.")
+            raise ConfigError(
+                f"--report-to {report_to!r}: 'all' and 'none' stand alone; pass one of them, or a "
+                "comma-separated list of trackers."
+            )
         return sorted(installed, key=lambda n: n != "tensorboard")
     unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
     if unknown:
-        raise ConfigError(f"--report-to {report_to!r}: {', '.join(unknown)} is not one of Accelerate's trackers "
-                          f"({', '.join(LOGGER_TYPE_TO_CLASS)}). Pass a comma-separated list of them, 'all' or "
-                          "'none'; metrics.jsonl in the run directory is written in every case.")
+        raise ConfigError(
+            f"--report-to {report_to!r}: {', '.join(unknown)} is not one of Accelerate's trackers "
+            f"({', '.join(LOGGER_TYPE_TO_CLASS)}). Pass a comma-separated list of them, 'all' or "
+            "'none'; metrics.jsonl in the run directory is written in every case."
+        )
     missing = [n for n in names if n not in installed]
     if missing:
-        raise ConfigError(f"--report-to {','.join(missing)}: the {' and '.join(missing)} package"
-                          f"{'s are' if len(missing) > 1 else ' is'} not installed in this Python environment, so "
-                          f"nothing would reach {'them' if len(missing) > 1 else 'it'}. Install it (pip install "
-                          f"{' '.join(missing)}), or leave it out of --report-to (trackers installed here: "
-                          f"{', '.join(installed) or 'none'}; metrics.jsonl is written in every case).")
+        raise ConfigError(
+            f"--report-to {','.join(missing)}: the {' and '.join(missing)} package"
+            f"{'s are' if len(missing) > 1 else ' is'} not installed in this Python environment, so "
+            f"nothing would reach {'them' if len(missing) > 1 else 'it'}. Install it (pip install "
+            f"{' '.join(missing)}), or leave it out of --report-to (trackers installed here: "
+            f"{', '.join(installed) or 'none'}; metrics.jsonl is written in every case)."
+        )
     return names
 
 
@@ -91,8 +98,13 @@ class MetricsLog:
             if getattr(tracker, "name", None) == "tensorboard":
                 tracker.logging_dir_param = str(run_dir)
                 tracker.init_kwargs = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
-        accelerator.init_trackers(project or TENSORBOARD_DIR, init_kwargs={
-            "mlflow": {"run_name": Path(run_dir).name}, "wandb": {"name": Path(run_dir).name, "dir": str(run_dir)}})
+        accelerator.init_trackers(
+            project or TENSORBOARD_DIR,
+            init_kwargs={
+                "mlflow": {"run_name": Path(run_dir).name},
+                "wandb": {"name": Path(run_dir).name, "dir": str(run_dir)},
+            },
+        )
         for tracker in accelerator.trackers:
             if tracker.name != "tensorboard" and hparams:  # TensorBoard's come with the final metrics
                 tracker.store_init_configuration(hparams)
@@ -134,7 +146,6 @@ class MetricsLog:
         writer = self.writer
         if not metrics["count"] or not self.accelerator.is_main_process or (writer is None and not final):
             return None
-        from common.train.plots import confusion_matrix_image, confusion_matrix_title, misclassified_grid
 
         title = f"{confusion_matrix_title(split, metrics['count'])}, step {step}"
         confusion = None
@@ -191,8 +202,11 @@ class Throughput:
     def read_and_reset(self) -> dict:
         now = time.perf_counter()
         elapsed = max(now - self.t0, 1e-9)
-        out = {"train/samples_per_sec": self.samples / elapsed, "train/data_wait_fraction": self.data_wait / elapsed,
-               "train/peak_memory_mb": peak_memory_mb(self.device)}
+        out = {
+            "train/samples_per_sec": self.samples / elapsed,
+            "train/data_wait_fraction": self.data_wait / elapsed,
+            "train/peak_memory_mb": peak_memory_mb(self.device),
+        }
         if self.norms:
             out["train/grad_norm"] = self.norm_sum.item() / self.norms
         self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = now, 0, 0.0, None, 0
@@ -261,8 +275,9 @@ class Progress:
             return iterable
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(iterable, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", initial=initial, total=total,
-                        leave=False)
+        self.bar = tqdm(
+            iterable, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", initial=initial, total=total, leave=False
+        )
         console.show_bar(self.bar)  # messages go through it meanwhile
         return self.bar
 
@@ -297,3 +312,13 @@ class Progress:
         eta = self.eta(step, epoch, now)
         speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
         console.say(f"step {step}/{self.total} (epoch {epoch + 1}/{self.cfg.epochs}) loss {loss:.4f}{speed} ETA {eta}")
+
+
+def sanitize_for_hparams(cfg_dict: dict) -> dict:
+    """TensorBoard hparams take only int/float/str/bool: drop None, stringify the rest."""
+    out = {}
+    for key, value in cfg_dict.items():
+        if value is None:
+            continue
+        out[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
+    return out
