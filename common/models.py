@@ -12,6 +12,15 @@ RESIZE_HINT = (
 )
 
 
+def need_side(model: str, side: int, h: int, w: int) -> None:
+    """Images smaller than ``side`` pixels would be pooled away before the head: one paragraph instead."""
+    if h < side or w < side:
+        raise DataError(
+            f"The data can't feed this model: {model} needs images of at least {side}x{side} pixels, got {h}x{w}. "
+            f"{RESIZE_HINT}"
+        )
+
+
 class MLP(nn.Module):
     """Flatten -> hidden layers (Linear, ReLU, Dropout) -> Linear. hidden=(512,) is the classic one-layer MLP."""
 
@@ -41,11 +50,7 @@ class ConvNet(nn.Module):
     def __init__(self, in_shape, num_classes: int, width: int = 32, dropout: float = 0.0, depth: int = 1):
         super().__init__()
         c, h, w = in_shape
-        if h < 4 or w < 4:
-            raise DataError(
-                f"The data can't feed this model: ConvNet needs images of at least 4x4 pixels, got {h}x{w}. "
-                f"{RESIZE_HINT}"
-            )
+        need_side("ConvNet", 4, h, w)
         layers, c_in = [], c
         for c_out in (width, 2 * width):
             for _ in range(depth):
@@ -70,11 +75,7 @@ class LeanConvNet(nn.Module):
     def __init__(self, in_shape, num_classes: int, width: int = 24, hidden: int = 256, dropout: float = 0.0):
         super().__init__()
         c, h, w = in_shape
-        if h < 14 or w < 14:
-            raise DataError(
-                f"The data can't feed this model: LeanConvNet needs images of at least 14x14 pixels, got {h}x{w}. "
-                f"{RESIZE_HINT}"
-            )
+        need_side("LeanConvNet", 14, h, w)
         self.features = nn.Sequential(
             nn.Conv2d(c, width, 5, bias=False),
             nn.MaxPool2d(2),
@@ -151,11 +152,7 @@ class CifarCNN(nn.Module):
     ):
         super().__init__()
         c, h, w = in_shape
-        if h < 16 or w < 16:
-            raise DataError(
-                f"The data can't feed this model: CifarCNN needs images of at least 16x16 pixels, got {h}x{w}. "
-                f"{RESIZE_HINT}"
-            )
+        need_side("CifarCNN", 16, h, w)
         self.whiten = nn.Conv2d(c, 2 * c * 2 * 2, 2, padding=0, bias=True)  # every eigenvector of 2x2 patches, +-
         self.whiten.weight.requires_grad_(False)  # set by init_whitening; the bias trains
         self.act = nn.GELU()

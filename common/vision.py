@@ -14,6 +14,7 @@ from torch import nn
 
 from common.console import say
 from common.errors import ConfigError
+from common.moved import getattr_hook
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -307,3 +308,6 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) ->
             else ""
         )
     )
+
+
+__getattr__ = getattr_hook(__name__)  # names that moved in 0.5 say where to

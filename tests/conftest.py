@@ -1,93 +1,26 @@
-"""Shared fixtures: tiny datasets written to disk in the layouts users have, a launcher that runs the
-recipes the way users do (`accelerate launch` with a shipped config, a free port), an in-process runner
-for one-process behaviour that is not about the launcher, and reference runs: one full run per recipe
-and process count, shared by the tests that only read it or compare against it."""
+"""Shared fixtures: tiny datasets written to disk in the layouts users have (session-wide), a test's own
+environment for recipe subprocesses, foreground signal handling, and the reference runs: one full run per recipe and
+process count, shared by the tests that only read it or compare against it. Everything else the tests share is in
+helpers.py."""
 
 from __future__ import annotations
 
-import io
-import json
-import os
 import signal
-import subprocess
-import sys
-import traceback
-from contextlib import redirect_stderr, redirect_stdout
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import pytest
 
-from common.tools import launching
-from common.tools.launching import recipe_path  # noqa: F401  (the tests import it from here)
-from common.tools.machine import free_port  # noqa: F401  (the tests import it from here)
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "accelerate_configs"
-ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-
-
-def learnable_images(n: int, num_classes: int, shape, seed: int = 0):
-    """uint8 images whose class is a bright block at a class-specific place, plus noise."""
-    c, h, w = shape
-    rng = np.random.default_rng(seed)
-    labels = np.arange(n) % num_classes
-    rng.shuffle(labels)
-    images = rng.integers(0, 60, size=(n, h, w, c), dtype=np.uint8)
-    cells = int(np.ceil(np.sqrt(num_classes)))
-    bh, bw = h // cells, w // cells
-    for i, k in enumerate(labels):
-        r, q = divmod(int(k), cells)
-        images[i, r * bh : (r + 1) * bh, q * bw : (q + 1) * bw, :] = 200 + rng.integers(0, 55)
-    return images, labels
-
-
-def _pil(arr):
-    from PIL import Image
-
-    return Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr)
-
-
-def write_parquet_dataset(
-    root: Path,
-    splits: dict,
-    num_classes: int = 4,
-    shape=(1, 28, 28),
-    image_col: str = "image",
-    label_col: str = "label",
-    seed: int = 0,
-) -> Path:
-    """A folder laid out like a Hub dataset repo: data/<split>-00000-of-00001.parquet."""
-    from datasets import ClassLabel, Dataset, Features, Image
-
-    (root / "data").mkdir(parents=True, exist_ok=True)
-    names = [f"class_{k}" for k in range(num_classes)]
-    for i, (split, n) in enumerate(splits.items()):
-        images, labels = learnable_images(n, num_classes, shape, seed + i)
-        ds = Dataset.from_dict(
-            {image_col: [_pil(a) for a in images], label_col: labels.tolist()},
-            features=Features({image_col: Image(), label_col: ClassLabel(names=names)}),
-        )
-        ds.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
-    return root
-
-
-def write_image_folder(
-    root: Path, n_per_class: int = 20, classes=("cat", "dog", "frog"), shape=(3, 32, 32), seed: int = 0
-) -> Path:
-    """<root>/<class>/<i>.png, the layout of a user's own data."""
-    images, labels = learnable_images(n_per_class * len(classes), len(classes), shape, seed)
-    for i, (arr, k) in enumerate(zip(images, labels)):
-        d = root / classes[k]
-        d.mkdir(parents=True, exist_ok=True)
-        _pil(arr).save(d / f"{i}.png")
-    return root
-
-
-def recipe_env(root: Path) -> dict:
-    """Environment for recipe subprocesses: private caches under ``root``, no network, 1 thread per process."""
-    return launching.recipe_env(root, threads=1)
+from helpers import (
+    REFERENCE_EXTRA,
+    REFERENCE_TRAIN,
+    ReferenceRun,
+    kept_result,
+    launch,
+    recipe_env,
+    run_in_process,
+    shared_once,
+    write_parquet_dataset,
+    write_photo_folder,
+)
 
 
 @pytest.fixture
@@ -108,272 +41,45 @@ def foreground_signals():
         signal.signal(sig, handler)
 
 
-def launch(
-    recipe: str,
-    args,
-    env,
-    nproc: int = 1,
-    config: str | None = None,
-    timeout: int = 240,
-    extra_launch=(),
-    port: int | None = None,
-) -> subprocess.CompletedProcess:
-    """`accelerate launch` a recipe with a shipped config on a free port (or ``port``), fp32 whatever the CPU
-    (the golden losses and equivalence tolerances are fp32 figures); returns the finished process."""
-    cmd = launching.launch_command(recipe, args, nproc=nproc, config=config, port=port, extra_launch=extra_launch)
-    return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
-
-
-@dataclass
-class InProcessResult:
-    """What the tests read from a finished subprocess.CompletedProcess."""
-
-    args: list
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
-
-
-def import_recipe(recipe):
-    """The recipe file imported as a module (once per file); recipes run nothing at import."""
-    return launching.import_recipe(recipe, prefix="_test_recipe")
-
-
-def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
-    """``main(argv)`` of a recipe in this process, as ``python recipe.py ARGS`` with ``env`` would run it
-    on one process: the environment applied to os.environ, sys.argv[0] the recipe file, torch threads
-    from OMP_NUM_THREADS, stdout and stderr captured, and Accelerate's singletons reset before and after.
-    An exception that escapes main() is printed with its traceback to the captured stderr (exit 1), as
-    Python would; SystemExit gives its code."""
-    import datasets.config
-    import huggingface_hub.constants
-    import torch
-    from accelerate.state import AcceleratorState, GradientState
-
-    path = recipe_path(recipe)
-    module = import_recipe(path)
-    argv = [str(a) for a in args]
-    out, err = io.StringIO(), io.StringIO()
-    threads = torch.get_num_threads()
-    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    with pytest.MonkeyPatch.context() as mp:
-        for key in [k for k in os.environ if k not in env]:
-            mp.delenv(key)
-        for key, value in env.items():
-            if os.environ.get(key) != value:
-                mp.setenv(key, value)
-        # datasets and huggingface_hub read these from the environment once, at import
-        if "HF_HOME" in env:
-            mp.setattr(datasets.config, "HF_DATASETS_CACHE", Path(env["HF_HOME"]) / "datasets")
-        offline = env.get("HF_HUB_OFFLINE", "").lower() in ("1", "true")
-        mp.setattr(datasets.config, "HF_HUB_OFFLINE", offline)
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
-        mp.setattr(sys, "argv", [str(path), *argv])
-        if cwd is not None:
-            mp.chdir(cwd)
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", threads)))
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        try:
-            with redirect_stdout(out), redirect_stderr(err):
-                try:
-                    code = module.main(argv)
-                except SystemExit as exit_:
-                    code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-                except Exception:
-                    traceback.print_exc()
-                    code = 1
-        finally:
-            AcceleratorState._reset_state(True)
-            GradientState._reset_state()
-            torch.set_num_threads(threads)
-            for sig, handler in handlers.items():  # a run that failed before its stop handlers were
-                signal.signal(sig, handler)  # restored must not leave them in this process
-    return InProcessResult([str(path), *argv], code or 0, out.getvalue(), err.getvalue())
-
-
-def check_ok(proc: subprocess.CompletedProcess):
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
-    )
-    # a worker that exits holding its process group can abort at interpreter shutdown (gloo's threads), which the
-    # launcher turns into exit 1 for a completed run: every rank destroys it at the end
-    assert "terminate called" not in proc.stderr and "has NOT been destroyed" not in proc.stderr, proc.stderr[-6000:]
-    return proc
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Every row of a JSON-lines file, strictly: a missing file or a line cut short fails the test (the benchmarks'
-    common.tools.launching.read_jsonl forgives both, for runs that were killed)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Scalars from the run's TensorBoard event files, read with TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = {}
-    for events_dir in sorted({p.parent for p in Path(run_dir).rglob("events.out.tfevents.*")}):
-        acc = EventAccumulator(str(events_dir), size_guidance={"scalars": 0, "tensors": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return out
-
-
 @pytest.fixture(scope="session")
 def mnist_like(tmp_path_factory):
     """Hub-layout parquet, 1x28x28, 4 classes: train 320 (no validation split), test 99."""
-    return write_parquet_dataset(tmp_path_factory.mktemp("mnist_like"), {"train": 320, "test": 99})
+    return shared_once(tmp_path_factory, "mnist_like", lambda d: write_parquet_dataset(d, {"train": 320, "test": 99}))
 
 
 @pytest.fixture(scope="session")
 def cifar_like(tmp_path_factory):
     """Hub-layout parquet with CIFAR's column name `img`, 3x32x32, 4 classes."""
-    return write_parquet_dataset(
-        tmp_path_factory.mktemp("cifar_like"), {"train": 256, "test": 64}, shape=(3, 32, 32), image_col="img"
+    return shared_once(
+        tmp_path_factory,
+        "cifar_like",
+        lambda d: write_parquet_dataset(d, {"train": 256, "test": 64}, shape=(3, 32, 32), image_col="img"),
     )
-
-
-def write_photo_folder(root: Path, n_per_class: int, classes=("ant", "bee", "wasp"), seed: int = 0) -> Path:
-    """<root>/<class>/<i>.<ext>: photos of mixed sizes (wide, tall, square), formats and modes (RGB JPEG with and
-    without an EXIF rotation, grey PNG, palette PNG with transparency, RGBA PNG), as a user's own folder holds."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    sizes = [(48, 36), (36, 48), (40, 40), (64, 44), (30, 50)]
-    for k, cls in enumerate(classes):
-        (root / cls).mkdir(parents=True, exist_ok=True)
-        for i in range(n_per_class):
-            w, h = sizes[(i + k) % len(sizes)]
-            arr = rng.integers(0, 80, size=(h, w, 3), dtype=np.uint8)
-            arr[:, k * w // len(classes) : (k + 1) * w // len(classes), k % 3] = 230  # a class-coloured stripe
-            img, kind = Image.fromarray(arr), i % 5
-            if kind == 0:
-                img.save(root / cls / f"{i}.jpg", quality=90)
-            elif kind == 1:
-                img.convert("L").save(root / cls / f"{i}.png")
-            elif kind == 2:
-                img.quantize(16).save(root / cls / f"{i}.png", transparency=0)
-            elif kind == 3:
-                img.convert("RGBA").save(root / cls / f"{i}.png")
-            else:
-                exif = Image.Exif()
-                exif[0x0112] = 6  # stored sideways: viewers (and the recipe) turn it upright
-                img.save(root / cls / f"{i}.jpg", quality=90, exif=exif)
-    return root
 
 
 @pytest.fixture(scope="session")
 def photos_like(tmp_path_factory):
     """A photo folder with train/ (3 classes x 60) and test/ (3 x 8): mixed sizes, formats and modes."""
-    root = tmp_path_factory.mktemp("photos_like")
-    write_photo_folder(root / "train", 60)
-    write_photo_folder(root / "test", 8, seed=1)
-    return root
+
+    def make(root):
+        write_photo_folder(root / "train", 60)
+        write_photo_folder(root / "test", 8, seed=1)
+
+    return shared_once(tmp_path_factory, "photos_like", make)
 
 
 @pytest.fixture(scope="session")
 def awkward(tmp_path_factory):
     """Hub-layout parquet with its own validation split of an awkward size: train 256, validation 99, test 82."""
-    return write_parquet_dataset(tmp_path_factory.mktemp("awkward"), {"train": 256, "validation": 99, "test": 82})
-
-
-# --- reference runs --------------------------------------------------------------------------------
-# One full run per recipe and process count. The settings keep the models tiny; the extra flags change
-# nothing in the training math (checkpoint cadence, target check, profiling), so the same
-# run serves the end-to-end checks, the pinned losses and the uninterrupted side of the resume tests.
-
-SMALL = {  # each recipe's default --lr given: at --batch-size 32 the LR rule would scale it (golden losses)
-    "fashion_mnist_mlp": ["--hidden", "32", "--lr", "4e-3"],
-    "mnist_convnet": ["--width", "8", "--lr", "1e-2"],
-    "cifar_cnn": ["--widths", "8,16,16", "--lr", "1.5"],
-    # lr by its rule: 0.05 at batch 32; every epoch at 32 px (progressive resizing: its own test) and evaluated
-    "finetune_folder": ["--image-size", 32, "--start-image-size", 0, "--eval-every", 1, "--workers", 0],
-}
-TRAIN = ["--epochs", 2, "--batch-size", 32, "--log-every", 1]
-REFERENCE_TRAIN = {  # (dataset fixture, training flags): what a run that resumes must repeat
-    ("fashion_mnist_mlp", 1): ("mnist_like", [*TRAIN, *SMALL["fashion_mnist_mlp"]]),
-    # 2 processes: given validation split of 99 images, eval batch 10 per process; no dropout, so that
-    # 1 process x batch 32 must give the same weights (also when it resumes from the step-5 checkpoint)
-    ("fashion_mnist_mlp", 2): (
-        "awkward",
-        [
-            *TRAIN,
-            *SMALL["fashion_mnist_mlp"],
-            "--dropout",
-            0,
-            "--eval-batch-size",
-            20,
-            "--checkpoint-every",
-            5,
-            "--keep-checkpoints",
-            10,
-        ],
-    ),
-    # every checkpoint kept: a 2-process resume test starts from a copy of one of them
-    # an evaluation and a checkpoint on the same steps: the checkpoint must hold that evaluation's result
-    ("mnist_convnet", 1): (
-        "mnist_like",
-        [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5, "--eval-every-steps", 5, "--keep-checkpoints", 10],
-    ),
-    ("mnist_convnet", 2): (
-        "mnist_like",
-        [*TRAIN, *SMALL["mnist_convnet"], "--checkpoint-every", 5, "--eval-every-steps", 5, "--keep-checkpoints", 10],
-    ),
-    ("cifar_cnn", 1): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
-    ("cifar_cnn", 2): ("cifar_like", [*TRAIN, *SMALL["cifar_cnn"], "--checkpoint-every", 3, "--keep-checkpoints", 10]),
-    ("finetune_folder", 1): (
-        "photos_like",
-        [*TRAIN, *SMALL["finetune_folder"], "--checkpoint-every", 3, "--keep-checkpoints", 10],
-    ),
-    ("finetune_folder", 2): ("photos_like", [*TRAIN, *SMALL["finetune_folder"]]),
-}
-REFERENCE_EXTRA = {  # read-only checks riding on the reference run
-    ("fashion_mnist_mlp", 1): ["--progress-every-s", 0],
-    ("mnist_convnet", 1): ["--target-accuracy", 0.9],
-    ("fashion_mnist_mlp", 2): ["--profile", 2],
-}
-
-
-def stopped_at(ref_run: Path, step: int, dest: Path) -> Path:
-    """``dest`` as a run of the reference's command stopped at ``step`` leaves it: its config.json, its
-    complete checkpoint of that step (written at the same point of the loop as a stopped run writes
-    it), and a metrics.jsonl that goes on past the checkpoint, as after a crash (a resume must drop
-    those lines and write them again)."""
-    import shutil
-
-    name = f"step-{step:08d}"
-    (dest / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref_run / "checkpoints" / name, dest / "checkpoints" / name)
-    for f in ("config.json", "metrics.jsonl"):
-        shutil.copy(ref_run / f, dest / f)
-    best = ref_run / "best"
-    if best.is_dir() and json.loads((best / "model.json").read_text())["step"] <= step:  # the stopped run had it
-        shutil.copytree(best, dest / "best")
-    return dest
-
-
-@dataclass
-class ReferenceRun:
-    run: Path  # its run directory
-    proc: object  # the finished process (stdout, stderr, returncode)
-    dataset: Path
-    train_args: list  # dataset and training flags, without --output-dir
-
-    def ok(self) -> ReferenceRun:
-        check_ok(self.proc)
-        return self
+    splits = {"train": 256, "validation": 99, "test": 82}
+    return shared_once(tmp_path_factory, "awkward", lambda d: write_parquet_dataset(d, splits))
 
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory, mnist_like, cifar_like, awkward, photos_like):
-    """reference_run(recipe, nproc) -> ReferenceRun, run once per session: in this process for 1 process,
-    `accelerate launch` with real gloo processes for 2."""
-    root = tmp_path_factory.mktemp("reference")
+    """reference_run(recipe, nproc) -> ReferenceRun, run once per session (by whichever worker asks first, see
+    ``shared_once``): in that process for 1 process, `accelerate launch` with real gloo processes for 2."""
+    root = shared_once(tmp_path_factory, "reference", lambda d: d.mkdir())
     env = recipe_env(root)
     done: dict = {}
     datasets = {"mnist_like": mnist_like, "cifar_like": cifar_like, "awkward": awkward, "photos_like": photos_like}
@@ -386,7 +92,12 @@ def reference_run(tmp_path_factory, mnist_like, cifar_like, awkward, photos_like
             train_args = ["--dataset", data, *flags]
             run = root / f"{recipe}-{nproc}proc"
             args = [*train_args, *REFERENCE_EXTRA.get(key, []), "--output-dir", run]
-            proc = run_in_process(recipe, args, env) if nproc == 1 else launch(recipe, args, env, nproc=nproc)
+
+            def make(result):
+                proc = run_in_process(recipe, args, env) if nproc == 1 else launch(recipe, args, env, nproc=nproc)
+                kept_result(result, proc)
+
+            proc = kept_result(shared_once(tmp_path_factory, f"reference-{recipe}-{nproc}proc.json", make))
             done[key] = ReferenceRun(run, proc, data, train_args)
         return done[key].ok()
 

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_in_process, write_image_folder, write_parquet_dataset
+
+from helpers import REPO, run_in_process, write_image_folder, write_parquet_dataset
 
 
 def run_recipe(recipe, args, env, cwd):
@@ -189,7 +190,7 @@ def test_bad_input_on_two_processes_is_said_once(tmp_path, env, case):
     """The same bad input stops both processes; the job says it once (the main process), not once per rank. A
     damaged photo: the node's photo check (one process) hands its verdict to the other, which would otherwise meet
     the photo itself and say it its own way."""
-    from conftest import launch
+    from helpers import launch
 
     root = tmp_path / "d"
     write_image_folder(root / "train", n_per_class=4, classes=("cat", "dog"))
@@ -231,9 +232,9 @@ time.sleep(60)
 @pytest.mark.parametrize("case", ["differ", "only_rank_1"])
 def test_bad_input_that_differs_by_process_is_said_by_each(tmp_path, env, case):
     """The false positive: a message the main process did not say (another one, or none at all) is printed."""
-    from conftest import ACCELERATE, CONFIGS, REPO
-
     from common.tools.machine import free_port
+
+    from helpers import ACCELERATE, CONFIGS, REPO
 
     script = tmp_path / "say.py"
     script.write_text(SAY_PER_RANK)

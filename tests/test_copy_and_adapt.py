@@ -11,9 +11,9 @@ import json
 import random
 from pathlib import Path
 
-from conftest import check_ok, run_in_process
-
 from common.tools.copy_recipe import main as copy_recipe
+
+from helpers import check_ok, run_in_process
 
 SHAPES = ("circle", "square", "triangle")
 SIZE = 20  # neither 28 (MNIST) nor 32 (CIFAR)

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, recipe_env, write_image_folder, write_parquet_dataset
 
 from common.config import CommonConfig
 from common.data.decoded import DataError, ImageSplit, TensorImages, hold_out, load_image_data, make_loader
+
+from helpers import REPO, recipe_env, write_image_folder, write_parquet_dataset
 
 
 @pytest.fixture(autouse=True)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import check_ok, run_in_process
 
 from common.train.accelerator import cpu_bf16_support
+
+from helpers import check_ok, run_in_process
 
 
 def test_eval_only_names_a_precision_other_than_the_runs(tmp_path, env, mnist_like):

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from safetensors.torch import load_file
+
+from helpers import (
     ACCELERATE,
     REPO,
     check_ok,
@@ -25,7 +27,6 @@ from conftest import (
     run_in_process,
     stopped_at,
 )
-from safetensors.torch import load_file
 
 MLP = ["--hidden", "32"]
 CONV = ["--width", "8"]
@@ -311,7 +312,7 @@ def test_sigkill_mid_run_resumes_from_last_complete_checkpoint(tmp_path, env, mn
 KILL_DURING_SAVE = """
 import os, signal, sys
 import safetensors.torch
-from conftest import run_in_process
+from helpers import run_in_process
 
 real, calls = safetensors.torch.save_file, []
 
@@ -506,7 +507,7 @@ def test_resume_refuses_settings_that_change_what_the_run_means(tmp_path, env, m
     run2 = tmp_path / "run2"
     args = ["--dataset", moved, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run2]
     check_ok(run_in_process("fashion_mnist_mlp", [*args, "--max-steps", 2], env))
-    from conftest import write_parquet_dataset
+    from helpers import write_parquet_dataset
 
     write_parquet_dataset(moved, {"train": 320}, seed=9)
     before = tree(run2)

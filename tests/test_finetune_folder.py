@@ -11,12 +11,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from PIL import Image
 from safetensors.torch import load_file
 
 from common import vision
 from common.errors import ConfigError
+
+from helpers import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 
 
 def test_trains_on_photos_of_any_size_and_mode_at_1_and_2_processes(reference_run):
@@ -345,9 +346,9 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
 def test_progressive_resizing_starts_at_half_the_size_from_scratch_and_is_off_with_weights(tmp_path):
     """Left out, --start-image-size is half of --image-size from scratch (the default 128 -> 64, a given 224 -> 112)
     and off with --weights (pretrained features at their own size throughout); given, it is taken as given."""
-    from conftest import import_recipe, recipe_path
-
     from common.config import parse_config
+
+    from helpers import import_recipe, recipe_path
 
     recipe = import_recipe(recipe_path("finetune_folder"))
     weights = tmp_path / "w.pth"

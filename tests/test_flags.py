@@ -4,7 +4,8 @@ script, Accelerate's cv_example) are answered with this recipe's name for them, 
 from __future__ import annotations
 
 import pytest
-from conftest import run_in_process
+
+from helpers import run_in_process
 
 
 def refused(recipe, args, env, tmp_path) -> str:
@@ -114,7 +115,7 @@ def test_help_lists_only_what_the_recipe_reads_and_an_unread_setting_is_refused(
     import dataclasses
     import re
 
-    from conftest import import_recipe
+    from helpers import import_recipe
 
     proc = run_in_process(recipe, ["--help"], env)
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,8 @@ check) do not touch the training math."""
 from __future__ import annotations
 
 import pytest
-from conftest import SMALL, read_jsonl
+
+from helpers import SMALL, read_jsonl
 
 GOLDEN = {
     "fashion_mnist_mlp": [1.3453906774520874, 0.6219051480293274, 0.4301536977291107, 0.4629329741001129],

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+
+from helpers import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_report.py")
 

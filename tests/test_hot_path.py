@@ -15,9 +15,10 @@ import sys
 
 import pytest
 import torch
-from conftest import SMALL, check_ok, recipe_env, run_in_process
 
 from common.train.run import TrainingRun
+
+from helpers import SMALL, check_ok, recipe_env, run_in_process
 
 SYNCING_METHODS = ("item", "tolist", "cpu", "__bool__")
 LOG_EVERY = 10

@@ -53,7 +53,7 @@ def test_weights_that_cannot_be_had_fail_at_start_before_the_photos_are_read(tmp
     import subprocess
     import sys
 
-    from conftest import REPO, write_photo_folder
+    from helpers import REPO, write_photo_folder
 
     root = write_photo_folder(tmp_path / "photos" / "train", 4)
     env = {**env, "TORCH_HOME": str(tmp_path / "torch"), "ACCELERATE_RECIPES_CACHE": str(tmp_path / "cache")}

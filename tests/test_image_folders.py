@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ACCELERATE, CONFIGS, REPO, free_port, learnable_images, run_in_process, write_image_folder
 from PIL import Image
 
 from common.config import CommonConfig
 from common.data.decoded import DataError, load_image_data
+
+from helpers import ACCELERATE, CONFIGS, REPO, free_port, learnable_images, run_in_process, write_image_folder
 
 
 def load(root, tmp_path, logs=None, **kw):

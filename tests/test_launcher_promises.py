@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ACCELERATE, REPO, check_ok, free_port, read_jsonl, run_in_process
+
+from helpers import ACCELERATE, REPO, check_ok, free_port, read_jsonl, run_in_process
 
 MLP = ["--hidden", "32", "--lr", "4e-3"]  # the default LR given: at --batch-size 32 the LR rule would scale it
 
@@ -472,9 +473,9 @@ def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needl
     given with --config_file or found where `accelerate config` writes it) starts one process, and plain
     `accelerate launch` sets OMP_NUM_THREADS=1: either trained on one core of two, unsaid. The startup line now says
     what to run instead. (Through the real launcher.)"""
-    from conftest import recipe_env
-
     from common.train.accelerator import CPU_2PROC_CONFIG as CPU_2PROC
+
+    from helpers import recipe_env
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: nothing is left idle")

@@ -4,7 +4,8 @@ out a call, instead of silently repeating the first epoch's data order or never 
 from __future__ import annotations
 
 import pytest
-from conftest import check_ok, import_recipe, read_jsonl, run_in_process
+
+from helpers import check_ok, import_recipe, read_jsonl, run_in_process
 
 MLP = ["--hidden", "32", "--lr", "4e-3"]
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, check_ok, launch, read_jsonl, run_in_process
 from safetensors.torch import load_file
 
 from common.schedules import lr_multiplier
+
+from helpers import SMALL, check_ok, launch, read_jsonl, run_in_process
 
 RECIPES = {
     "fashion_mnist_mlp": "mnist_like",

@@ -10,9 +10,10 @@ import json
 import math
 
 import pytest
-from conftest import import_recipe, recipe_path, run_in_process
 
 from common.config import build_parser, parse_config, save_config
+
+from helpers import import_recipe, recipe_path, run_in_process
 
 # recipe -> (default lr, the global batch it was tuned at, rule); a changed default must change this table
 RULES = {

@@ -7,10 +7,11 @@ import sys
 
 import numpy as np
 import torch
-from conftest import REPO, check_ok, recipe_env
 from PIL import Image
 
 from common.data.splits import ImageSplit, hold_out
+
+from helpers import REPO, check_ok, recipe_env
 
 
 def test_photo_baseline_trains_one_epoch_on_the_recipes_split(tmp_path):

@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-from conftest import REPO, read_jsonl, run_in_process, write_photo_folder
+
+from helpers import REPO, read_jsonl, run_in_process, write_photo_folder
 
 
 def folder_to_parquet(

@@ -10,12 +10,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 from PIL import Image
 from safetensors.torch import load_file
 
 from common import vision
 from common.errors import ConfigError
+
+from helpers import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
 
 
 def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it(tmp_path):
@@ -89,7 +90,7 @@ def test_eval_only_normalises_as_the_scored_run_did_on_any_data(tmp_path, photos
     """--eval-only with --dataset naming other photos: the inputs are normalised with the mean and std the run
     recorded in model.json, not with statistics of the data being scored (before, a brighter folder was
     normalised back toward the training pixels and scored as if it were them)."""
-    from conftest import import_recipe, write_photo_folder
+    from helpers import import_recipe, write_photo_folder
 
     run = tmp_path / "run"
     check_ok(
@@ -169,7 +170,7 @@ def test_the_ema_is_one_model_on_every_rank_and_resumes_exactly_at_2_processes(t
     average drifted apart and rank 1 scored its share of the images with a model never saved; a resume (every rank
     from rank 0's checkpoint) then scored differently. Now the average takes rank 0's statistics before it is read:
     stopped at step 4 and resumed, the evaluations and the final weights equal the uninterrupted run's."""
-    from conftest import launch, recipe_env
+    from helpers import launch, recipe_env
 
     env = recipe_env(tmp_path)
     base = [

@@ -18,11 +18,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, import_recipe
 
 from common.data.augment import normalize
 from common.tools.predict import build_model_from_card, collect_images, load_predictor, predict_files
 from common.train import checkpoint
+
+from helpers import REPO, import_recipe
 
 STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import REPO
+from helpers import REPO
 
 SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 

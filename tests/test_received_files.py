@@ -9,8 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, check_ok, run_in_process
 from test_predict import make_model_dir, write_images
+
+from helpers import REPO, check_ok, run_in_process
 
 MLP = ["--hidden", "32"]
 
@@ -199,7 +200,7 @@ def test_printable_escapes_control_characters_only(capsys):
 def test_a_dataset_folder_named_with_an_escape_sequence_reaches_the_terminal_as_text(tmp_path, env):
     """The startup lines quote the dataset's path and what was skipped in it: a name holding an escape sequence is
     printed as text (it retitled the terminal)."""
-    from conftest import write_image_folder
+    from helpers import write_image_folder
 
     root = write_image_folder(tmp_path / "pets\x1b]0;pwned\x07", n_per_class=6, classes=("cat", "dog"), shape=(3, 8, 8))
     (root / "cat" / "notes\x1b[2K.txt").write_text("skipped, and counted")

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, check_ok, launch, read_jsonl, read_scalars, run_in_process
 from safetensors.torch import load_file
+
+from helpers import CONFIGS, REPO, check_ok, launch, read_jsonl, read_scalars, run_in_process
 
 RECIPES = ["fashion_mnist_mlp", "mnist_convnet", "cifar_cnn"]
 EXPECTED_TAGS = {
@@ -220,7 +221,7 @@ def test_a_small_split_keeps_its_last_batch_and_resumes_exactly(tmp_path, env, m
     """288 training images at batch 100: dropping the last incomplete batch lost 88 of them (31%) every epoch,
     unsaid. It is kept (said on the startup line: 3 steps an epoch, not 2), and a run stopped at step 4 and resumed
     ends with the uninterrupted run's weights and losses."""
-    from conftest import stopped_at
+    from helpers import stopped_at
 
     base = [
         "--dataset",

@@ -6,9 +6,10 @@ import json
 import os
 
 import pytest
-from conftest import run_in_process, write_photo_folder
 
 from common.data import folders
+
+from helpers import run_in_process, write_photo_folder
 
 ARGS = ["--image-size", 32, "--batch-size", 8, "--workers", 0]
 

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, recipe_env, write_parquet_dataset
+
+from helpers import REPO, free_port, recipe_env, write_parquet_dataset
 
 SCRIPT = REPO / "slurm" / "train.sbatch"
 RECIPE = REPO / "recipes" / "fashion_mnist_mlp.py"

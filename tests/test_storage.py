@@ -10,7 +10,8 @@ import subprocess
 from contextlib import contextmanager
 
 import pytest
-from conftest import check_ok, run_in_process
+
+from helpers import check_ok, run_in_process
 
 MLP = ["--hidden", "32"]
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_ok, import_recipe, launch, read_jsonl, run_in_process, stopped_at
 from safetensors.torch import load_file
 from torch import nn
 
@@ -19,6 +18,8 @@ from common.models import CifarCNN, init_whitening
 from common.optimizers import sgd_with_bias_groups
 from common.schedules import build_scheduler, lr_multiplier
 from common.train.metrics import evaluate, tta_logits
+
+from helpers import check_ok, import_recipe, launch, read_jsonl, run_in_process, stopped_at
 
 
 class _Acc:

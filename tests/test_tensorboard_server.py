@@ -16,7 +16,8 @@ import urllib.parse
 import urllib.request
 
 import pytest
-from conftest import free_port, read_scalars, recipe_env
+
+from helpers import free_port, read_scalars, recipe_env
 
 N_TRAIN, BATCH, EPOCHS = 256, 32, 2
 STEPS = EPOCHS * (N_TRAIN // BATCH)  # a validation split is given, so nothing is held out of train

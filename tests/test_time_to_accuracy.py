@@ -10,7 +10,8 @@ import os
 import sys
 
 import pytest
-from conftest import REPO, recipe_env, write_parquet_dataset
+
+from helpers import REPO, recipe_env, write_parquet_dataset
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import time_to_accuracy as tta  # noqa: E402

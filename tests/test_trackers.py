@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import check_ok, read_jsonl, read_scalars, run_in_process
+
+from helpers import check_ok, read_jsonl, read_scalars, run_in_process
 
 MLP = ["--hidden", "32"]
 

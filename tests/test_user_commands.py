@@ -13,7 +13,8 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from helpers import (
     ACCELERATE,
     REPO,
     check_ok,

@@ -38,6 +38,7 @@ every process decodes for itself and the last rename wins: correct, only slower.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,6 +74,18 @@ def _label_map(what: str, class_names, str_map):
     return label_map
 
 
+def _same_label(label, src):
+    return label
+
+
+def _decoder(cfg, split, columns: tuple, label_map, what: str, is_main: bool):
+    """The decode of one split (``sources.decode_split``), for the cache to call when it holds no copy."""
+    progress = is_main and sys.stderr.isatty()
+    return partial(
+        sources.decode_split, split, *columns, cfg.channels, cfg.image_size, label_map, what, progress=progress
+    )
+
+
 def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool):
     """An image folder read by ``common.data.folders`` (torchvision's ImageFolder rules), each split decoded into (or
     read from) the cache under a key made of every file's path, class, size and times."""
@@ -80,18 +93,8 @@ def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool):
     settings = {"channels": cfg.channels, "size": cfg.image_size}
     splits = {}
     for split_name, split in scan.splits.items():
-
-        def decode(split=split, split_name=split_name):
-            return sources.decode_split(
-                split,
-                None,
-                None,
-                cfg.channels,
-                cfg.image_size,
-                lambda label, src: label,
-                f"the {split_name} split of {name}",
-                progress=is_main and sys.stderr.isatty(),
-            )
+        what = f"the {split_name} split of {name}"
+        decode = _decoder(cfg, split, (None, None), _same_label, what, is_main)
 
         splits[split_name] = cache.cached_split(
             cache.cache_path(cache_dir, split.fingerprint, settings),
@@ -124,17 +127,8 @@ def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, state: str | 
                     f"The {split_name} split of {name!r} has no column {col!r}. Give every split the same columns."
                 )
 
-        def decode(split=split, split_name=split_name):
-            return sources.decode_split(
-                split,
-                img_col,
-                lab_col,
-                cfg.channels,
-                cfg.image_size,
-                _label_map(f"The {split_name} split", class_names, str_map),
-                f"the {split_name} split of {name!r}",
-                progress=is_main and sys.stderr.isatty(),
-            )
+        label_map = _label_map(f"The {split_name} split", class_names, str_map)
+        decode = _decoder(cfg, split, (img_col, lab_col), label_map, f"the {split_name} split of {name!r}", is_main)
 
         files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
         splits[split_name] = cache.cached_split(
@@ -314,13 +308,7 @@ def place_on_device(cfg, accelerator, data: ImageData) -> str:
 
 
 def split_loader(
-    cfg,
-    accelerator,
-    split: ImageSplit | None,
-    train: bool = False,
-    on_device: bool = False,
-    alternating_flip: bool = False,
-    drop_last: bool | None = None,
+    cfg, accelerator, split: ImageSplit | None, train=False, on_device=False, alternating_flip=False, drop_last=None
 ):
     """A recipe's DataLoader over a decoded split (None for none): the global --batch-size split over processes
     and accumulation steps for training, --eval-batch-size over processes for evaluation; on the accelerator

@@ -156,11 +156,11 @@ def photo_loader(
     cfg,
     accelerator,
     split: PhotoSplit | None,
-    train: bool = False,
-    on_device: bool = False,
+    train=False,
+    on_device=False,
     train_view=None,
     sides=None,
-    drop_last: bool | None = None,
+    drop_last=None,
 ):
     """A DataLoader decoding in ``--workers`` worker processes: the global --batch-size split over processes and
     accumulation steps for training, --eval-batch-size over processes for evaluation. ``train_view``: the recipe's

@@ -1,0 +1,93 @@
+"""The plan of common/ holds: imports go one way (ground floor, techniques, data/, train/, tools/), no cycles, no
+module of 400 lines or more, no import of the project's own modules inside a function, and README's Layout table
+names every module."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from helpers import REPO
+
+COMMON = REPO / "common"
+GROUND = {"errors", "console", "files", "config", "config_checks", "flag_hints", "moved"}
+TECHNIQUES = {"models", "vision", "optimizers", "schedules", "averaging"}
+FLOORS = {"data": 2, "train": 3, "tools": 4}
+
+
+def modules() -> dict[str, ast.Module]:
+    found = {}
+    for path in sorted(COMMON.rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        found[name] = ast.parse(path.read_text())
+    return found
+
+
+def floor(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) > 2 or parts[-1] in FLOORS:
+        return FLOORS[parts[1]]
+    if len(parts) == 1:
+        return 0
+    assert parts[1] in GROUND | TECHNIQUES, f"{module}: a module at the top of common/ that is on no floor"
+    return 1 if parts[1] in TECHNIQUES else 0
+
+
+def imported(module: str, node, known) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in known]
+    if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith("common"):
+        return []
+    return [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
+
+
+def test_imports_go_down_and_never_round():
+    mods = modules()
+    edges = {m: {t for node in tree.body for t in imported(m, node, mods)} - {m, "common"} for m, tree in mods.items()}
+    packages = {f"common.{f}" for f in FLOORS}  # `from common.data import cache` names the module, not the package
+    upward = [(m, t) for m, targets in edges.items() for t in targets - packages if floor(t) > floor(m)]
+    assert upward == []
+    state, cycles = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for t in edges[m]:
+            if state.get(t) == "open":
+                cycles.append(path[path.index(t) :] + [t])
+            elif t not in state:
+                visit(t, [*path, t])
+        state[m] = "done"
+
+    for m in edges:
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+def test_no_import_of_the_projects_modules_inside_a_function():
+    mods, inner = modules(), []
+    for m, tree in mods.items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and imported(m, node, {"common", *mods}):
+                        inner.append(f"{m}:{node.lineno}")
+    assert inner == []
+
+
+def test_every_module_is_one_job_under_400_lines():
+    sizes = {p.relative_to(REPO): len(p.read_text().splitlines()) for p in COMMON.rglob("*.py")}
+    assert {p: n for p, n in sizes.items() if n >= 400} == {}
+
+
+def test_readme_layout_names_every_module():
+    readme = (REPO / "README.md").read_text()
+    table = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    missing = []
+    for m in modules():
+        parts = m.split(".")
+        if parts[-1] in ("common", *FLOORS):
+            continue
+        if not re.search(rf"`{re.escape(parts[-1])}(\.py)?`", table):
+            missing.append(m)
+    assert missing == []
