@@ -1,4 +1,7 @@
-"""Shared pieces of the recipes: data, models, metrics, checkpoints, run plumbing."""
+"""The recipes' library, in floors that import only downward: the ground floor (errors, console, files, config), the
+techniques a recipe picks (models, vision, optimizers, schedules, averaging), ``data/`` (datasets, pixels, the decoded
+cache, photos, augmentation), ``train/`` (the run and the parts it owns) and ``tools/`` (predict, export,
+copy_recipe, and the launch helpers the tests and benchmarks use)."""
 
 import sys
 

@@ -29,8 +29,8 @@ def check(cfg) -> None:
         f"--warmup-start and --final-lr are fractions of --lr in [0, 1] (got {cfg.warmup_start} and {cfg.final_lr}).",
     )
     need(
-        0 <= getattr(cfg, "label_smoothing", 0) < 1,
-        f"--label-smoothing must be in [0, 1) (got {getattr(cfg, 'label_smoothing', 0)}).",
+        0 <= cfg.label_smoothing < 1,
+        f"--label-smoothing must be in [0, 1) (got {cfg.label_smoothing}).",
     )
     need(cfg.eval_every_steps >= 0, f"--eval-every-steps must be >= 0 (got {cfg.eval_every_steps}); 0 turns it off.")
     need(cfg.progress_every_s >= 0, f"--progress-every-s must be >= 0 (got {cfg.progress_every_s}).")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib.abc
+import os
 import sys
 from pathlib import Path
 
@@ -159,5 +160,6 @@ def check_script(path: str) -> None:
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return  # not a readable Python file: nothing to say
     if changes:
-        sys.stderr.write(f"error: {message(f'{path} was written for version 0.4', changes)}\n")
+        if os.environ.get("RANK", "0") == "0":  # under a launcher every rank stops; the first one says why
+            sys.stderr.write(f"error: {message(f'{path} was written for version 0.4', changes)}\n")
         raise SystemExit(2)
