@@ -129,8 +129,9 @@ def old_imports(source: str) -> list[str]:
     """'line N: old -> new' for each place in Python ``source`` that imports a 0.4 path (``from common.run import
     TrainingRun``, ``import common.run``, ``from common import checkpoint``) or uses a name that left its module
     (``vision.param_groups`` after ``from common import vision``)."""
+    tree = ast.parse(source)
     found, modules = [], {}  # modules: local name -> the common module it is (``from common import vision``)
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "common":
             for alias in node.names:
                 new = new_place(node.module, alias.name)
@@ -144,7 +145,7 @@ def old_imports(source: str) -> list[str]:
                 new = new_place(alias.name) if alias.name.startswith("common.") else None
                 if new is not None:
                     found.append((node.lineno, alias.name, new))
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
             new = new_place(modules[node.value.id], node.attr)
             if new is not None:

@@ -15,7 +15,7 @@ import pytest
 from common import moved
 from common.tools.copy_recipe import available_recipes, copy_recipe
 
-from helpers import ACCELERATE, CONFIGS, REPO, free_port, recipe_env
+from helpers import REPO, launch, recipe_env
 
 # The import lines of the four recipes of version 0.4, as a copy made then holds them, and the lines of their loops
 # that used a name that has since left common.vision.
@@ -142,10 +142,7 @@ def test_through_the_launcher_on_two_processes_it_is_said_once(tmp_path):
     """Every rank stops at start; only the first says why (the launcher then reports its failed children)."""
     copy = tmp_path / "my_cifar_cnn.py"
     copy.write_text('"""My copy."""\n\nimport accelerate_recipes  # noqa: F401\n' + OLD_IMPORTS["cifar_cnn"])
-    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml"), "--main_process_port"]
-    proc = subprocess.run(
-        [*cmd, str(free_port()), str(copy)], cwd=tmp_path, env=recipe_env(tmp_path), capture_output=True, text=True
-    )
+    proc = launch(copy, [], recipe_env(tmp_path), nproc=2)
     said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(said) == 1 and "common.run.TrainingRun -> common.train.run" in said[0]
     assert "exitcode  : 2" in proc.stderr  # both ranks stopped with the bad-input code
