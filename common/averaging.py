@@ -4,7 +4,7 @@ checkpoint as safetensors through Accelerate's save/load hooks (tensors only: lo
 runs no pickle).
 
 ``EMA``: an exponential moving average of the weights, evaluated and saved instead of them
-(``torch.optim.swa_utils.AveragedModel``).
+(the arithmetic and checkpoint file of ``torch.optim.swa_utils.AveragedModel``).
 
 ``Lookahead``, as airbench94 uses it (arXiv 2404.00498).
 
@@ -27,6 +27,7 @@ saved weights are the same model on every rank.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -60,26 +61,45 @@ def load_tensors(checkpoint_dir: Path, name: str, missing: str) -> dict:
 
 class EMA:
     """An exponential moving average of ``model``'s weights and buffers with ``decay`` per update (off when 0).
-    ``module``: the averaged copy, which the recipe evaluates and saves; ``update()`` after each update taken."""
+    ``module``: the averaged copy, which the recipe evaluates and saves; ``update()`` after each update taken.
+
+    The arithmetic and the checkpoint file are ``torch.optim.swa_utils.AveragedModel``'s with
+    ``get_ema_multi_avg_fn`` and ``use_buffers=True`` (the first update copies the weights; then one
+    ``_foreach_lerp_`` over the floating-point tensors; integer buffers by the same formula), but the update count is
+    a Python int: AveragedModel keeps it in a host tensor and copies it to the device at every update, a stream
+    synchronisation per step on a GPU."""
 
     def __init__(self, accelerator, model: nn.Module, decay: float):
         self.accelerator, self.model, self.decay, self.module = accelerator, model, decay, None
         if not decay:
             return
-        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-
-        self.averaged = AveragedModel(
-            accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True
-        )
-        self.module = self.averaged.module  # the model's copy that holds the average
+        live = accelerator.unwrap_model(model, keep_torch_compile=False)
+        self.module = copy.deepcopy(live)  # the model's copy that holds the average
+        self.updates = 0
+        pairs = list(zip([*self.module.parameters(), *self.module.buffers()], [*live.parameters(), *live.buffers()]))
+        self.floats = [(a.detach(), b.detach()) for a, b in pairs if a.is_floating_point()]
+        self.others = [(a.detach(), b.detach()) for a, b in pairs if not a.is_floating_point()]
         accelerator.register_save_state_pre_hook(lambda models, weights, out_dir: self.save(Path(out_dir)))
         accelerator.register_load_state_pre_hook(lambda models, in_dir: self.load(Path(in_dir)))
 
     @torch.no_grad()
     def update(self) -> None:
-        """After each optimizer step that was taken."""
-        if self.module is not None:
-            self.averaged.update_parameters(self.accelerator.unwrap_model(self.model))
+        """After each optimizer step that was taken: device kernels only, no sync."""
+        if self.module is None:
+            return
+        if self.updates == 0:
+            torch._foreach_copy_([a for a, _ in self.floats + self.others], [b for _, b in self.floats + self.others])
+        else:
+            if self.floats:
+                torch._foreach_lerp_([a for a, _ in self.floats], [b for _, b in self.floats], 1 - self.decay)
+            for averaged, current in self.others:  # num_batches_tracked: AveragedModel's formula, truncated
+                averaged.copy_(averaged * self.decay + current * (1 - self.decay))
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        """AveragedModel's layout: the copy's tensors under ``module.``, the update count as ``n_averaged``."""
+        state = {f"module.{k}": v for k, v in self.module.state_dict().items()}
+        return {**state, "n_averaged": torch.tensor(self.updates)}
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -96,7 +116,7 @@ class EMA:
 
     def save(self, checkpoint_dir: Path) -> None:
         """Rank 0's copy, as every rank starts from rank 0's model."""
-        save_tensors(self.accelerator.is_main_process, self.averaged.state_dict(), checkpoint_dir / EMA_FILE)
+        save_tensors(self.accelerator.is_main_process, self.state_dict(), checkpoint_dir / EMA_FILE)
 
     def load(self, checkpoint_dir: Path) -> None:
         state = load_tensors(
@@ -104,18 +124,16 @@ class EMA:
             EMA_FILE,
             "(the weight average): it was written without --ema-decay. Resume it with --ema-decay 0",
         )
-        device = self.averaged.n_averaged.device
-        self.averaged.load_state_dict({k: v.to(device) for k, v in state.items()})
+        self.updates = int(state.pop("n_averaged"))
+        prefix = len("module.")
+        self.module.load_state_dict({k[prefix:]: v for k, v in state.items()})  # copied onto the model's device
 
 
 class Lookahead:
     def __init__(self, accelerator, model: nn.Module, total_steps: int, every: int = 5, base: float = 0.95):
         self.every, self.base, self.total, self.steps = every, base, max(1, total_steps), 0
-        self.live = [
-            t
-            for t in (*accelerator.unwrap_model(model).parameters(), *accelerator.unwrap_model(model).buffers())
-            if t.is_floating_point()
-        ]
+        live = accelerator.unwrap_model(model, keep_torch_compile=False)
+        self.live = [t for t in (*live.parameters(), *live.buffers()) if t.is_floating_point()]
         self.slow = [t.detach().clone() for t in self.live] if every else []
         if every:
             self.is_main = accelerator.is_main_process

@@ -12,7 +12,8 @@ gradients fixed.
 ``fused=True`` everywhere: one multi-tensor kernel per step on a GPU and on a CPU (the CPU kernels exist
 since torch 2.4; without the flag the CPU runs a per-parameter Python loop). A fused optimizer also
 accepts a device-side ``found_inf`` flag, which ``common.train.guard`` uses to skip a step after a non-finite
-loss without waiting for the device.
+loss without waiting for the device (and GradScaler uses for an fp16 overflow). ``zero_momentum_before_first_step``
+keeps such a skipped first step from leaving garbage momentum behind.
 """
 
 from __future__ import annotations
@@ -73,3 +74,26 @@ def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: 
     for name, p in model.named_parameters():
         (head_params if name.startswith(head_name + ".") else body).append(p)
     return [{"params": body, "lr": lr * backbone_scale}, {"params": head_params, "lr": lr}]
+
+
+def zero_momentum_before_first_step(optimizer) -> None:
+    """A fused SGD's first step makes its momentum buffers with ``torch.empty_like`` and fills them in the kernel;
+    when that step is skipped on the device (``found_inf``: an fp16 overflow, or the guard's non-finite loss) they
+    keep whatever memory held, and the next step builds on it (parameters off by 1e30 were seen). Zero buffers
+    given before the first step make that step's update the same as torch's (with ``dampening`` 0, ``0 * momentum
+    + grad`` is the first step's ``grad``) and a skipped first step leave the state a stock SGD that never ran
+    would have. A step pre-hook, removed once it has run; a no-op for other optimizers."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    if not isinstance(inner, torch.optim.SGD) or not inner.defaults.get("fused"):
+        return
+
+    def before_first_step(opt, args, kwargs):
+        for group in opt.param_groups:
+            if group["momentum"] == 0 or group["dampening"] != 0:  # dampening scales the first step differently
+                continue
+            for p in group["params"]:
+                if p.grad is not None and opt.state[p].get("momentum_buffer") is None:
+                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        hook.remove()
+
+    hook = inner.register_step_pre_hook(before_first_step)

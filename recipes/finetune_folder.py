@@ -173,7 +173,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int) -> to
         momentum=cfg.momentum,
         nesterov=True,
         weight_decay=cfg.weight_decay,
-    )
+        fused=True,
+    )  # one kernel per step; masks a NaN step on the device (no wait for it)
 
 
 def main(argv=None) -> int:

@@ -235,7 +235,10 @@ class TensorImages(torch.utils.data.Dataset):
         return images[0], labels[0]
 
     def __getitems__(self, indices):
-        pos = torch.as_tensor(indices).to(self.labels.device)
+        pos = torch.as_tensor(indices)  # the sampler's positions, on the host
+        if self.labels.device.type == "cuda":  # a copy from pinned memory is queued; from pageable memory it waits
+            pos = pos.pin_memory()
+        pos = pos.to(self.labels.device, non_blocking=True)
         idx = pos if self.index is None else self.index[pos]
         images, labels = self.images[idx], self.labels[idx]
         if self.flip_bits is not None:

@@ -17,6 +17,9 @@ never from the recipe. Two traps are handled here (README, "Launcher configs"):
   these models); elsewhere it is emulated and several times slower than fp32 (a 512x512 matmul was 10x
   slower on an AVX2-only CPU). The CPU configs ask for bf16; on a CPU without native bf16 the run uses
   fp32 and says so in the startup line, which also shows what the CPU has.
+- bf16 on a GPU without native bf16 (compute capability under 8.0: T4, V100) is emulated and has no cuDNN
+  convolutions: the run uses fp32 and says so, naming the fp16 config that fits such a GPU.
+- On a GPU ``cudnn.benchmark`` is on: the recipes' batch shapes are fixed, so cuDNN's kernel search pays once.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ def cpu_bf16_support() -> str:
     if "amx_bf16" in flags:
         return "amx"
     return "avx512_bf16" if "avx512_bf16" in flags else ""
+
+
+def gpu_bf16_native() -> bool:
+    """Whether this CUDA GPU computes bf16 natively (compute capability 8.0 and up: A100, H100, RTX 30xx and later).
+    ``torch.cuda.is_bf16_supported()`` also says yes on a T4 or V100, where bf16 is emulated and cuDNN has no bf16
+    convolutions; its ``including_emulation=False`` and the capability both say no there."""
+    return torch.cuda.get_device_capability(torch.cuda.current_device()) >= (8, 0)
 
 
 def lost_processes_note() -> str:
@@ -140,6 +150,15 @@ def make_accelerator(cfg):
             "bf16 was asked for but this CPU has no native bf16 (no AMX or AVX512-BF16), where it runs "
             "several times slower than fp32: using fp32 instead"
         )
+    if not cpu and precision == "bf16" and torch.cuda.is_available() and not gpu_bf16_native():
+        precision = "no"
+        notes.append(
+            f"bf16 was asked for but {torch.cuda.get_device_name()} has no native bf16 (compute capability "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; bf16 needs 8.0+): using fp32 instead. For "
+            "mixed precision on this GPU use fp16: accelerate_configs/multi_gpu_fp16.yaml"
+        )
+    if not cpu:  # the recipes' shapes are fixed within a run: cuDNN may pick its fastest kernels once per shape
+        torch.backends.cudnn.benchmark = True
     note = "; ".join(n for n in notes if n)
     if note:
         warnings.warn(note, stacklevel=2)

@@ -247,7 +247,8 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     tmp, old = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f".old-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # a compiled model's own keys and class
+    state = {k: v.detach().cpu().contiguous() for k, v in plain.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS))
     follow_umask(tmp / WEIGHTS)
     _fsync_write(tmp / MODEL_CARD, json.dumps(card, indent=2, sort_keys=True))

@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, save_config
 from common.config_checks import check_received
 from common.console import say
@@ -43,6 +45,7 @@ class Checkpointer:
         self.files_fingerprint = files_fingerprint(data)  # which file is at each row (None for a table dataset)
         self.epoch = self.batch = self.start_batch = self.global_step = 0
         self.saved_step = None
+        compile_neutral_checkpoints(accelerator)
 
     @property
     def done(self) -> bool:
@@ -218,6 +221,30 @@ class Checkpointer:
 # --- what a resume refuses, takes and applies ----------------------------------------------------------
 
 
+COMPILED = "_orig_mod"  # the attribute torch.compile's wrapper keeps the model under, a segment of its state keys
+
+
+def compile_neutral_checkpoints(accelerator) -> None:
+    """A checkpoint holds the model's own state keys whether or not the run was compiled (``accelerate launch
+    --dynamo_backend ...`` wraps the prepared model, whose state keys then start with ``_orig_mod.``), so a compiled
+    run resumes without the flag and the other way round. Accelerate calls these hooks with the lists it saves
+    from and loads into: a compiled model's weights are saved under their plain keys and loaded into the model
+    inside the wrapper (the same parameters)."""
+
+    def before_save(models, weights, out_dir):
+        for i, state in enumerate(weights):
+            if any(COMPILED in key.split(".") for key in state):
+                weights[i] = {".".join(p for p in k.split(".") if p != COMPILED): v for k, v in state.items()}
+
+    def before_load(models, in_dir):
+        for i, model in enumerate(models):
+            if isinstance(getattr(model, COMPILED, None), torch.nn.Module):
+                models[i] = getattr(model, COMPILED)
+
+    accelerator.register_save_state_pre_hook(before_save)
+    accelerator.register_load_state_pre_hook(before_load)
+
+
 def checkpoint_meta(cfg, accelerator, model) -> dict:
     """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
     import dataclasses
@@ -227,7 +254,7 @@ def checkpoint_meta(cfg, accelerator, model) -> dict:
         "world_size": accelerator.num_processes,
         "global_batch": cfg.batch_size,
         "config": dataclasses.asdict(cfg),
-        "model_signature": ckpt.model_signature(accelerator.unwrap_model(model)),
+        "model_signature": ckpt.model_signature(accelerator.unwrap_model(model, keep_torch_compile=False)),
     }
 
 
@@ -266,7 +293,8 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
 
 def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[str]:
     """Refuse a checkpoint of another model or global batch; return notes on what else changed."""
-    mine, theirs = ckpt.model_signature(accelerator.unwrap_model(model)), state.get("model_signature", {})
+    mine = ckpt.model_signature(accelerator.unwrap_model(model, keep_torch_compile=False))
+    theirs = state.get("model_signature", {})
     if mine != theirs:
         diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
         raise RecipeError(

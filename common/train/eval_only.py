@@ -109,7 +109,7 @@ def load_weights(cfg, accelerator, model) -> Path:
             "final/ folders and its newest checkpoint). Pass a run directory or one of those folders."
         )
     try:
-        accelerator.unwrap_model(model).load_state_dict(load_file(str(found)))
+        accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(load_file(str(found)))
     except RuntimeError as err:
         raise RecipeError(
             f"The weights in {found} don't fit this recipe's model with these settings "

@@ -18,7 +18,7 @@ that result at once:
 
 With an optimizer that takes no ``found_inf`` (not fused), the flags are read at once, before the
 update: correct, with one sync per step. With fp16 a non-finite loss is the loss scaler's business (it
-skips the step); it is left out of the logged mean, never logged as 0.
+skips the step, so the flags are read late there too); it is left out of the logged mean, never logged as 0.
 
 The logged loss sums stay on the device too, read only at log steps and epoch ends.
 
@@ -58,6 +58,9 @@ class StepGuard:
         self.epoch = torch.zeros(2, device=device)  # ... since the epoch began
         inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside Accelerate's wrapper
         self.masks = bool(inner.defaults.get("fused")) and not self.fp16  # fp16: GradScaler sets found_inf
+        # The flags may be read a step late when a non-finite loss cannot reach the weights without the host: masked
+        # on the device, or (fp16) skipped by the loss scaler. Otherwise they are read before the update (a wait).
+        self.late = self.masks or self.fp16
         if self.masks:
             self.found_inf = torch.zeros((), device=device)  # 0-dim, as GradScaler makes it
             inner.found_inf = self.found_inf  # read by the fused kernel at every step() (torch's GradScaler API)
@@ -93,7 +96,7 @@ class StepGuard:
         if self.event is not None:
             self.event.record()
         self.pending = step
-        if self.masks:
+        if self.late:
             return earlier
         now = self.collect()  # nothing can skip this update on the device: decide before it
         return now if earlier is None else Flags(step, earlier.nonfinite or now.nonfinite, earlier.stop or now.stop)
@@ -228,11 +231,20 @@ class StepChecks:
 
 
 def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
-    """The global gradient norm when the recipe does not clip (measured at log steps only), on the device."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if accelerator.scaler is not None:  # fp16: the norm of the unscaled gradients
-        return accelerator.clip_grad_norm_(params, math.inf)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+    """The global gradient norm before any clipping the loop does after run.step (measured at log steps only), on
+    the device. With fp16 the gradients are still scaled here: their norm is divided by the loss scale (a device
+    tensor, no sync) instead of unscaling them, since GradScaler's ``unscale_`` may run once per step and the
+    recipe's own ``clip_grad_norm_`` calls it after this (a second call raises)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=accelerator.device)
+    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
+    scaler = accelerator.scaler
+    if scaler is not None and scaler.is_enabled():
+        scale = scaler._scale  # torch's GradScaler keeps it on the device; None before the first scale()
+        if scale is not None:
+            norm = norm / scale.reshape(()).float()
+    return norm
 
 
 def nonfinite_advice(run_dir, step: int, epoch: int) -> str:

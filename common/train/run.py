@@ -61,6 +61,7 @@ from common.console import say
 from common.data.batches import loader_batch
 from common.data.decoded import load_image_data, place_on_device
 from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, UnreadablePhoto, report
+from common.optimizers import zero_momentum_before_first_step
 from common.train import checkpoint as ckpt
 from common.train.accelerator import make_accelerator, startup_line
 from common.train.checkpointer import Checkpointer
@@ -264,7 +265,7 @@ class TrainingRun(TrainingLoop):
         position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader), data)
         state = position.start(model, optimizer, scheduler)  # the newest readable checkpoint's, or a fresh start's
         self.ckpt = position  # started: every ending from here on is recorded in summary.json
-        unwrapped = acc.unwrap_model(model)
+        unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
         card = ckpt.model_card(self.recipe, self.recipe_file, unwrapped, data, transform, cfg)
         resumed = position.global_step if position.resume_path is not None else None
         self.log = MetricsLog(acc, self.dir.path, resumed, self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg)))
@@ -275,6 +276,7 @@ class TrainingRun(TrainingLoop):
             acc, optimizer, self.dir.path, state["skipped_steps"]
         )  # the guard (common.train.guard)
         self.checks.watch_updates(optimizer)  # optimizer.step() without run.step(loss) stops at once
+        zero_momentum_before_first_step(optimizer)  # a fused SGD's skipped first step keeps no garbage momentum
         self.profiler = StepProfiler(acc, cfg.profile, self.dir.path)
         self.progress = Progress(acc, cfg, position.total_steps)
         self.meter = Throughput(acc.device)
