@@ -265,3 +265,27 @@ def test_bf16_on_a_gpu_without_native_bf16_falls_back_with_a_note(capability, ex
     else:
         assert "bf16" not in note
     assert torch.backends.cudnn.benchmark is True
+
+
+def test_sync_batchnorm_builds_nothing_from_host_data(monkeypatch):
+    """--sync-bn on CPU processes (CPUSyncBatchNorm, 2 ranks mocked): its per-forward count was a tensor made from a
+    Python float on the device (a host-to-device copy each BatchNorm layer each step); now a fill on the device.
+    (torch's SyncBatchNorm, used on GPUs, waits for the device once per layer and step at 2+ GPUs: its README note.)"""
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as dist_functional
+
+    from common.models import CPUSyncBatchNorm
+
+    made_from_python = []
+    original_tensor = torch.tensor
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist_functional, "all_reduce", lambda t, *a, **k: t * 2)  # two equal ranks
+    monkeypatch.setattr(
+        torch, "tensor", lambda *a, **k: (k.get("device") and made_from_python.append(k)) or original_tensor(*a, **k)
+    )
+    torch.manual_seed(0)
+    bn, reference = CPUSyncBatchNorm(4), torch.nn.BatchNorm2d(4)
+    x = torch.randn(8, 4, 5, 5)
+    torch.testing.assert_close(bn.train()(x), reference.train()(x), rtol=1e-4, atol=1e-5)  # same statistics
+    assert made_from_python == []

@@ -167,7 +167,8 @@ def make_accelerator(cfg):
         cpu=cpu,
         mixed_precision=precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=not cpu),
+        # non_blocking: pinned batches copied to a GPU without waiting for it (on a CPU the copy is a no-op)
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
         log_with=log_with(cfg.report_to) or None,  # pointed at the run directory once all ranks agree on it
         project_config=ProjectConfiguration(project_dir="."),
