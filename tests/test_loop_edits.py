@@ -258,6 +258,24 @@ def test_continue_before_the_step_skips_the_batch(recipe, tmp_path, env, request
     same_losses(run, part)
 
 
+@pytest.mark.parametrize("how", ["continue", "break"])
+def test_leaving_a_batch_between_run_step_and_the_optimizer_step_is_refused(how, tmp_path, env, mnist_like):
+    """`continue` (or `break`) after run.step(loss) and before optimizer.step(): the batch's loss was counted and its
+    gradients left for the next update, but nothing updated. Before, each such batch was counted as a step (40 steps
+    for 27 updates, the LR schedule left far from its end, exit 0). Now the run stops at that batch in one
+    paragraph naming the fix, exit 2, with the steps that did update counted."""
+    edit = (STEP, f"{STEP}\n                if run.batch == 4:\n                    {how}")
+    copy = edited(tmp_path, "mnist_convnet", edit, name=f"left_{how}.py")
+    run = tmp_path / "run"
+    proc = run_in_process(copy, args("mnist_convnet", mnist_like, run), env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "without calling optimizer.step()" in proc.stderr and "before run.step(loss)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    s = summary(run)
+    assert s["global_step"] == 4 and s["status"] == "bad_input", s
+    assert [step for step, _ in rows(run, "train/loss")] == [1, 2, 3, 4]
+
+
 def test_a_loop_that_skips_every_batch_stops_at_the_epoch_end(tmp_path, env, mnist_like):
     copy = edited(tmp_path, "fashion_mnist_mlp", (TOP, f"            continue\n{TOP}"))
     proc = run_in_process(copy, args("fashion_mnist_mlp", mnist_like, tmp_path / "run"), env)

@@ -156,6 +156,7 @@ class StepChecks:
         self.tracked = False  # this batch's loss was tracked (the loop called run.step)
         self.stepped = False  # ... and the optimizer's step ran
         self.taken = None  # ... and updated the weights (decided once per batch: reading the fp16 scale)
+        self.left_before_update = False  # ... or the loop left it between run.step and optimizer.step
         self.hook = None
 
     def watch_updates(self, optimizer) -> None:
@@ -189,13 +190,29 @@ class StepChecks:
         scale is a sync and counts a skip)."""
         if self.taken is None:
             step = sync_gradients and self.tracked
+            scaled = step and self.scale_watch.step_taken()  # False: fp16 loss scaling skipped this step
             # fp16 without a fused optimizer: GradScaler skips the optimizer's step() itself (no hook call)
-            self.taken = step and self.scale_watch.step_taken() and (self.stepped or self.fp16)
+            self.taken = scaled and (self.stepped or self.fp16)
+            # run.step ran, then the loop went on without optimizer.step() (a `continue`, `break` or `return` between
+            # them), and no loss scaler skipped it: no update happened (close_batch refuses it)
+            self.left_before_update = step and not self.stepped and (scaled or not self.fp16)
         return self.taken
+
+    def refuse_left_before_update(self, recipe_file: str) -> None:
+        """After the loop's body: a batch whose loss was tracked by run.step but whose optimizer.step() never ran
+        is refused, since nothing updated while its loss, gradients and the LR schedule would count it."""
+        if self.left_before_update:
+            raise RecipeError(
+                f"The loop in {recipe_file} went on after run.step(loss) without calling optimizer.step() (a "
+                "`continue`, `break` or `return` between the two): the batch's loss was counted and its gradients "
+                "were left in place for the next update, but no update happened, so the step count and the LR "
+                "schedule would no longer match the weights. To skip a batch, `continue` before run.step(loss) "
+                "(before accelerator.backward); to end an epoch early, `break` after optimizer.step()."
+            )
 
     def next_batch(self) -> None:
         """The loop is past this batch; the next starts untracked."""
-        self.tracked, self.stepped, self.taken = False, False, None
+        self.tracked, self.stepped, self.taken, self.left_before_update = False, False, None, False
 
     def window_loss(self) -> tuple[float, float]:
         """(loss sum, count) since the last log step, then zeroed (a sync)."""

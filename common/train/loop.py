@@ -8,8 +8,8 @@ evaluated when due, checkpointed, said so on its line); ``break`` from the epoch
 evaluates and saves); ``continue`` before run.step skips a batch (no step, nothing logged); ``return`` without
 run.finish and an error in the loop are recorded in summary.json. Whatever the loop leaves open, the next call into
 the run finishes: nothing that must follow a batch or an epoch lives only after a ``yield``. Calling
-``optimizer.step()`` without ``run.step(loss)`` stops the run before the update; a second pass over run.batches()
-in one epoch is refused.
+``optimizer.step()`` without ``run.step(loss)`` stops the run before the update, and so does leaving a batch between
+the two (its loss counted, no update); a second pass over run.batches() in one epoch is refused.
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ class TrainingLoop:
         if self.checks.batch_tracked():
             if self.accelerator.sync_gradients:
                 self.checks.step_taken(True)  # the fp16 skip check, once per step (the loop may not have asked)
+                self.checks.refuse_left_before_update(self.recipe_file)
                 self.end_step()
             self._evaluate_if_due()  # at --eval-every-steps
         else:
