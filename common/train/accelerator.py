@@ -83,9 +83,17 @@ def _launcher_args() -> list[str]:
 
 
 def _launcher_value(args: list[str], flag: str) -> str | None:
-    """The value of ``flag`` on the launcher's command line (``--flag V`` or ``--flag=V``), or None."""
+    """The value of ``flag`` on the launcher's command line (``--flag V`` or ``--flag=V``, with hyphens or underscores
+    as `accelerate launch` takes either: ``--num-processes``), or None. Only the launcher's own options count: those
+    before the script (after it they are the recipe's)."""
+
+    def spelled(option: str) -> str:
+        return "--" + option[2:].replace("-", "_") if option.startswith("--") else option
+
     for i, a in enumerate(args):
-        if a.split("=", 1)[0] == flag:
+        if a.endswith(".py"):
+            break
+        if spelled(a.split("=", 1)[0]) == spelled(flag):
             return a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else None)
     return None
 
