@@ -9,6 +9,7 @@ import ast
 import importlib.abc
 import os
 import sys
+from functools import cache
 from pathlib import Path
 
 MOVED_IN = "0.5.0"
@@ -65,7 +66,8 @@ NAMES = {  # (0.4 module, name) -> where that name lives now, when not in MODULE
     ("common.folders", "TABLE_ENDINGS"): "common.data.folders.REPOSITORY_ENDINGS",
 }
 
-DATA_FOLDER = Path(__file__).resolve().parent / "data"
+COMMON = Path(__file__).resolve().parent
+DATA_FOLDER = COMMON / "data"
 
 
 def new_place(module: str, name: str | None = None) -> str | None:
@@ -75,13 +77,39 @@ def new_place(module: str, name: str | None = None) -> str | None:
         return new_place(f"common.{name}")
     if name is not None and (module, name) in NAMES:
         return NAMES[module, name]
-    if module == "common.data":
-        if name is None or (DATA_FOLDER / f"{name}.py").exists():
-            return None
-        return f"{MODULES[module]}.{name}"
+    if module == "common.data" and (name is None or (DATA_FOLDER / f"{name}.py").exists()):
+        return None
     if module in MODULES:
-        return MODULES[module] + (f".{name}" if name else "")
+        if name is None:
+            return MODULES[module]
+        # a name the new module does not define did not move there (a typo, or a name of the user's own): None, and
+        # Python's own ImportError says so
+        return f"{MODULES[module]}.{name}" if name in defined_names(MODULES[module]) else None
     return None
+
+
+@cache
+def defined_names(module: str) -> frozenset[str]:
+    """The names a module of this library defines or imports at its top level, read from its source (nothing is
+    imported)."""
+    parts = module.split(".")[1:]
+    path = COMMON.joinpath(*parts).with_suffix(".py")
+    if not path.is_file():
+        path = COMMON.joinpath(*parts, "__init__.py")
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError):
+        return frozenset()
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return frozenset(names)
 
 
 def message(what: str, changes: list[str]) -> str:
@@ -131,7 +159,10 @@ def old_imports(source: str) -> list[str]:
     (``vision.param_groups`` after ``from common import vision``)."""
     tree = ast.parse(source)
     found, modules = [], {}  # modules: local name -> the common module it is (``from common import vision``)
+    guarded = guarded_imports(tree)
     for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "common":
             for alias in node.names:
                 new = new_place(node.module, alias.name)
@@ -151,6 +182,26 @@ def old_imports(source: str) -> list[str]:
             if new is not None:
                 found.append((node.lineno, f"{modules[node.value.id]}.{node.attr}", new))
     return [f"line {line}: {old} -> {new}" for line, old, new in sorted(set(found))]
+
+
+IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def guarded_imports(tree) -> set[int]:
+    """The imports inside a ``try`` that handles ImportError (its body or its handlers): a script that tries the new
+    path and falls back to the old one, or the other way round, runs either way (the old path raises ImportError)."""
+    guarded = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        caught = set()
+        for handler in node.handlers:
+            kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+            caught.update("BaseException" if k is None else getattr(k, "id", getattr(k, "attr", "")) for k in kinds)
+        if caught & IMPORT_ERRORS:
+            for part in [*node.body, *node.handlers]:
+                guarded.update(id(n) for n in ast.walk(part) if isinstance(n, (ast.Import, ast.ImportFrom)))
+    return guarded
 
 
 def check_script(path: str) -> None:

@@ -146,3 +146,32 @@ def test_through_the_launcher_on_two_processes_it_is_said_once(tmp_path):
     said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(said) == 1 and "common.run.TrainingRun -> common.train.run" in said[0]
     assert "exitcode  : 2" in proc.stderr  # both ranks stopped with the bad-input code
+
+
+def test_a_guarded_fallback_runs_and_a_typo_is_not_called_moved(tmp_path):
+    """Before, a script that tries the new path and falls back to 0.4's under `except ImportError` was stopped at
+    start as written for 0.4, and a misspelt name from common.data was said to have moved to common.data.decoded.
+    Now the guarded imports run (the fallback is never needed), and a typo gets Python's own ImportError."""
+    script = tmp_path / "mine.py"
+    script.write_text(
+        "import accelerate_recipes  # noqa\n"
+        "try:\n"
+        "    from common.train.run import TrainingRun\n"
+        "except ImportError:  # version 0.4\n"
+        "    from common.run import TrainingRun\n"
+        "try:\n"
+        "    from common.run import TrainingRun as Old\n"
+        "except (ModuleNotFoundError, AttributeError):\n"
+        "    Old = None\n"
+        'print("ran", TrainingRun.__name__, Old)\n'
+    )
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ran TrainingRun None" in proc.stdout, proc.stderr
+    assert moved.old_imports("from common.data import load_image_dta\nfrom common.run import TrainingRn\n") == []
+    with pytest.raises(ImportError) as raised:
+        exec("from common.data import load_image_dta", {})
+    assert "moved" not in str(raised.value) and "decoded" not in str(raised.value)
+    # a real 0.4 name is still named where it went
+    assert moved.old_imports("from common.data import load_image_data\n") == [
+        "line 1: common.data.load_image_data -> common.data.decoded.load_image_data"
+    ]
