@@ -72,18 +72,23 @@ def lr_multiplier(step: int, total: int, warmup: int, kind: str, start: float = 
     raise ValueError(f"unknown schedule {kind!r}")
 
 
+def batch_larger_than_split(cfg, images: int | None = None) -> RecipeError:
+    """The error for a global --batch-size larger than the training split (the same on any number of processes)."""
+    rule = getattr(cfg, "lr_rule", None)
+    follows = f" ({rule.kind}, from lr {type(cfg).lr:g} at batch {rule.batch})" if rule else ""  # the default
+    split = "the training split" + (f" ({images} images)" if images is not None else "")
+    return RecipeError(
+        f"--batch-size {cfg.batch_size} (global) is larger than {split}, so not one full batch fits in an "
+        "epoch (incomplete training batches are dropped) and there is nothing to train on. Pass a smaller "
+        f"--batch-size; the LR follows a smaller --batch-size by the recipe's rule{follows} unless --lr is given."
+    )
+
+
 def build_scheduler(optimizer, cfg, steps_per_epoch: int):
     """LambdaLR over the whole run. ``steps_per_epoch`` must be counted from the *prepared* loader
     (optimizer steps per process), so the LR trace is the same on 1 and N processes."""
     if steps_per_epoch < 1:
-        rule = getattr(cfg, "lr_rule", None)
-        follows = f" ({rule.kind}, from lr {type(cfg).lr:g} at batch {rule.batch})" if rule else ""  # the default
-        raise RecipeError(
-            f"--batch-size {cfg.batch_size} (global) is larger than the training split, so not one "
-            "full batch fits in an epoch (incomplete training batches are dropped) and there is "
-            "nothing to train on. Pass a smaller --batch-size; the LR follows a smaller --batch-size "
-            f"by the recipe's rule{follows} unless --lr is given."
-        )
+        raise batch_larger_than_split(cfg)
     total = steps_per_epoch * cfg.epochs  # --max-steps stops early but does not reshape the schedule
     warmup = int(round(cfg.warmup_fraction * total))
 

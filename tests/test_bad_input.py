@@ -255,3 +255,15 @@ def test_bad_input_that_differs_by_process_is_said_by_each(tmp_path, env, case):
     else:
         assert said == ["[rank 1] error: bad file only rank 1 reads"], proc.stderr[-3000:]
     assert proc.returncode != 0
+
+
+def test_a_batch_larger_than_the_split_is_refused_on_two_processes_too(tmp_path, env, mnist_like):
+    """--batch-size 512 over a 288-image training split: refused at 1 process, and before, trained at 2 (each process
+    took a per-process batch of 256, the second padded with repeated images). The rule is the global batch's now."""
+    from helpers import launch
+
+    args = ["--dataset", mnist_like, "--batch-size", 512, "--output-dir", tmp_path / "r"]
+    proc = launch("mnist_convnet", args, env, nproc=2, timeout=180)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "larger than the training split (288 images)" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    assert not (tmp_path / "r" / "checkpoints").exists()  # (the launcher adds its own traceback for a failed rank)

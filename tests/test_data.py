@@ -316,14 +316,15 @@ def test_images_are_memory_mapped_and_the_hold_out_copies_nothing(small, tmp_pat
 
 
 def test_hold_out_of_an_indexed_split_and_of_a_plain_one():
-    images = torch.arange(20 * 2 * 2, dtype=torch.uint8).view(20, 1, 2, 2)
-    plain = ImageSplit(images, torch.arange(20))
+    images = torch.arange(20 * 2 * 2, dtype=torch.uint8).view(20, 1, 2, 2)  # image i holds 4i .. 4i+3
+    plain = ImageSplit(images, torch.arange(20) % 2)
     a_train, a_val = hold_out(plain, 0.25, 0)
     sub = plain.select(torch.arange(10, 20))
     b_train, b_val = hold_out(sub, 0.2, 1)
     assert len(a_train) + len(a_val) == 20 and a_train.source_images is images
-    assert torch.equal(b_val.images, images[b_val.labels])
-    assert sorted(b_train.labels.tolist() + b_val.labels.tolist()) == list(range(10, 20))
+    rows = lambda split: (split.images[:, 0, 0, 0] // 4).tolist()  # noqa: E731  (which source image each row is)
+    assert b_val.index.tolist() == rows(b_val) and b_val.labels.tolist() == [r % 2 for r in rows(b_val)]
+    assert sorted(rows(b_train) + rows(b_val)) == list(range(10, 20))
 
 
 # --- 12.9: messages that name the fix ----------------------------------------------------------------
@@ -398,3 +399,30 @@ def test_on_a_gpu_the_decoded_data_goes_to_the_device_when_it_fits(small, tmp_pa
     assert place_on_device(cfg, gpu, data) == "" and data.on_device is False
     cfg = config(small, tmp_path / "c")
     assert place_on_device(cfg, SimpleNamespace(device=torch.device("cpu")), data) == "" and not data.on_device
+
+
+def test_the_hold_out_keeps_a_training_image_of_every_class():
+    """Before, the seeded hold-out could put a class wholly into validation (every one-image class it drew: with
+    10,000 one-image classes, all 1,000 validation images were of classes never trained on), without a word. Now each
+    such class gets its first drawn image back; where nothing would be left to validate on, one paragraph says so."""
+    import torch
+
+    from common.data.splits import ImageSplit, hold_out
+    from common.errors import DataError
+
+    labels = torch.tensor([0] * 30 + [1] * 30 + list(range(2, 42)))  # 40 one-image classes
+    split = ImageSplit(torch.zeros(len(labels), 1, 2, 2, dtype=torch.uint8), labels)
+    for seed in range(5):
+        train, val = hold_out(split, 0.1, seed)
+        assert set(train.labels.tolist()) == set(range(42)), seed
+        assert len(train) + len(val) == len(split) and len(val) >= 1
+        assert not set(train.index.tolist()) & set(val.index.tolist())
+        assert set(val.labels.tolist()) <= {0, 1}
+    one_each = ImageSplit(torch.zeros(50, 1, 2, 2, dtype=torch.uint8), torch.arange(50))
+    with pytest.raises(DataError, match="only one"):
+        hold_out(one_each, 0.1, 0)
+    # a split with no such class is drawn as before (the same images held out: runs and their resumes unchanged)
+    plain = ImageSplit(torch.zeros(60, 1, 2, 2, dtype=torch.uint8), torch.arange(60) % 3)
+    _, val = hold_out(plain, 0.1, 0)
+    perm = torch.randperm(60, generator=torch.Generator().manual_seed(0))
+    assert val.index.tolist() == perm[:6].sort().values.tolist()

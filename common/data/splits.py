@@ -205,7 +205,9 @@ def data_record(data: ImageData) -> dict:
 
 def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit, ImageSplit]:
     """A fixed, seeded random fraction of ``split`` becomes validation; the same for every process. Both
-    results index ``split``'s images (no copy of them is made)."""
+    results index ``split``'s images (no copy of them is made). Every class keeps at least one training image: a
+    class the draw would put wholly into validation (a class of one image, say) gets its first drawn image back, so
+    the model is never scored on a class it had no image of."""
     n = len(split)
     n_val = max(1, int(round(n * fraction)))
     if n_val >= n:
@@ -214,5 +216,22 @@ def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit,
             "Lower --val-fraction or add images."
         )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    val_idx, train_idx = perm[:n_val].sort().values, perm[n_val:].sort().values
-    return split.select(train_idx), split.select(val_idx)
+    val_pos, train_pos = perm[:n_val], perm[n_val:]
+    labels = split.labels
+    val_labels = labels[val_pos]
+    in_train = torch.zeros(int(labels.max()) + 1, dtype=torch.bool)
+    in_train[labels[train_pos]] = True
+    missing = (~in_train[val_labels]).nonzero().flatten()  # val positions of classes with no training image
+    if missing.numel():
+        _, first = torch.unique(val_labels[missing], return_inverse=True)  # each class's first drawn image back
+        back = missing[[int((first == k).nonzero()[0]) for k in range(int(first.max()) + 1)]]
+        keep = torch.ones(n_val, dtype=torch.bool)
+        keep[back] = False
+        if not keep.any():
+            raise DataError(
+                f"Every image --val-fraction {fraction:g} would hold out is its class's only one in the {n}-image "
+                "train split, so nothing is left to validate on without leaving a class untrained. Add images, "
+                "or give a validation split of your own."
+            )
+        train_pos, val_pos = torch.cat([train_pos, val_pos[back]]), val_pos[keep]
+    return split.select(train_pos.sort().values), split.select(val_pos.sort().values)

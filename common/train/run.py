@@ -62,6 +62,7 @@ from common.data.batches import loader_batch
 from common.data.decoded import load_image_data, place_on_device
 from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, UnreadablePhoto, report
 from common.optimizers import zero_momentum_before_first_step
+from common.schedules import batch_larger_than_split
 from common.train import checkpoint as ckpt
 from common.train.accelerator import make_accelerator, startup_line
 from common.train.checkpointer import Checkpointer
@@ -234,6 +235,8 @@ class TrainingRun(TrainingLoop):
         global --batch-size split over processes and accumulation steps for training, --eval-batch-size over processes
         for evaluation. ``options``: the loader's own (``alternating_flip=``, a photo recipe's ``train_view=``)."""
         if train and split is not None:
+            if len(split) < self.cfg.batch_size:  # the global batch: the same rule on 1 or N processes (N would pad)
+                raise batch_larger_than_split(self.cfg, len(split))
             batch = loader_batch(self.cfg, self.accelerator.num_processes, True)
             left = len(split) % batch
             # a small split: dropping the last batch would lose much of each epoch (a batch larger than the whole
