@@ -341,6 +341,15 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
     assert "resumed from" in proc.stdout and losses(run) == losses(full)
     a, b = load_file(str(run / "final" / "model.safetensors")), load_file(str(full / "final" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a resume that extends --epochs: the note says the crops' schedule moves too (before, it spoke of the LR only)
+    longer = stopped_at(full, per_epoch + 1, tmp_path / "longer")
+    extended = [*base[:-6], "--epochs", 5, "--max-steps", per_epoch + 2, "--log-every", 1]
+    proc = check_ok(run_in_process(copy, [*extended, "--output-dir", longer, "--resume-from", "latest"], env))
+    assert "--epochs 5 differs from the run's 3" in proc.stdout
+    assert (
+        "progressive resizing follows --epochs too" in proc.stdout
+        and "epochs 2-5 now train at 32, 32, 32, 48 px (the run had planned 32, 48 px for epochs 2-3)" in proc.stdout
+    )
 
 
 def test_progressive_resizing_starts_at_half_the_size_from_scratch_and_is_off_with_weights(tmp_path):

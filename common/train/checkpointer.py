@@ -7,6 +7,7 @@ would change what the run means, and the notes on what a resume changed (hyperpa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -36,8 +37,11 @@ class Checkpointer:
     starts) and ``saved_step`` (the step of the newest checkpoint written or resumed); the run's length
     (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a resume compares."""
 
-    def __init__(self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int, data):
+    def __init__(
+        self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int, data, epoch_sides=None
+    ):
         self.cfg, self.accelerator, self.run_dir, self.resume_path = cfg, accelerator, run_dir, resume_path
+        self.epoch_sides = epoch_sides  # a photo loader's crop side per epoch (progressive resizing), or None
         self.batches_per_epoch = batches_per_epoch
         self.steps_per_epoch = math.ceil(batches_per_epoch / cfg.grad_accum)
         self.total_steps = min(self.steps_per_epoch * cfg.epochs, cfg.max_steps or math.inf)
@@ -183,11 +187,23 @@ class Checkpointer:
                 step, total, int(round(cfg.warmup_fraction * total)), cfg.schedule, cfg.warmup_start, cfg.final_lr
             )
 
+        crops = ""
+        sides = self.epoch_sides
+        if isinstance(sides, functools.partial) and sides.args and sides.args[0] is cfg:  # the recipe's crop_side(cfg)
+            epoch, before = state["epoch"], dataclasses.replace(cfg, epochs=old_epochs)
+            new = [sides.func(cfg, e) for e in range(epoch, cfg.epochs)]
+            old = [sides.func(before, e) for e in range(epoch, old_epochs)]
+            if new != old:
+                crops = (
+                    f" The training crops' progressive resizing follows --epochs too: epochs {epoch + 1}-{cfg.epochs} "
+                    f"now train at {', '.join(map(str, new))} px (the run had planned "
+                    f"{', '.join(map(str, old)) or 'none'} px for epochs {epoch + 1}-{old_epochs})."
+                )
         return (
             f"--epochs {cfg.epochs} differs from the run's {old_epochs}: the LR schedule is recomputed for "
             f"{self.steps_per_epoch * cfg.epochs} steps instead of {self.steps_per_epoch * old_epochs}, so at step "
             f"{step} the learning rate moves from {multiplier(old_epochs):.3g} to {multiplier(cfg.epochs):.3g} of "
-            f"its peak and follows the new curve from there; the result will differ from a run started with "
+            f"its peak and follows the new curve from there.{crops} The result will differ from a run started with "
             f"--epochs {cfg.epochs}."
         )
 

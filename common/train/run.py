@@ -265,7 +265,8 @@ class TrainingRun(TrainingLoop):
         cfg, acc = self.cfg, self.accelerator
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
         self.data = data
-        position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader), data)
+        sides = getattr(train_loader.dataset, "sides", None)  # the photo recipe's progressive resizing, said on resume
+        position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader), data, sides)
         state = position.start(model, optimizer, scheduler)  # the newest readable checkpoint's, or a fresh start's
         self.ckpt = position  # started: every ending from here on is recorded in summary.json
         unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
