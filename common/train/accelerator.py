@@ -141,14 +141,81 @@ def idle_cores_note(cpu: bool) -> str:
     return ""
 
 
+PRECISIONS = ("no", "fp16", "bf16", "fp8")
+SHARDING = {  # the environment `accelerate launch` sets for an answer, and the answer as `accelerate config` asks it
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes")
+
+
+def launcher_answers(cfg) -> tuple[str, list[str]]:
+    """What the launcher asked for (its config file, its flags and ACCELERATE_* variables all arrive here as the
+    environment), checked before anything is read: the precision (any letter case), refused in one paragraph where
+    the recipes would not do what it says; gradient accumulation asked of Accelerate taken as --grad-accum. Returns
+    the precision and the notes for the startup line."""
+    env = os.environ
+    for variable, answer in SHARDING.items():
+        if _truthy(env.get(variable)):
+            raise RecipeError(
+                f"The launcher asks for {answer} ({variable}=true: `accelerate config`'s {answer} answer, "
+                f"`accelerate launch --use_{answer.lower().replace('-', '_')}` or a config with distributed_type: "
+                f"{answer.upper().replace('-', '_')}), which these recipes do not run: on a CPU Accelerate would "
+                "silently train plain DDP instead, and on GPUs the recipes' best/, final/ and checkpoint checks read "
+                "the whole model on one process, which a sharded model is not. Every model here trains with a whole "
+                "copy per process: launch with DDP instead (accelerate_configs/multi_gpu_bf16.yaml, or answer "
+                "`accelerate config`'s distributed question with multi-GPU and no to FSDP and DeepSpeed)."
+            )
+    asked = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    precision = asked.strip().lower()
+    if precision not in PRECISIONS:
+        raise RecipeError(
+            f"ACCELERATE_MIXED_PRECISION={asked!r} is not a precision Accelerate knows: use no, bf16 or fp16 "
+            "(accelerate launch --mixed_precision bf16), or leave it unset."
+        )
+    if precision == "fp8":
+        raise RecipeError(
+            "The launcher asks for fp8 (--mixed_precision fp8), which these recipes do not train in: their models "
+            "are convolutional, and Accelerate's fp8 backends (torchao, Transformer Engine, MS-AMP) convert linear "
+            "layers only, so nearly all the compute would stay in bf16 while the run said fp8. Use bf16 "
+            "(accelerate_configs/multi_gpu_bf16.yaml, or --mixed_precision bf16)."
+        )
+    notes = []
+    from_env = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    from_flag = _launcher_value(_launcher_args(), "--gradient_accumulation_steps")
+    source = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" if from_env else "accelerate launch --gradient_accumulation_steps"
+    steps = from_env or from_flag
+    if steps is not None:
+        if not steps.strip().isdigit() or int(steps) < 1:
+            raise RecipeError(f"{source} is {steps!r}: gradient accumulation takes a whole number of steps, 1 or more.")
+        steps = int(steps)
+        if steps != cfg.grad_accum and "grad_accum" in getattr(cfg, "explicit", ()):
+            raise RecipeError(
+                f"The launcher asks for gradient accumulation over {steps} steps ({source}) and the recipe's "
+                f"--grad-accum {cfg.grad_accum}: one run cannot do both. Keep one of them (the recipe's flag, "
+                "--grad-accum, is the one recorded with the run)."
+            )
+        if steps != cfg.grad_accum:
+            cfg.grad_accum = steps
+            cfg.explicit = {*getattr(cfg, "explicit", ()), "grad_accum"}  # recorded and compared on resume as given
+            notes.append(
+                f"gradient accumulation over {steps} steps from the launcher ({source}), as --grad-accum {steps}"
+            )
+    return precision, notes
+
+
 def make_accelerator(cfg):
     """Build the Accelerator. Returns (accelerator, note), the note being '' or a one-line warning."""
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
     cpu = not has_accelerator_device()
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    notes = [lost_processes_note()]
+    precision, notes = launcher_answers(cfg)
+    notes.insert(0, lost_processes_note())
     if cpu and precision == "fp16":
         precision = "bf16"
         notes.append("fp16 was asked for but this is a CPU: using bf16 instead")
