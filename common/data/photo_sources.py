@@ -47,9 +47,9 @@ def load_photos(cfg, default_dataset: str = "") -> ImageData:
     scan = node_shared(walk) if path is not None else None
     local_main = PartialState().is_local_main_process
     verify = scan_cache.Verify(cache_dir, scan, name) if scan is not None and scan.kept and local_main else None
-    splits, checks, identity = {}, [], ""
+    splits, checks, identity, table_note = {}, [], "", ""
     if scan is None or scan.tables:  # a Hub id, or a folder of parquet/arrow files: read through `datasets`
-        splits, class_names, identity = load_table_photos(cfg, name, cache_dir)
+        splits, class_names, identity, table_note = load_table_photos(cfg, name, cache_dir)
         checks = [(split, cache_dir / f"photos-checked-{identity}-{k}", split.where) for k, split in splits.items()]
     else:
         class_names = scan.class_names
@@ -71,7 +71,7 @@ def load_photos(cfg, default_dataset: str = "") -> ImageData:
     train, val = splits["train"], splits.get("validation")
     if val is None and cfg.val_fraction > 0:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
-    notes = [scan.skipped_line() if scan and not scan.tables else ""]
+    notes = [scan.skipped_line() if scan and not scan.tables else table_note]
     if check is not None:
         notes.append(
             f"its {check.total:,} photos are checked while training runs (a damaged one stops the run at the next step)"

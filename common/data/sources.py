@@ -147,8 +147,8 @@ def load_source(name: str, hf_cache: Path | None = None):
     try:
         try:
             ds = load()
-        except Exception:  # noqa: BLE001 - our own arrow copy may be what is damaged (a kill or a full disk while
-            if own_copy is None or not own_copy.exists():  # it was written): rebuilt once from the user's files
+        except Exception as err:  # noqa: BLE001 - our own arrow copy may be what is damaged (a kill or a full disk
+            if own_copy is None or not own_copy.exists() or _disk_full(err):  # while it was written): rebuilt once
                 raise
             import shutil
 
@@ -159,6 +159,8 @@ def load_source(name: str, hf_cache: Path | None = None):
                 "write); it was rebuilt from the dataset's files."
             )
     except Exception as err:  # datasets raises many types; all mean "could not load"
+        if _disk_full(err):
+            raise _disk_full_error(name, path, own_copy) from None
         if "corresponds to no data" in str(err):  # datasets' wording for a split with no rows
             split = str(err).split('"')[1] if '"' in str(err) else "a"
             raise DataError(
@@ -191,6 +193,45 @@ def load_source(name: str, hf_cache: Path | None = None):
             "Name the training files train-*.parquet (e.g. data/train-00000-of-00001.parquet)."
         )
     return ds
+
+
+def _disk_full(err: BaseException) -> bool:
+    """True when a full disk or quota (ENOSPC, EDQUOT) is behind ``err``: datasets wraps what failed in errors of its
+    own (DatasetGenerationError), so the causes are followed."""
+    import errno
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _disk_full_error(name: str, path: Path, own_copy: Path | None) -> DataError:
+    """The paragraph for a disk that filled while ``datasets`` wrote its arrow copy: the data is not at fault. The
+    partial copy is removed first, which gives its space back."""
+    if own_copy is not None:
+        import shutil
+
+        shutil.rmtree(own_copy, ignore_errors=True)
+        where, fix = own_copy.parent.parent, "pass --cache-dir a folder on a disk with room for it"
+    else:
+        import datasets.config
+
+        where = Path(datasets.config.HF_DATASETS_CACHE)
+        fix = "set HF_HOME (or HF_DATASETS_CACHE) to a folder on a disk with room for it"
+    try:
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.suffix in TABLE_ENDINGS) if path.is_dir() else 0
+    except OSError:
+        size = 0
+    need = f" (about {size / 2**20:,.0f} MB here: as large as the dataset's table files)" if size else ""
+    return DataError(
+        f"The disk holding the cache folder {where} is full (no space left on device): datasets could not write "
+        f"its arrow copy of {name}{need}, which the recipe reads the tables from. The dataset itself is fine. "
+        f"Free space on that disk, or {fix}, and run again (what was written of the copy has been removed)."
+    )
 
 
 def _pick_column(features, wanted: str, candidates, kind: str, name: str) -> str:
