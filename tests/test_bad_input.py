@@ -132,8 +132,9 @@ def test_labels_outside_the_training_classes(tmp_path, env):
 
 def test_images_too_small_for_the_model(tmp_path, env):
     root = write_parquet_dataset(tmp_path / "d", {"train": 16}, shape=(1, 2, 2))
+    args = ["--dataset", root, "--batch-size", 8, "--output-dir", tmp_path / "r"]  # a batch the split holds
     assert_clear_error(
-        run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path),
+        run_recipe("mnist_convnet", args, env, tmp_path),
         "at least 14x14",
         "--image-size",
     )
@@ -267,3 +268,29 @@ def test_a_batch_larger_than_the_split_is_refused_on_two_processes_too(tmp_path,
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "larger than the training split (288 images)" in proc.stderr + proc.stdout, proc.stderr[-3000:]
     assert not (tmp_path / "r" / "checkpoints").exists()  # (the launcher adds its own traceback for a failed rank)
+
+
+@pytest.mark.parametrize(
+    "labels,needle",
+    [
+        ([0, 3] * 20, "would make 4 classes, 2 of them with no training row"),
+        ([0, 999999] * 20, "1,000,000 classes"),
+        ([0] * 40, "single class"),
+    ],
+)
+def test_a_decoded_recipes_table_labels_follow_the_folder_rules(labels, needle, tmp_path, env):
+    """The MNIST, Fashion-MNIST and CIFAR recipes read tables too: integer labels {0, 3} made 4 classes there, a label
+    of 999999 a million, one class trained alone. Refused in one paragraph, as the photo recipe's tables and every
+    image folder are."""
+    import io
+
+    from PIL import Image
+
+    def png(i):
+        buf = io.BytesIO()
+        Image.new("L", (28, 28), i * 5).save(buf, format="PNG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    root = write_plain_parquet(tmp_path / "d", {"image": [png(i) for i in range(len(labels))], "label": labels})
+    proc = run_recipe("mnist_convnet", ["--dataset", root, "--output-dir", tmp_path / "r"], env, tmp_path)
+    assert_clear_error(proc, needle)

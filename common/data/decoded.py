@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from common.console import say
-from common.data import cache, folders, sources
+from common.data import cache, folders, sources, table_labels
 from common.data.batches import loader_batch
 from common.data.cache import default_cache_dir  # noqa: F401 - part of this module's interface
 from common.data.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
@@ -113,7 +113,7 @@ def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, state: str | 
     ds = sources.load_source(name, cache_dir / "datasets" / state if state else None)
     train = ds["train"]
     img_col, lab_col = sources.pick_columns(train, cfg, name)
-    class_names, str_map = sources.class_names_of(train, lab_col)
+    class_names, str_map = table_labels.class_names_of(train, lab_col, name)
 
     settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": state}
     splits, files = {}, {}

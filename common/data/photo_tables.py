@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from common.data import sources, table_copies
+from common.data import sources, table_copies, table_labels
 from common.data.photos import PhotoSplit
 from common.errors import DataError
 
@@ -207,44 +207,9 @@ def _read_labels(ds, split_names: list[str], lab_col: str, name: str) -> tuple[d
     return values, notes
 
 
-def _classes(feature, train: list, lab_col: str, name: str) -> tuple[list[str], dict | None]:
-    """(class names, {label value: class index} or None when the values are the indices) of the training labels."""
-    from datasets import ClassLabel
-
-    if isinstance(feature, ClassLabel):
-        names = list(feature.names)
-        odd = sorted({v for v in train if type(v) is not int or not 0 <= v < len(names)}, key=repr)
-        if odd:
-            raise DataError(
-                f"The train split of {name} has the label(s) {_listing(map(repr, odd))} in column {lab_col!r}, "
-                f"outside the {len(names)} names of its ClassLabel: the labels index those names. Fix the label "
-                "column (or the ClassLabel's names), and run again."
-            )
-        return names, None
-    distinct = set(train)
-    if all(type(v) is int for v in distinct):
-        values = sorted(distinct)
-        if values[0] < 0:
-            raise DataError(
-                f"Label column {lab_col!r} holds negative labels ({values[0]}). Labels must be "
-                "0..num_classes-1 or class-name strings."
-            )
-        if values[-1] != len(values) - 1:
-            raise DataError(
-                f"The integer labels of {name} (column {lab_col!r}) in train are {_listing(map(str, values))}, not "
-                f"0..{len(values) - 1}: read as class indices they would make {values[-1] + 1:,} classes, "
-                f"{values[-1] + 1 - len(values):,} of them with no training row (an output the model never sees "
-                f"trained). Renumber the labels 0..{len(values) - 1}, or give the column the class names (a "
-                "ClassLabel, or the names as strings), and run again."
-            )
-        return [str(v) for v in values], None
-    values = sorted(distinct, key=lambda v: (str(type(v)), v))
-    return [str(v) for v in values], {v: i for i, v in enumerate(values)}
-
-
 def _labels(values: dict, feature, lab_col: str, name: str) -> tuple[list[str], dict]:
     """(class names, {split: class indices}) of the labelled splits, refusing what the folder rules refuse."""
-    class_names, index = _classes(feature, values["train"], lab_col, name)
+    class_names, index = table_labels.table_classes(feature, values["train"], lab_col, name)
     known = set(values["train"])  # the label values train has rows of
     trained = class_names if index is not None else [c for k, c in enumerate(class_names) if k in known]
 
@@ -261,19 +226,7 @@ def _labels(values: dict, feature, lab_col: str, name: str) -> tuple[list[str], 
                 "scored on a class it never saw. Add those classes to train, or remove their rows from the "
                 f"{split_name} split (check the labels' spelling)."
             )
-    seen = set(trained)
-    unseen = [c for c in class_names if c not in seen]  # a ClassLabel's names with no training row
-    if unseen:
-        raise DataError(
-            f"The class(es) {_listing(unseen)} of {name} (names of its label column's ClassLabel) have no row in "
-            "train: the model would have an output for a class it never sees. Add training rows for them, or remove "
-            "them from the ClassLabel's names, and run again."
-        )
-    if len(class_names) < 2:
-        raise DataError(
-            f"{name} has a single class ({class_names[0]!r}) in train: a classifier needs at least two. Add the "
-            "rows of the other classes to train."
-        )
+    table_labels.check_trained(class_names, trained, name)
     out = {k: torch.tensor(v if index is None else [index[x] for x in v], dtype=torch.int64) for k, v in values.items()}
     return class_names, out
 

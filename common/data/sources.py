@@ -348,31 +348,6 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
     return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64), note=note)
 
 
-def class_names_of(train, lab_col: str):
-    from datasets import ClassLabel
-
-    feat = train.features[lab_col]
-    if isinstance(feat, ClassLabel):
-        return list(feat.names), None
-    column = list(train[lab_col])
-    distinct = set(column)
-    if None in distinct:
-        raise DataError(
-            f"Row {column.index(None)} of the train split has no label (column {lab_col!r} is empty "
-            "there). Fill in its label, or remove the row, and run again."
-        )
-    values = sorted(distinct)
-    if all(isinstance(v, int) for v in values):
-        if values[0] < 0:
-            raise DataError(
-                f"Label column {lab_col!r} holds negative labels ({values[0]}). Labels must be "
-                "0..num_classes-1 or class-name strings."
-            )
-        return [str(i) for i in range(values[-1] + 1)], None
-    names = [str(v) for v in values]
-    return names, {v: i for i, v in enumerate(values)}
-
-
 # --- cache ---------------------------------------------------------------------------------------
 # Layout: a safetensors file, labels (int64, 8-byte aligned after the padded header) then images (uint8),
 # so the images can be memory-mapped at a known offset. The header's metadata holds CRC32s of the labels
