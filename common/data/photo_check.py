@@ -9,13 +9,27 @@ named by the split's fingerprint (every file's path, size and times): a later la
 - A larger one is checked while training runs, by one process at low priority: a first launch on a million photos
   starts training in seconds instead of waiting minutes for the decode. A damaged photo found then stops the run at
   the next optimizer step every rank agrees on (``common.train.stopping.StopFlag.fail``), with every damaged file named.
+
+A checker is the run's helper, never part of how it ends (``Forked``): it ignores the stop signals the run acts on
+(torchrun's TERM at the end, a Ctrl-C, SLURM's USR1), so a signal is never read as a damaged photo; it dies with the
+process that started it (a SIGKILLed rank included); and the run stops it instead of awaiting it (``stop_all``, from
+``common.train.run``), so a run ends within moments of its summary or its preemption checkpoint. What a stopped check
+had got through is kept beside the marker (``progress-photos-checked-...``: the rows found whole, by the same
+fingerprint), and the next launch checks only the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import multiprocessing
+import multiprocessing.util
 import os
+import signal
+import sys
+import threading
+import time
 from pathlib import Path
 
 from common.data.pixels import open_rgb, unreadable_error, unreadable_reason
@@ -24,6 +38,11 @@ from common.files import write_atomic
 
 CHECKED_FIRST = 20_000
 ENV = "ACCELERATE_RECIPES_CHECK_FIRST"
+# the signals a run stops on (common.train.stopping.STOP_SIGNALS): a checker ignores them, its run decides
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+PARENT_POLL_S = 0.5  # how often a checker looks for its parent where the kernel does not end it (no prctl)
+SAVE_EVERY_S = 30.0  # how often a check running beside training records how far it got (a SIGKILL loses no more)
+PR_SET_PDEATHSIG = 1
 
 
 def checked_first() -> int:
@@ -38,18 +57,42 @@ def checked_first() -> int:
         ) from None
 
 
+_RUNNING: set = set()  # this process's running checks and checkers, for stop_all() (held: an exception may drop
+# the last other reference to a check while its checkers run)
+_FINALIZER: list = []
+
+
 class Forked:
-    """``target(*args)`` in a forked process (it inherits what it reads: nothing is pickled) at ``nice`` priority,
-    ended with this process; its return value read without a thread, by ``poll()``. The checks that run beside
-    training (this module's, ``common.data.scan_cache.Verify``) are made of these."""
+    """``target(*args)`` in a forked process (it inherits what it reads: nothing is pickled) at ``nice`` priority;
+    its return value read without a thread, by ``poll()``. The checks that run beside training (this module's,
+    ``common.data.scan_cache.Verify``) are made of these.
+
+    The child ignores the run's stop signals (the run acts on them; the child is stopped by ``stop()``, a SIGKILL)
+    and ends with the process that started it: the kernel kills it when that process dies (Linux), and it looks for
+    a changed parent every ``PARENT_POLL_S`` (elsewhere)."""
 
     def __init__(self, target, args: tuple, nice: int = 0, name: str = ""):
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
-        self._proc = context.Process(target=_answer, args=(nice, target, args, send), daemon=True, name=name)
-        self._proc.start()
+        # the kernel's death signal follows the thread that forks: asked for only when that thread is the main one
+        main = threading.current_thread() is threading.main_thread()
+        self._proc = context.Process(
+            target=_answer, args=(os.getpid(), main, nice, target, args, send), daemon=True, name=name
+        )
+        # stop signals held back across the fork: the child ignores them before any can reach it
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if main else None
+        try:
+            self._proc.start()
+        finally:
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         send.close()
         self.done, self.answer = False, None
+        _running(self)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
 
     def poll(self, block: bool = False) -> bool:
         """True once it has ended; ``answer`` is then what it returned (None when it was killed first)."""
@@ -61,75 +104,271 @@ class Forked:
             self._receive.close()
             self._proc.join()
             self.done = True
+            _RUNNING.discard(self)
         return self.done
 
+    def stop(self) -> None:
+        """Ended now, not awaited: an answer already sent is kept, else it is killed (``answer`` None)."""
+        if self.done or self.poll():
+            return
+        self._proc.kill()
+        self._proc.join(5)
+        self._receive.close()
+        self.done = True
+        _RUNNING.discard(self)
 
-def _answer(nice: int, target, args: tuple, conn) -> None:
+
+def _answer(parent: int, main: bool, nice: int, target, args: tuple, conn) -> None:
+    _detach(parent, main)
     if nice:
         os.nice(nice)
     conn.send(target(*args))
     conn.close()
 
 
-def _check_rows(split, rows, side: int) -> list:
-    """In a forked process: decode the photos at ``rows`` as training reads them; [(source, reason), ...]."""
+def _detach(parent: int, main: bool) -> None:
+    """In the child, first: the parent's signal handlers dropped (its stop signals ignored: a TERM for the run is
+    not a failure of the decode in hand), and the child tied to its parent's life."""
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    if main and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above: nobody to answer
+        os._exit(0)
+    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _running(thing) -> None:
+    """Remember a check or checker for ``stop_all``; the first one also has it run at this process's exit, before
+    multiprocessing joins its children (a checker that ignores TERM would hold the exit there)."""
+    _RUNNING.add(thing)
+    if not _FINALIZER:
+        _FINALIZER.append(multiprocessing.util.Finalize(None, stop_all, exitpriority=100))
+
+
+def stop_all() -> str:
+    """Stop every check and checker this process started, without waiting for them: what the photo checks got
+    through is recorded for the next launch. Returns a line for the run's output ('' when nothing was cut short)."""
+    things = list(_RUNNING)
+    notes = [thing.stop() for thing in things if isinstance(thing, PhotoCheck)]
+    for thing in things:
+        if isinstance(thing, Forked):
+            thing.stop()
+    _RUNNING.clear()
+    return "; ".join(n for n in notes if n)
+
+
+# --- rows as spans: [(lo, hi), ...], sorted, apart -------------------------------------------------------------
+
+
+def _merged(spans) -> list:
+    out: list = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def _count(spans) -> int:
+    return sum(hi - lo for lo, hi in spans)
+
+
+def _complement(spans, rows: int) -> list:
+    out, at = [], 0
+    for lo, hi in spans:
+        if lo > at:
+            out.append((at, lo))
+        at = hi
+    return out + [(at, rows)] if at < rows else out
+
+
+def _first(spans, n: int) -> list:
+    """The first ``n`` rows of ``spans``."""
+    out = []
+    for lo, hi in spans:
+        if n <= 0:
+            break
+        out.append((lo, min(hi, lo + n)))
+        n -= hi - lo
+    return out
+
+
+def _parts(spans, processes: int) -> list:
+    """``spans`` cut into ``processes`` runs of about equal row counts (fewer when there are fewer rows)."""
+    size = -(-_count(spans) // processes)
+    parts, part, room = [], [], size
+    for lo, hi in spans:
+        while lo < hi:
+            take = min(room, hi - lo)
+            part.append((lo, lo + take))
+            lo, room = lo + take, room - take
+            if room == 0:
+                parts.append(part)
+                part, room = [], size
+    return parts + [part] if part else parts
+
+
+def progress_path(marker: Path) -> Path:
+    """Where the rows of a split found whole so far are kept, beside its marker (same fingerprint)."""
+    marker = Path(marker)
+    return marker.with_name(f"progress-{marker.name}")
+
+
+def read_progress(marker: Path, rows: int) -> list:
+    """The rows an earlier launch found whole ([(lo, hi), ...]); [] when none is recorded, or the record does not
+    fit these rows (it is a shortcut: anything odd in it costs a check, never skips one it should not)."""
+    try:
+        with open(progress_path(marker), "rb") as f:
+            text = f.read(1 << 22)
+        record = json.loads(text)
+        spans = record["done"]
+        assert record["rows"] == rows and isinstance(spans, list)
+        assert all(type(lo) is int and type(hi) is int and 0 <= lo < hi <= rows for lo, hi in spans)
+    except (OSError, ValueError, TypeError, KeyError, AssertionError):
+        return []
+    return _merged(spans)
+
+
+def _write_progress(marker: Path, rows: int, spans: list) -> None:
+    """Record ``spans`` (with what another launch on the same files recorded meanwhile); a failure costs the next
+    launch a longer check, nothing else."""
+    spans = _merged([*read_progress(marker, rows), *spans])
+    path = progress_path(marker)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"rows": rows, "done": [list(s) for s in spans]}))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
+def _check_rows(split, spans, side: int, clean) -> list:
+    """In a forked process: decode the photos at the rows of ``spans`` as training reads them; [(source, reason),
+    ...]. ``clean`` (shared with the parent) counts the rows checked whole before the first damaged one: what a
+    check stopped midway keeps."""
     import torch
 
     torch.set_num_threads(1)
-    parent, bad = os.getppid(), []
-    for k, i in enumerate(rows):
-        if k % 4096 == 0 and os.getppid() != parent:  # the run is gone: stop, leave no marker
-            os._exit(0)
-        try:
-            with open_rgb(split.source_at(i), side):
-                pass
-        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
-            bad.append((split.file_at(i), unreadable_reason(err)))
+    bad = []
+    for lo, hi in spans:
+        for i in range(lo, hi):
+            try:
+                with open_rgb(split.source_at(i), side):
+                    pass
+            except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
+                bad.append((split.file_at(i), unreadable_reason(err)))
+            if not bad:
+                clean.value += 1
     return bad
 
 
 class PhotoCheck:
-    """The check of some splits: ``items`` is [(split, marker path, what), ...], the splits without a marker. Read
-    by the process that started it, without a thread: ``poll()`` (non-blocking, once per optimizer step through
-    ``StopFlag``) or ``wait()``."""
+    """The check of some splits: ``items`` is [(split, marker path, what), ...], the splits without a marker; the
+    rows an earlier launch found whole (``read_progress``) are not checked again. Read by the process that started
+    it, without a thread: ``poll()`` (non-blocking, once per optimizer step through ``StopFlag``) or ``wait()``;
+    ended early by ``stop()``, which records how far it got."""
 
     def __init__(self, items: list, side: int):
         self.items, self.side = items, side
-        self.total = sum(len(split) for split, _, _ in items)
+        self.done_before = [read_progress(marker, len(split)) for split, marker, _ in items]
+        self.already = sum(_count(spans) for spans in self.done_before)  # checked by earlier launches
+        self.total = sum(len(split) for split, _, _ in items) - self.already  # left to check
         self.error: DataError | None = None
         self.done = False
         self._jobs = []
+        self._saved_at = time.monotonic()
 
     def start(self, processes: int, nice: int = 0) -> PhotoCheck:
-        """Fork ``processes`` checkers per split, each decoding a share of its rows."""
-        for split, marker, what in self.items:
-            rows = range(len(split))
-            parts = [
-                Forked(_check_rows, (split, rows[k::processes], self.side), nice, "photo-check")
-                for k in range(processes)
-            ]
-            self._jobs.append((split, marker, what, parts))
+        """Fork up to ``processes`` checkers per split, each decoding a share of the rows left to check."""
+        context = multiprocessing.get_context("fork")
+        for (split, marker, what), before in zip(self.items, self.done_before):
+            parts = []
+            for spans in _parts(_complement(before, len(split)), processes):
+                clean = context.RawValue("q", 0)
+                parts.append((spans, clean, Forked(_check_rows, (split, spans, self.side, clean), nice, "photo-check")))
+            self._jobs.append((split, marker, what, before, parts))
+        _running(self)
         return self
 
     def poll(self, block: bool = False) -> DataError | None:
         """The error naming the damaged photos once the check has found them; None meanwhile, and when none is."""
-        if not self.done and all(part.poll(block) for _, _, _, parts in self._jobs for part in parts):
-            self._finish()
+        if not self.done:
+            if all(proc.poll(block) for *_, parts in self._jobs for _, _, proc in parts):
+                self._finish()
+            elif time.monotonic() - self._saved_at > SAVE_EVERY_S:  # a SIGKILLed run keeps most of its check
+                self._save()
         return self.error
 
+    def _found(self, before, parts) -> list:
+        """The rows of one split found whole: before this launch, and by its checkers so far."""
+        return _merged([*before, *(s for spans, clean, _ in parts for s in _first(spans, clean.value))])
+
+    def _save(self, complete=()) -> None:
+        self._saved_at = time.monotonic()
+        for split, marker, _, before, parts in self._jobs:
+            found = self._found(before, parts)
+            if marker in complete:  # its marker says it all
+                continue
+            if _count(found) > _count(before):
+                _write_progress(marker, len(split), found)
+
     def _finish(self) -> None:
-        errors = []
-        for split, marker, what, parts in self._jobs:
-            bad = sorted(b for part in parts if part.answer for b in part.answer)
+        errors, complete = [], set()
+        for split, marker, what, before, parts in self._jobs:
+            bad = sorted(b for _, _, proc in parts if proc.answer for b in proc.answer)
             if bad:
                 errors.append(unreadable_error(bad, len(split), what))
-            elif all(part.answer is not None for part in parts):  # a checker killed first: no verdict, no marker
+            if not bad and all(proc.answer is not None for _, _, proc in parts):  # every row read whole
+                complete.add(marker)
                 with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next launch a check
                     Path(marker).parent.mkdir(parents=True, exist_ok=True)
                     write_atomic(Path(marker), "")
+                with contextlib.suppress(OSError):
+                    progress_path(marker).unlink(missing_ok=True)
+        self._save(complete)  # a checker killed first (no verdict, no marker), or a damaged photo: what was whole
         if errors:
             self.error = errors[0] if len(errors) == 1 else DataError(" ".join(str(e) for e in errors))
         self.done = True
+        _RUNNING.discard(self)
+
+    def stop(self) -> str:
+        """End the check now, without waiting for it: a verdict already in is kept (its marker written), else the
+        checkers are killed and the rows they found whole are recorded for the next launch. Returns a line for the
+        run's output: how far it got when it was cut short, the damaged photos of a verdict that came in only now,
+        else ''."""
+        if self.done:
+            return ""
+        error = self.poll()  # a verdict that came in since the last look: kept, and said when it names a photo
+        if self.done:
+            return str(error) if error is not None else ""
+        for *_, parts in self._jobs:
+            for _, _, proc in parts:
+                proc.stop()
+        self._save()
+        self.done = True
+        _RUNNING.discard(self)
+        left = self.total + self.already - sum(_count(self._found(b, parts)) for *_, b, parts in self._jobs)
+        return (
+            f"the photo check was stopped with the run, {left:,} of {self.total + self.already:,} photos left "
+            "unchecked: the next launch checks those"
+        )
 
     def wait(self) -> None:
         """Until every photo is checked; raises the error naming the damaged ones."""
@@ -138,9 +377,10 @@ class PhotoCheck:
 
 
 def check_splits(items: list, side: int) -> PhotoCheck | None:
-    """Check the splits of ``items`` ([(split, marker, what), ...]; those with a marker are skipped): before
-    returning when they hold at most ``checked_first()`` photos (on every core), else in the background (one
-    process, low priority), returned running. None when there is nothing to check."""
+    """Check the splits of ``items`` ([(split, marker, what), ...]; those with a marker are skipped, and the rows
+    an earlier launch found whole): before returning when at most ``checked_first()`` photos are left (on every
+    core), else in the background (one process, low priority), returned running. None when there is nothing to
+    check."""
     items = [item for item in items if not Path(item[1]).exists()]
     if not items:
         return None

@@ -73,8 +73,10 @@ def load_photos(cfg, default_dataset: str = "") -> ImageData:
         train, val = hold_out(train, cfg.val_fraction, cfg.seed)
     notes = [scan.skipped_line() if scan and not scan.tables else table_note]
     if check is not None:
+        which = f"{check.total:,} of its {check.total + check.already:,}" if check.already else f"its {check.total:,}"
+        earlier = "; the others were, by an earlier launch" if check.already else ""
         notes.append(
-            f"its {check.total:,} photos are checked while training runs (a damaged one stops the run at the next step)"
+            f"{which} photos are checked while training runs (a damaged one stops the run at the next step{earlier})"
         )
     return ImageData(
         train,

@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 
 from common.console import say
+from common.data import photo_check
 from common.data.batches import loader_batch
 from common.data.decoded import load_image_data, place_on_device
 from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, UnreadablePhoto, report
@@ -135,6 +136,11 @@ class TrainingRun(TrainingLoop):
         return check.poll(block=True) or err
 
     def _close(self, err) -> None:
+        # the photo checks beside training are stopped, not awaited: the run ends now, and the next launch checks
+        # only what they had not got to (common.data.photo_check.stop_all)
+        left = photo_check.stop_all()
+        if left:
+            say(f"note: {left}")
         if err is not None:
             self.summary.write_ending(self.status, err, self._position(), started=self.ckpt is not None)
         if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
