@@ -1,20 +1,24 @@
-"""torchvision's classification models for fine-tuning: built by name with the data's classes, started from a
-weights file or torchvision's pretrained weights, with their own preprocessing; ``head`` names the classifier
-(``common.optimizers.param_groups`` lets the backbone learn at a lower rate)."""
+"""Image classifiers for fine-tuning, by the --model that names them: torchvision's (a name it lists), timm's (a
+registry name, ``timm/<name>.<tag>``, ``hf-hub:org/name``: ``common.timm_models``) or a folder holding a timm or
+transformers model (config.json + weights: ``common.hf_models``). Each is built with the data's classes, started from
+a weights file or its library's pretrained weights (``DEFAULT``), with their own preprocessing; ``head`` names the
+classifier (``common.optimizers.param_groups`` lets the backbone learn at a lower rate). torchvision's names come
+first: ``resnet50`` is torchvision's, ``timm/resnet50`` (or ``resnet50.a1_in1k``) timm's."""
 
 from __future__ import annotations
 
-import hashlib
-import re
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from common.console import say
+from common import hf_models, timm_models
 from common.errors import ConfigError
 from common.moved import getattr_hook
+from common.torchvision_weights import download, weights_entry
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -25,19 +29,70 @@ def model_names() -> list[str]:
     return models.list_models(module=models)  # the classification models (not detection, video, ...)
 
 
-def check_name(name: str) -> None:
-    """An unknown --model is said as such (before any weights are looked up for it)."""
-    if name not in model_names():
-        import difflib
+MODEL_FORMS = (
+    "--model takes a torchvision name (resnet18, resnet50, convnext_tiny, efficientnet_b0, vit_b_16, ...), a timm "
+    "name (resnet50d, mobilenetv4_conv_small, resnet10t.c3_in1k or timm/resnet10t.c3_in1k with a pretrained tag; "
+    "`python -c \"import timm; print(timm.list_models('resnet*'))\"` lists them), a timm model on the Hub "
+    "(hf-hub:org/name), or a folder holding a timm or transformers model (config.json and model.safetensors)"
+)
 
-        close = difflib.get_close_matches(name, model_names(), n=3)
+
+def check_name(name: str) -> str:
+    """The library that builds --model ``name``: torchvision, timm or transformers. An unknown name is one paragraph
+    with its closest names (before any weights are looked up for it)."""
+    if name in model_names():
+        return "torchvision"
+    folder = model_folder(name)
+    if folder is not None:
+        return folder_family(folder)
+    if timm_models.is_hub_name(name) or timm_models.registry_name(name) or name.startswith("timm/"):
+        return "timm"
+    close = timm_models.close_names(name, others=model_names())  # torchvision's and timm's, nearest first
+    raise ConfigError(
+        f"--model {name!r} is neither a torchvision classification model nor a timm model"
+        + (f" (did you mean {', '.join(close)}?)" if close else "")
+        + f". {MODEL_FORMS}."
+    )
+
+
+def model_folder(name: str) -> Path | None:
+    """The folder --model names (``local-dir:DIR`` as timm spells it, or DIR), or None for a model's name."""
+    path = Path(name.removeprefix("local-dir:")).expanduser()
+    if path.is_dir():
+        return path.absolute()
+    hub = timm_models.is_hub_name(name) or name.startswith("timm/")
+    if name.startswith(("local-dir:", "~", ".")) or (os.sep in name and not hub):
         raise ConfigError(
-            f"--model {name!r} is not a torchvision classification model"
-            + (f" (did you mean {', '.join(close)}?)" if close else "")
-            + ". Pick one of "
-            f"{', '.join(model_names())} (e.g. resnet18, resnet50, convnext_tiny, efficientnet_b0, "
-            "mobilenet_v3_large, vit_b_16)."
+            f"--model {name}: no such folder. A model folder holds a timm or transformers model (config.json and "
+            f"model.safetensors); a timm model on the Hub is hf-hub:{name.lstrip('./~')}; a transformers model on the "
+            "Hub: download it as a folder (`hf download ORG/NAME --local-dir DIR`) and pass --model DIR."
         )
+    return None
+
+
+def folder_family(folder: Path) -> str:
+    """timm's (config.json names an ``architecture``) or transformers' (a ``model_type``)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"--model {folder} holds no readable config.json ({type(err).__name__}): a model folder holds a timm or "
+            "transformers model in the Hub's layout (config.json and model.safetensors). For a folder of weights "
+            "only, name the architecture and the folder: --model resnet50d --weights DIR."
+        ) from None
+    if isinstance(config, dict) and "architecture" in config:
+        return "timm"
+    if isinstance(config, dict) and "model_type" in config:
+        hf_models.transformers_module(folder)  # installed, or one paragraph saying what to install
+        return "transformers"
+    raise ConfigError(
+        f'{folder / "config.json"} names neither a timm architecture ("architecture") nor a transformers '
+        "model_type: --model takes a folder written by timm (save_for_hf) or transformers (save_pretrained)."
+    )
+
+
+def timm_source(name: str) -> timm_models.Source:
+    return timm_models.source(name, model_folder(name))
 
 
 AUX_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's and inception_v3's auxiliary classifiers
@@ -50,7 +105,11 @@ def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Modu
     transformer built for ``image_size`` (its patch grid, and the position embedding, follow the image size)."""
     from torchvision import models
 
-    check_name(name)
+    family = check_name(name)
+    if family == "timm":
+        return guard_cpu_bf16_strided_convs(timm_models.build(timm_source(name), num_classes, image_size))
+    if family == "transformers":
+        return guard_cpu_bf16_strided_convs(hf_models.build(model_folder(name), num_classes, image_size))
     kwargs = {}
     if name in ("googlenet", "inception_v3"):
         kwargs.update(aux_logits=False, init_weights=True)
@@ -105,7 +164,7 @@ def head(model: nn.Module, num_classes: int) -> tuple[str, nn.Module]:
     if found is None:
         raise ConfigError(
             f"Could not find the classifier of {type(model).__name__} (a Linear layer with "
-            f"{num_classes} outputs). Use a torchvision classification model."
+            f"{num_classes} outputs). Use a classification model."
         )
     return found
 
@@ -122,12 +181,20 @@ class Pretrained:
 
 def resolve(name: str, spec: str) -> Pretrained:
     """The preprocessing of ``--weights`` for ``--model name``: torchvision's enum for DEFAULT or an enum value
-    name; for a file, the model's DEFAULT entry (a file of torchvision's own weights, copied offline)."""
+    name; for a file, the model's DEFAULT entry (a file of torchvision's own weights, copied offline). timm's: the
+    model's pretrained config; a transformers folder: its preprocessor_config.json. The name is checked even from
+    scratch (a Hub repo's config.json fetched): an unknown or unreachable model fails at start."""
     from torchvision import models
 
+    family = check_name(name)
+    src = timm_source(name) if family == "timm" else None
     if not spec:
         return Pretrained("", None, None, None)
-    check_name(name)
+    if family != "torchvision":
+        mean, std, crop = (
+            timm_models.preprocessing(src) if src is not None else hf_models.preprocessing(model_folder(name))
+        )
+        return Pretrained(spec, mean, std, crop)
     entry = weights_entry(name, spec)
     if entry is None:  # a file: torchvision's own for the model when it has one (copied offline), else ImageNet's
         try:
@@ -138,111 +205,50 @@ def resolve(name: str, spec: str) -> Pretrained:
     return Pretrained(spec, list(t.mean), list(t.std), int(t.crop_size[0]))
 
 
-WEIGHTS_FILE_ENDINGS = (".pth", ".pt", ".safetensors", ".bin", ".ckpt")
-WEIGHTS_NAME = re.compile(r"^(?:(\w+)\.)?(\w+)$")  # torchvision's spellings: DEFAULT, IMAGENET1K_V1, X_Weights.MEMBER
-
-
-def weights_entry(name: str, spec: str):
-    """torchvision's weights entry that ``--weights`` names for ``--model name`` (``DEFAULT``, a member such as
-    ``IMAGENET1K_V1``, or the enum's own spelling ``ResNet18_Weights.IMAGENET1K_V1`` as its docs and reference script
-    write it), or None when ``spec`` is a file. Weights of another model, or no such member, are one paragraph."""
-    from torchvision import models
-
-    match = WEIGHTS_NAME.match(spec)
-    if match is None or Path(spec).expanduser().is_file() or spec.lower().endswith(WEIGHTS_FILE_ENDINGS):
-        return None
-    prefix, member = match.groups()
-    try:
-        enum = models.get_model_weights(name)
-    except (ValueError, KeyError):
-        enum = None
-    names = ", ".join(e.name for e in enum) if enum else "none"
-    if enum is None or (prefix and prefix != enum.__name__) or (member != "DEFAULT" and member not in enum.__members__):
-        whose = (
-            f" (those are weights of another model: {name}'s are {enum.__name__})"
-            if enum and prefix and prefix != enum.__name__
-            else ""
-        )
-        raise ConfigError(
-            f"--weights {spec!r} is neither a file (.pth, .pt or .safetensors) nor one of torchvision's "
-            f"weights for {name}{whose}: {names}, or DEFAULT"
-            f"{f' (also spelled {enum.__name__}.DEFAULT)' if enum else ''}."
-        )
-    return enum.DEFAULT if member == "DEFAULT" else enum[member]
-
-
-def hub_file(entry) -> Path:
-    """Where torch.hub keeps ``entry``'s download: torch.hub.get_dir()/checkpoints/<the URL's file name>."""
-    from urllib.parse import urlparse
-
-    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(entry.url).path).name
-
-
-def check_cached(entry) -> None:
-    """torch.hub checks a file's hash only when it downloads it; one already in its cache is loaded unchecked. Such a
-    file is checked here against the sha256 prefix its name records (resnet18-f37072fd.pth) before it is taken for
-    torchvision's weights. Hashing costs about a second per 500 MB."""
-    path = hub_file(entry)
-    prefix = _recorded_hash(path)
-    if prefix is None or not path.is_file():
-        return
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    found = digest.hexdigest()
-    if not found.startswith(prefix):
-        raise ConfigError(
-            f"{path} is in torch's hub cache under the name of torchvision's {entry} weights, but its sha256 starts "
-            f"{found[: len(prefix)]}, not {prefix} as the name records ({entry.url}): it is another file or a damaged "
-            "copy, not those weights. Delete it (torchvision then downloads it again, checked), copy the right file "
-            "there, or pass the file you meant with --weights /path/to/file.pth."
-        )
-
-
-def fetch_failed(entry, err: Exception) -> ConfigError:
-    return ConfigError(
-        f"torchvision could not fetch the {entry} weights ({type(err).__name__}: {err}); this machine is probably "
-        f"offline. Download {entry.url} on a machine with network access, copy it here, and pass --weights "
-        f"/path/to/{Path(entry.url).name} (or put it in {hub_file(entry).parent}/, where torchvision looks first)."
-    )
-
-
 def fetch(name: str, spec: str) -> None:
     """Make ``--weights`` readable before anything else is read: torchvision's weights downloaded into torch's hub
     cache (the download's hash checked by torch.hub) or the cached copy checked; a file must exist. An offline machine
-    or a wrong path fails here, at start, instead of after the data is scanned."""
-    entry = weights_entry(name, spec)
+    or a wrong path fails here, at start, instead of after the data is scanned. timm's and a folder's DEFAULT: from
+    the Hub's cache, downloaded into it when missing (``common.timm_models``), or the folder's own file."""
+    family = check_name(name)
+    if family != "torchvision" and spec == "DEFAULT":
+        if family == "timm":
+            timm_models.fetch(name, timm_source(name))
+        else:
+            weights_file(str(model_folder(name)), f"--weights DEFAULT (the weights of the model folder {name})")
+        return
+    entry = weights_entry(name, spec) if family == "torchvision" else None
     if entry is None:
-        if not Path(spec).expanduser().is_file():
-            raise ConfigError(
-                f"--weights {spec}: no such file. Pass a state_dict file (.pth, .pt or .safetensors), "
-                "DEFAULT for torchvision's pretrained weights, or nothing to train from scratch."
-            )
+        weights_file(spec)
         return
-    check_cached(entry)
-    path = hub_file(entry)
-    if path.is_file():
-        return
-    say(f"downloading {entry.url} to {path}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.hub.download_url_to_file(entry.url, str(path), hash_prefix=_recorded_hash(path), progress=False)
-    except Exception as err:  # noqa: BLE001 - urllib, socket and hash errors alike mean "no weights"
-        raise fetch_failed(entry, err) from None
+    download(entry)
 
 
-def _recorded_hash(path: Path) -> str | None:
-    match = torch.hub.HASH_REGEX.search(path.name)
-    return match.group(1) if match else None
+def weights_file(spec: str, what: str = "") -> Path:
+    """--weights as a file: the file, or a folder's weights file (a Hub repo downloaded as a folder)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = next((path / f for f in timm_models.WEIGHT_FILES if (path / f).is_file()), path)
+    if not path.is_file():
+        raise ConfigError(
+            f"{what or f'--weights {spec}'}: no such file{' in that folder' if path.is_dir() else ''}. Pass a "
+            "state_dict file (.pth, .pt or .safetensors), a folder holding model.safetensors (or pytorch_model.bin), "
+            "DEFAULT for the model's pretrained weights, or nothing to train from scratch."
+        )
+    return path
 
 
-def _read_state(spec: str, name: str) -> dict:
+def _read_state(spec: str, name: str, image_size: int | None = None) -> dict:
     fetch(name, spec)
-    entry = weights_entry(name, spec)
+    family = check_name(name)
+    if family == "timm" and spec == "DEFAULT":  # loaded by timm: its filters, a ViT's grid resampled to image_size
+        return timm_models.pretrained_state(name, timm_source(name), image_size)
+    if family == "transformers" and (spec == "DEFAULT" or Path(spec).expanduser().is_dir()):
+        return hf_models.pretrained_state(model_folder(name) if spec == "DEFAULT" else Path(spec).expanduser())
+    entry = weights_entry(name, spec) if family == "torchvision" else None
     if entry is not None:  # in torch.hub.get_dir()/checkpoints now, checked
         return entry.get_state_dict(progress=False, check_hash=True)
-    path = Path(spec).expanduser()
+    path = weights_file(spec)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -264,13 +270,14 @@ def _read_state(spec: str, name: str) -> dict:
             f"{path} holds no state_dict (a mapping of names to tensors). Save one with "
             "torch.save(model.state_dict(), path)."
         )
-    return {k.removeprefix("module."): v for k, v in state.items()}  # DDP-saved files prefix every key
+    state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP-saved files prefix every key
+    return hf_models.named_as_wrapped(state) if family == "transformers" else state
 
 
-def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int) -> str:
+def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, image_size: int | None = None) -> str:
     """Load ``--weights`` into ``model``; the head's tensors are skipped when their shape is another head's (the
     1000 ImageNet classes). Any other mismatch is refused. Returns a line saying what was loaded."""
-    state = _read_state(spec, name)
+    state = _read_state(spec, name, image_size)
     own = model.state_dict()
     head_name, _ = head(model, num_classes)
     head_keys = {k for k in own if k.startswith(head_name + ".")}

@@ -1,12 +1,14 @@
-"""Fine-tune (or train from scratch) a torchvision model on a folder of your own photos, or a Hugging Face image
-dataset, on 1 to N devices.
+"""Fine-tune (or train from scratch) a torchvision, timm or transformers model on a folder of your own photos, or a
+Hugging Face image dataset, on 1 to N devices.
 
 Photos of any size and mode are read from their files per batch in DataLoader workers (common.data.photos): random
 resized crops and flips for training; for evaluation and predict the shorter side is resized and the centre
 cropped (never squashed). --image-size is that crop's side; from scratch the training crops grow from half of it
 to it over the epochs (progressive resizing: the early epochs cost less). Nothing decoded is kept, so memory and
-disk do not grow with the data. --model is any torchvision classification model; --weights starts it from a
-state_dict file or torchvision's pretrained weights (DEFAULT), whose own normalisation and crop size are then used.
+disk do not grow with the data. --model is a torchvision classification model, a timm model (resnet50d,
+timm/resnet10t.c3_in1k, hf-hub:org/name) or a folder holding a timm or transformers model (config.json and weights,
+which it starts from); --weights starts it from a state_dict file (or a folder holding one) or its library's
+pretrained weights (DEFAULT), whose own normalisation and crop size are then used.
 
 Measured (README): ResNet-18 from scratch on 3,457 flower photos, 32 epochs from 64 to 128 px, 2 CPU processes
 (amx_bf16): 73.02% validation (seeds 1-3) in 542-562 s; the previous default (16 epochs at 112 px) 67.76% in
@@ -16,6 +18,8 @@ Measured (README): ResNet-18 from scratch on 3,457 flower photos, 32 epochs from
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --weights DEFAULT   # pretrained (downloads)
     accelerate launch recipes/finetune_folder.py --dataset beans        # a Hub image dataset (or its clone, parquet)
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --model resnet50 --weights ~/resnet50.pth
+    accelerate launch recipes/finetune_folder.py --dataset ~/photos --model timm/resnet10t.c3_in1k --weights DEFAULT
+    accelerate launch recipes/finetune_folder.py --dataset ~/photos --model ~/vit-base-patch16-224  # transformers
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/finetune_folder.py \\
         --dataset ~/photos --workers 8 --output-dir runs/photos --resume-from latest
 Every knob: python recipes/finetune_folder.py --help
@@ -59,13 +63,17 @@ class Config(CommonConfig):
     )
     model: str = knob(
         "resnet18",
-        "any torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, "
-        "mobilenet_v3_large, vit_b_16, ...)",
+        "a torchvision classification model (resnet50, convnext_tiny, efficientnet_b0, mobilenet_v3_large, vit_b_16, "
+        "...); a timm model (resnet50d, mobilenetv4_conv_small, with a pretrained tag resnet10t.c3_in1k or "
+        "timm/resnet10t.c3_in1k, a Hub repo hf-hub:org/name; timm/resnet50 is timm's resnet50); or a folder holding "
+        "a timm or transformers (AutoModelForImageClassification) model: config.json and model.safetensors, "
+        "started from those weights unless --weights says otherwise",
     )
     weights: str = knob(
         "",
-        "start from: '' (scratch), DEFAULT (torchvision's pretrained weights), or a .pth/"
-        ".safetensors state_dict file; heads of another shape are skipped",
+        "start from: '' (scratch), DEFAULT (the model's pretrained weights: torchvision's, timm's from the Hugging "
+        "Face cache or Hub, a model folder's own), or a .pth/.safetensors state_dict file or a folder holding "
+        "model.safetensors; heads of another shape are skipped",
     )
     image_size: int = knob(
         128,
@@ -131,6 +139,11 @@ class Config(CommonConfig):
             )
 
     def settle(self):
+        folder = vision.model_folder(self.model)  # absolute: predict and export rebuild the model from it
+        if folder is not None:
+            self.model = str(folder)
+            if "weights" not in self.explicit:  # a model folder holds its weights: the start, unless --weights ''
+                self.weights = "DEFAULT"
         if "image_size" not in self.explicit:  # pretrained weights: their own crop (224 for torchvision's ImageNet)
             self.image_size = vision.resolve(self.model, self.weights).crop or self.image_size
         if "start_image_size" not in self.explicit:  # pretrained weights: at their own size throughout
@@ -208,7 +221,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     set_seed(cfg.seed)
     model = build_model(cfg, data.shape, data.num_classes)
     if cfg.weights and not cfg.eval_only and not run.resuming:  # a resume takes every weight from its checkpoint
-        say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes))
+        say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes, cfg.image_size))
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
     optimizer = build_optimizer(cfg, model, data.num_classes)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(

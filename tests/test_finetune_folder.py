@@ -132,7 +132,7 @@ def test_weights_that_do_not_fit_or_cannot_be_fetched_are_one_paragraph(tmp_path
     with pytest.raises(ConfigError, match="probably offline") as err:
         vision.load_pretrained(vision.build("resnet18", 3), "DEFAULT", "resnet18", 3)
     assert "resnet18-f37072fd.pth" in str(err.value) and "--weights /path/to/" in str(err.value)
-    with pytest.raises(ConfigError, match="not a torchvision classification model"):
+    with pytest.raises(ConfigError, match="neither a torchvision classification model nor a timm model"):
         vision.build("resnet_18", 3)
 
 

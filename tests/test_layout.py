@@ -11,7 +11,16 @@ from helpers import REPO
 
 COMMON = REPO / "common"
 GROUND = {"errors", "console", "files", "config", "config_checks", "flag_hints", "moved"}
-TECHNIQUES = {"models", "vision", "optimizers", "schedules", "averaging"}
+TECHNIQUES = {
+    "models",
+    "vision",
+    "torchvision_weights",
+    "timm_models",
+    "hf_models",
+    "optimizers",
+    "schedules",
+    "averaging",
+}
 FLOORS = {"data": 2, "train": 3, "tools": 4}
 
 

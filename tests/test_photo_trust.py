@@ -48,7 +48,7 @@ def test_an_unknown_model_with_weights_is_said_to_be_an_unknown_model():
     """--model resnet81 --weights DEFAULT blamed the weights ("neither a file nor one of torchvision's weights")."""
     with pytest.raises(
         ConfigError,
-        match=r"--model 'resnet81' is not a torchvision classification model \(did you "
+        match=r"--model 'resnet81' is neither a torchvision classification model nor a timm model \(did you "
         r"mean resnet18",
     ):
         vision.resolve("resnet81", "DEFAULT")

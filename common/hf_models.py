@@ -1,0 +1,136 @@
+"""transformers' image classifiers (``AutoModelForImageClassification``) saved in a folder: ``save_pretrained``'s, or
+a Hub repo downloaded with ``hf download REPO --local-dir DIR`` (config.json, model.safetensors and
+preprocessor_config.json). Built from its config.json with the data's classes, wrapped to take images and return
+logits as the recipes' models do, started from the folder's weights, with the normalisation and crop of its
+preprocessor_config.json.
+
+transformers is optional (``pip install 'accelerate-recipes[transformers]'``); a folder of a transformers model
+without it is one paragraph. Code in the folder (``auto_map``, trust_remote_code) is never run: a folder is data.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch import nn
+
+from common.errors import ConfigError
+
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def transformers_module(folder: Path):
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError(
+            f"--model {folder} is a transformers model (its config.json has a model_type), and reading it needs the "
+            f"transformers package, which is not importable ({err}). Install it with "
+            "`pip install 'accelerate-recipes[transformers]'` (or `pip install transformers`), or pick a "
+            "torchvision or timm --model."
+        ) from None
+    return transformers
+
+
+@contextmanager
+def quiet(transformers):
+    """transformers' per-load report and progress bar off (the recipe says what it loaded in one line)."""
+    logging = transformers.utils.logging
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+class ImageClassifier(nn.Module):
+    """A transformers image classifier as the recipes call a model: normalised images in, logits out. A vision
+    transformer trained at another size than ``image_size`` interpolates its position embedding (transformers'
+    ``interpolate_pos_encoding``); at its own size the forward is the model's, as export traces it."""
+
+    def __init__(self, model: nn.Module, image_size: int | None):
+        super().__init__()
+        self.model = model
+        own = getattr(model.config, "image_size", None)
+        accepts = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
+        self.extra = {"interpolate_pos_encoding": True} if accepts and image_size and own != image_size else {}
+
+    def forward(self, images):
+        return self.model(pixel_values=images, **self.extra).logits
+
+
+def config(folder: Path, num_classes: int | None = None):
+    transformers = transformers_module(folder)
+    try:
+        with quiet(transformers):
+            cfg = transformers.AutoConfig.from_pretrained(str(folder))  # no remote code: a folder is data
+    except Exception as err:  # noqa: BLE001 - a model_type this transformers lacks, a damaged file
+        raise ConfigError(
+            f"transformers {transformers.__version__} could not read {folder / 'config.json'} "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Upgrade transformers, or pass "
+            "a folder written by save_pretrained."
+        ) from None
+    if num_classes is not None:
+        cfg.num_labels = num_classes  # id2label/label2id follow
+    return cfg
+
+
+def build(folder: Path, num_classes: int, image_size: int | None) -> nn.Module:
+    transformers = transformers_module(folder)
+    cfg = config(folder, num_classes)
+    try:
+        with quiet(transformers):
+            model = transformers.AutoModelForImageClassification.from_config(cfg)
+    except ValueError as err:
+        raise ConfigError(
+            f"{folder} holds a {cfg.model_type} model, which transformers has no image classifier for "
+            f"({str(err).splitlines()[0]}). Pass a folder of an AutoModelForImageClassification model."
+        ) from None
+    return ImageClassifier(model, image_size)
+
+
+def pretrained_state(folder: Path) -> dict:
+    """The folder's weights with their own head, as ``from_pretrained`` reads them (older key names converted),
+    under the wrapper's names."""
+    transformers = transformers_module(folder)
+    try:
+        with quiet(transformers):
+            model = transformers.AutoModelForImageClassification.from_pretrained(str(folder))
+    except Exception as err:  # noqa: BLE001
+        raise ConfigError(
+            f"transformers could not load the weights in {folder} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). It needs model.safetensors (or pytorch_model.bin) "
+            "beside config.json."
+        ) from None
+    return {f"model.{k}": v for k, v in model.state_dict().items()}
+
+
+def named_as_wrapped(state: dict) -> dict:
+    """A state_dict saved from the bare transformers model (``vit.…``, ``classifier.…``) under the wrapper's names."""
+    return state if all(k.startswith("model.") for k in state) else {f"model.{k}": v for k, v in state.items()}
+
+
+def preprocessing(folder: Path) -> tuple[list[float], list[float], int | None]:
+    """Mean, std and crop side of the folder's preprocessor_config.json (ImageNet's, and config.json's image_size,
+    where it has none)."""
+    path = folder / "preprocessor_config.json"
+    pre = json.loads(path.read_text()) if path.is_file() else {}
+    side = None
+    for key in ("crop_size", "size"):
+        value = pre.get(key)
+        if isinstance(value, dict):
+            value = value.get("height") or value.get("shortest_edge")
+        if isinstance(value, int) and value > 0:
+            side = value
+            break
+    if side is None:
+        side = config(folder).to_dict().get("image_size")
+    mean, std = pre.get("image_mean") or IMAGENET_MEAN, pre.get("image_std") or IMAGENET_STD
+    return [float(m) for m in mean], [float(s) for s in std], side if isinstance(side, int) else None

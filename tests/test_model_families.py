@@ -1,0 +1,201 @@
+"""The photo recipe's --model beyond torchvision: a timm name and a transformers folder train, resume exactly, are
+scored by --eval-only, and load in predict and export (which rebuild the model from model.json through the recipe's
+build_model); local weights load (.safetensors, .pth, a Hub-layout folder, a model folder, timm's DEFAULT from the
+Hugging Face cache with no network); an offline Hub model with --weights fails at start naming the cache; a mistyped
+name gets its closest names in one paragraph; without transformers, a transformers folder says what to install.
+No test downloads anything: models are built with pretrained=False and their weights saved here."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common import vision
+from common.errors import ConfigError
+
+from helpers import REPO, SMALL, check_ok, read_jsonl, run_in_process, stopped_at
+
+FLAGS = [*SMALL["finetune_folder"], "--epochs", 2, "--batch-size", 32, "--log-every", 1]
+FLAGS += ["--checkpoint-every", 3, "--keep-checkpoints", 10]
+
+
+def losses(run):
+    return [(x["step"], x["train/loss"]) for x in read_jsonl(run / "metrics.jsonl") if "train/loss" in x]
+
+
+def same_weights(a, b) -> bool:
+    a, b = load_file(str(a / "final" / "model.safetensors")), load_file(str(b / "final" / "model.safetensors"))
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def trains_resumes_scores_predicts_and_exports(model_flags, photos_like, tmp_path, env, capsys):
+    """2 epochs; a copy stopped at step 3 resumed to the same losses and weights, bit for bit; --eval-only scores
+    final/; predict and export load it."""
+    from common.tools import export, predict
+
+    base = ["--dataset", photos_like, *model_flags, *FLAGS]
+    full = tmp_path / "full"
+    proc = check_ok(run_in_process("finetune_folder", [*base, "--output-dir", full], env))
+    run = stopped_at(full, 3, tmp_path / "run")
+    resumed = check_ok(run_in_process("finetune_folder", [*base, "--output-dir", run, "--resume-from", "latest"], env))
+    assert "resumed from" in resumed.stdout and losses(run) == losses(full) and len(losses(full)) > 3
+    assert same_weights(run, full)
+    ev = check_ok(run_in_process("finetune_folder", ["--eval-only", "--checkpoint", full / "final"], env))
+    assert "eval-only: test accuracy" in ev.stdout
+    assert json.loads((full / "final" / "eval-test.json").read_text())["count"] == 24
+    capsys.readouterr()
+    assert predict.main([str(full / "final"), str(photos_like / "test"), "--format", "json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert len(results) == 24 and all(r["predictions"][0]["label"] in ("ant", "bee", "wasp") for r in results)
+    assert export.main([str(full / "final"), "--onnx", str(tmp_path / "m.onnx")]) == 0  # checked against torch
+    return proc, json.loads((full / "final" / "model.json").read_text())
+
+
+def test_a_timm_model_trains_resumes_exactly_and_predict_export_and_eval_only_load_it(
+    tmp_path, photos_like, env, capsys
+):
+    """timm's registry name as the Hub spells it (timm/<architecture>.<tag>), from scratch: timm's own network (not
+    a torchvision one of the same name), rebuilt by predict and export from model.json's config alone."""
+    proc, card = trains_resumes_scores_predicts_and_exports(
+        ["--model", "timm/test_resnet.r160_in1k"], photos_like, tmp_path, env, capsys
+    )
+    assert "model: ResNet" in proc.stdout and card["input_shape"] == [3, 32, 32]
+    assert card["config"]["model"] == "timm/test_resnet.r160_in1k"
+    assert "fc.weight" in load_file(str(tmp_path / "full" / "final" / "model.safetensors"))  # timm's names
+
+
+def test_a_transformers_folder_trains_resumes_exactly_and_predict_export_and_eval_only_load_it(
+    tmp_path, photos_like, env, capsys
+):
+    """A tiny ViT saved with save_pretrained (5 classes, its preprocessor's mean and std): --model FOLDER starts from
+    its weights (the head of 5 skipped), with the folder's normalisation."""
+    folder = tiny_vit(tmp_path / "vit")
+    proc, card = trains_resumes_scores_predicts_and_exports(["--model", folder], photos_like, tmp_path, env, capsys)
+    assert "weights DEFAULT: " in proc.stdout and "model.classifier.weight (5, 16) -> (3, 16)" in proc.stdout
+    assert card["mean"] == [0.5, 0.5, 0.5] and card["config"]["weights"] == "DEFAULT"
+
+
+def tiny_vit(folder):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    config.num_labels = 5
+    transformers.AutoModelForImageClassification.from_config(config).save_pretrained(str(folder))
+    preprocessor = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3, "size": {"height": 32, "width": 32}}
+    (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return folder
+
+
+def timm_with_1000_classes():
+    import timm
+
+    return timm.create_model("test_resnet", pretrained=False, num_classes=1000)
+
+
+def test_local_weights_load_into_a_timm_model(tmp_path, photos_like, env, monkeypatch):
+    """A .safetensors and a .pth state_dict, a folder in the Hub's layout (--weights DIR, or --model DIR, which starts
+    from its weights), and --weights DEFAULT read from the Hugging Face cache offline: every backbone tensor as saved,
+    the 1000-class head skipped."""
+    import huggingface_hub.constants
+    import timm
+
+    source = timm_with_1000_classes()
+    save_file(source.state_dict(), str(tmp_path / "w.safetensors"))
+    torch.save(source.state_dict(), tmp_path / "w.pth")
+    timm.models.save_for_hf(source, str(tmp_path / "hub-layout"))  # config.json + model.safetensors
+    # the Hub's cache as `hf download timm/test_resnet.r160_in1k` leaves it, found with no network
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    repo, commit = tmp_path / "hub" / "models--timm--test_resnet.r160_in1k", "0" * 40
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    save_file(source.state_dict(), str(repo / "snapshots" / commit / "model.safetensors"))
+    for name, spec in [
+        ("test_resnet", tmp_path / "w.safetensors"),
+        ("test_resnet", tmp_path / "w.pth"),
+        ("test_resnet", tmp_path / "hub-layout"),
+        (tmp_path / "hub-layout", "DEFAULT"),
+        ("timm/test_resnet.r160_in1k", "DEFAULT"),
+    ]:
+        model = vision.build(str(name), 3, 32)
+        line = vision.load_pretrained(model, str(spec), str(name), 3, 32)
+        assert "skipped the head of another shape (fc.bias (1000,) -> (3,)" in line, (name, spec, line)
+        own = model.state_dict()
+        assert all(torch.equal(own[k], v) for k, v in source.state_dict().items() if not k.startswith("fc.")), spec
+    # through the recipe: a model folder starts from its weights, with its pretrained config's normalisation
+    proc = check_ok(
+        run_in_process(
+            "finetune_folder",
+            ["--dataset", photos_like, "--model", tmp_path / "hub-layout", "--image-size", 32, "--max-steps", 1]
+            + ["--batch-size", 16, "--workers", 0, "--output-dir", tmp_path / "run"],
+            env,
+        )
+    )
+    assert "weights DEFAULT: 90 tensors loaded" in proc.stdout, proc.stdout
+    card = json.loads((tmp_path / "run" / "final" / "model.json").read_text())
+    assert card["mean"] == [0.5, 0.5, 0.5] and card["config"]["model"] == str(tmp_path / "hub-layout")
+
+
+def test_an_offline_hub_model_with_weights_fails_at_start_naming_the_cache(tmp_path, env, monkeypatch):
+    """No machine here reaches the Hub: an hf-hub: model (its config.json) and --weights DEFAULT of a timm name, not
+    in the cache, stop the run before the photos are read, in one paragraph naming the cache folder HF_HOME sets."""
+    import subprocess
+
+    import huggingface_hub.constants
+
+    from helpers import write_photo_folder
+
+    root = write_photo_folder(tmp_path / "photos" / "train", 4)
+    env = {**env, "HF_HOME": str(tmp_path / "hf"), "ACCELERATE_RECIPES_CACHE": str(tmp_path / "cache")}
+    args = ["--dataset", root.parent, "--weights", "DEFAULT", "--workers", 0, "--output-dir", tmp_path / "run"]
+    cmd = [sys.executable, str(REPO / "recipes" / "finetune_folder.py"), "--model", "hf-hub:timm/resnet10t.c3_in1k"]
+    launched = subprocess.run(
+        [*cmd, *map(str, args)], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=180, check=False
+    )
+    # the same for a registry name's weights, in this process (whose Hub cache constant HF_HOME set at import)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    in_process = run_in_process("finetune_folder", ["--model", "timm/resnet10t.c3_in1k", *args], env)
+    for proc in (launched, in_process):
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert str(tmp_path / "hf" / "hub") in paragraph and "hf download timm/resnet10t.c3_in1k" in paragraph
+        assert "HF_HUB_OFFLINE is set" in paragraph, paragraph
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # the photos were not read
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mistyped_model_gets_its_closest_names_in_one_paragraph(tmp_path, env, photos_like):
+    """Neither torchvision's nor timm's: the closest names of both, not the list of 80 torchvision names; a timm
+    architecture with a tag it lacks: its tags."""
+    with pytest.raises(ConfigError) as caught:
+        vision.check_name("resnet10tt")
+    message = str(caught.value)
+    assert "did you mean" in message and "resnet10t" in message and "\n" not in message, message
+    assert "wide_resnet101_2" not in message and len(message) < 800, message
+    with pytest.raises(ConfigError, match=r"resnet10t has no pretrained tag 'a1_in1k'; its tags: c3_in1k"):
+        vision.check_name("timm/resnet10t.a1_in1k")
+    proc = run_in_process(
+        "finetune_folder", ["--dataset", photos_like, "--model", "mobilenetv4_conv_smal", "--output-dir", tmp_path], env
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "did you mean mobilenetv4_conv_small" in paragraph, paragraph
+
+
+def test_without_transformers_a_transformers_folder_says_what_to_install(tmp_path, monkeypatch):
+    folder = tmp_path / "vit"
+    folder.mkdir()
+    config = {"model_type": "vit", "architectures": ["ViTForImageClassification"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(ConfigError) as caught:
+        vision.resolve(str(folder), "DEFAULT")
+    message = str(caught.value)
+    assert "pip install 'accelerate-recipes[transformers]'" in message and str(folder) in message, message
+    assert "\n" not in message
