@@ -1,88 +1,145 @@
-"""benchmarks/gpu_report.py without a GPU: the dry run lists every row's command (the recipes, baselines and flags
-issue 30 names) and exits 0; a real run refuses in one paragraph (exit 2, no traceback); a missing data folder is
-exit 2 naming it. Nothing trains."""
+"""benchmarks/gpu_report.py without a GPU: the dry run lists every row in order (correctness first, then airbench94,
+MNIST to 99.3%, throughput, profiler traces) with budgets that fit the run's timeout and the commands the rows need;
+a real run refuses in one paragraph (exit 2, no traceback) without a GPU or without its data; gpu_data's toy data,
+installed, is read without `datasets`; and (integration) the rehearsal runs every row at toy size in an environment
+like the GPU machine's, every row passing, nothing written outside its --out folder."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
 from helpers import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_report.py")
+ROWS = [
+    "correct/bf16",
+    "correct/bf16+clip",
+    "correct/fp16",
+    "correct/fp16+clip",
+    "correct/compile",
+    "correct/compile/predict",
+    "correct/ema",
+    "correct/sync-bn",
+    "cifar_cnn_vs_airbench94",
+    "mnist_convnet_to_99.3",
+    *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),
+    "profile/mnist_convnet",
+    "profile/cifar_cnn",
+]
 
 
-@pytest.fixture
-def data_root(tmp_path):
-    for name in ("mnist", "fashion_mnist", "cifar10", "flowers"):
-        (tmp_path / "data" / name).mkdir(parents=True)
-    return tmp_path / "data"
-
-
-def run(*args, tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a machine that has one
+def run(*args, tmp_path, env=None, timeout=300):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}  # no GPU, also on a machine that has one
     return subprocess.run(
-        [sys.executable, SCRIPT, *map(str, args)],
-        cwd=str(tmp_path),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        [sys.executable, SCRIPT, *map(str, args)], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
-def test_dry_run_lists_every_row_with_its_budget(data_root, tmp_path):
-    proc = run("--data-root", data_root, "--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", tmp_path=tmp_path)
+def test_dry_run_lists_every_row_in_order_within_the_runs_timeout(tmp_path):
+    proc = run("--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    rows = dict(re.findall(r"^\[(\S+)\] budget \d+ s, seed 7[^\n]*\n  (.+)$", proc.stdout, re.M))
-    assert list(rows) == [
-        "mnist_convnet",
-        "cifar_cnn_vs_airbench94",
-        "photo/recipe",
-        "photo/baseline",
-        *(f"hot_path/{r}" for r in ("mnist_convnet", "fashion_mnist_mlp", "cifar_cnn", "finetune_folder")),
-        *(
-            f"throughput/{r}/{lever}"
-            for lever in ("host", "device", "device+compile")
-            for r in ("mnist_convnet", "cifar_cnn")
-        ),
-    ]
-    assert "time_to_accuracy.py --recipe mnist_convnet" in rows["mnist_convnet"]
-    assert "--target 0.993" in rows["mnist_convnet"] and f"{data_root}/mnist " in rows["mnist_convnet"]
-    cifar = rows["cifar_cnn_vs_airbench94"]
-    assert "--recipe cifar_cnn" in cifar and "--baseline-kind airbench94" in cifar and "--target baseline" in cifar
-    assert "single_gpu_fp16.yaml" in cifar and f"{data_root}/cifar10 " in cifar
-    assert "recipes/finetune_folder.py" in rows["photo/recipe"] and "--image-size 224" in rows["photo/recipe"]
-    assert "benchmarks/photo_baseline.py" in rows["photo/baseline"] and "--crop 224" in rows["photo/baseline"]
-    for recipe in ("mnist_convnet", "fashion_mnist_mlp", "cifar_cnn", "finetune_folder"):
-        assert f"gpu_report.py --sync-check {recipe} " in rows[f"hot_path/{recipe}"]
-    for name, cmd in rows.items():
-        if name.startswith(("hot_path", "throughput", "photo/recipe")):
-            assert "accelerate launch" in cmd and "single_gpu.yaml" in cmd and "--mixed_precision bf16" in cmd
-        if name.startswith("throughput"):
-            assert ("--data-on-device" in cmd) == ("device" in name.rsplit("/", 1)[1])
-            assert ("--dynamo_backend inductor" in cmd) == name.endswith("+compile")
-            assert ("TORCHINDUCTOR_CACHE_DIR=" in cmd) == name.endswith("+compile")
+    rows = re.findall(r"^\[(\S+)\] budget (\d+) s, seed 7: [^\n]*\n  (.+)$", proc.stdout, re.M)
+    assert [name for name, _, _ in rows] == ROWS
+    budgets, cmds = {n: int(b) for n, b, _ in rows}, {n: c for n, _, c in rows}
+    head = re.search(r"budgets (\d+) s \+ (\d+) s for the data = (\d+) s of the (\d+) s deadline", proc.stdout)
+    total, setup, _, deadline = map(int, head.groups())
+    assert total == sum(budgets.values()) and total + setup <= deadline <= 540 - 30  # the run's timeout_s is 540
+    assert "--out $OUT" in proc.stdout and "timeout_s 540" in proc.stdout and "carry ['gpu-data']" in proc.stdout
+    for name, cmd in cmds.items():
+        assert "shared/data" not in cmd and f"{tmp_path / 'work'}" in cmd  # nothing from ../shared; all in the work dir
+        if name.startswith(("correct/", "throughput/", "profile/")) and name != "correct/compile/predict":
+            assert "accelerate.commands.launch" in cmd and "single_gpu.yaml" in cmd
+            assert f"--cache-dir {tmp_path / 'work' / 'cache'}" in cmd
+        if name.startswith("correct/") and name != "correct/compile/predict":
+            assert "--max-steps 40" in cmd
+            assert ("--mixed_precision fp16" in cmd) == ("fp16" in name)
+            assert ("--max-grad-norm 1" in cmd) == name.endswith("+clip")
+    assert "--dynamo_backend inductor" in cmds["correct/compile"]
+    predict = cmds["correct/compile/predict"]
+    assert "common.tools.predict" in predict and "runs/correct-compile " in predict
+    assert "finetune_folder.py" in cmds["correct/ema"] and "--ema-decay" in cmds["correct/ema"]
+    assert "cifar_cnn.py" in cmds["correct/sync-bn"] and "--sync-bn" in cmds["correct/sync-bn"]
+    cifar = cmds["cifar_cnn_vs_airbench94"]
+    assert "time_to_accuracy.py --recipe cifar_cnn" in cifar and "--baseline-kind airbench94" in cifar
+    assert "benchmarks/airbench94.py (blob " in proc.stdout  # which airbench code, named in the row
+    mnist = cmds["mnist_convnet_to_99.3"]
+    assert "time_to_accuracy.py --recipe mnist_convnet" in mnist and "--target 0.993" in mnist
+    for name, cmd in cmds.items():
+        if name.startswith("throughput/"):
+            assert f"--data-on-device {'false' if name.endswith('host') else 'true'}" in cmd
+        assert ("--profile 5" in cmd) == name.startswith("profile/")
     assert not (tmp_path / "work").exists()  # a dry run makes nothing
 
 
-def test_without_a_gpu_it_refuses_in_one_paragraph(data_root, tmp_path):
-    proc = run("--data-root", data_root, tmp_path=tmp_path)
+def test_without_a_gpu_it_refuses_in_one_paragraph(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "manifest.json").write_text(json.dumps({"format": "accelerate-recipes-gpu-data/1"}))
+    proc = run("--out", tmp_path / "out", "--data", tmp_path / "data", tmp_path=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     err = proc.stderr.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    assert "needs a CUDA GPU" in err and "--dry-run" in err
+    assert "needs a CUDA GPU" in err and "--rehearse" in err and "--dry-run" in err
 
 
-@pytest.mark.parametrize("dry_run", [True, False])
-def test_a_missing_data_folder_is_exit_2_naming_it(data_root, tmp_path, dry_run):
-    (data_root / "cifar10").rmdir()
-    proc = run("--data-root", data_root, *(["--dry-run"] if dry_run else []), tmp_path=tmp_path)
+def test_without_its_data_it_names_the_script_that_makes_it(tmp_path):
+    proc = run("--out", tmp_path / "out", "--data", tmp_path / "nowhere", tmp_path=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"{data_root / 'cifar10'}/" in proc.stderr and f"{data_root / 'mnist'}/" not in proc.stderr
-    proc = run("--data-root", tmp_path / "nowhere", "--dry-run", tmp_path=tmp_path)
-    assert proc.returncode == 2 and f"{tmp_path / 'nowhere'}: the folder does not exist" in proc.stderr
+    assert f"{tmp_path / 'nowhere' / 'manifest.json'}" in proc.stderr and "benchmarks/gpu_data.py" in proc.stderr
+
+
+def test_toy_data_installed_is_read_without_datasets(tmp_path):
+    code = f"""
+import sys
+sys.modules["datasets"] = None  # `import datasets` raises, as on the GPU machine
+sys.path.insert(0, {str(REPO / "benchmarks")!r})
+from pathlib import Path
+import gpu_data
+manifest = gpu_data.pack_toy(Path({str(tmp_path / "pack")!r}), n=120, photos_per_class=2)
+assert manifest["bytes"] < gpu_data.MAX_BYTES
+got = gpu_data.install(Path({str(tmp_path / "pack")!r}), Path({str(tmp_path / "work")!r}), jobs=1)
+for recipe, name in (("mnist_convnet", "mnist"), ("cifar_cnn", "cifar10")):
+    data = gpu_data.read_installed(recipe, got[name], Path({str(tmp_path / "work" / "cache")!r}), seed=3)
+    print(name, tuple(data.shape), len(data.train), len(data.val))
+print("folder", sorted(p.name for p in got["flowers"].iterdir()))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mnist (1, 28, 28) 108 12" in proc.stdout and "cifar10 (3, 32, 32) 108 12" in proc.stdout, proc.stdout
+    assert "folder ['daisy', 'dandelion', 'rose', 'sunflower', 'tulip']" in proc.stdout
+    assert [p.name for p in (tmp_path / "work" / "data" / "mnist").iterdir()] == ["README.txt"]  # no images there
+
+
+def git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+
+
+@pytest.mark.integration
+def test_rehearsal_passes_every_row_and_writes_only_under_its_out_folder(tmp_path):
+    home, tmp, out = tmp_path / "home", tmp_path / "tmp", tmp_path / "out"
+    home.mkdir(), tmp.mkdir()
+    before = git_status()
+    env = {"HOME": str(home), "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = run("--rehearse", "--out", "out", tmp_path=tmp_path, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_report.json").read_text())
+    assert report["rehearsal"] and [r["name"] for r in report["rows"]] == ROWS
+    failed = {r["name"]: (r["status"], r["result"], r.get("tail", [])[-5:]) for r in report["rows"]}
+    assert {k: v for k, v in failed.items() if v[0] not in ("PASS", "ok")} == {}
+    table = (out / "gpu_report.md").read_text()
+    assert all(f"| {name} |" in table for name in ROWS) and "rehearsal on CPU" in table
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {f"logs/{n.replace('/', '-')}.log" for n in ROWS} <= set(tar.getnames())
+    with tarfile.open(out / "traces.tar.gz") as tar:
+        assert any(n.endswith(".json") for n in tar.getnames())
+    assert sorted(os.listdir(out)) == ["gpu_report.json", "gpu_report.md", "logs.tar.gz", "traces.tar.gz", "work"]
+    assert list(home.iterdir()) == [] and list(tmp.iterdir()) == []  # HOME-based caches, TMPDIR: all under out/
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "out", "tmp"]
+    assert git_status() == before  # nothing written into the repository

@@ -10,7 +10,7 @@ import json
 import os
 import platform
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -20,6 +20,14 @@ from common.files import write_atomic
 from common.train.plots import save_curves_png, save_image_png
 
 RESERVED_BYTES = 16384  # summary.json keeps this much allocated, so that an ending can be recorded on a full disk
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of ``package``, or None where it is not installed."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def write_summary(path, text: str) -> None:
@@ -74,7 +82,7 @@ class Summary:
                 "python": platform.python_version(),
                 "torch": torch.__version__,
                 "accelerate": version("accelerate"),
-                "datasets": version("datasets"),
+                "datasets": installed_version("datasets"),  # optional where the data is pre-decoded (None)
                 "platform": platform.platform(),
             },
             **(extra or {}),
