@@ -82,7 +82,7 @@ def make_run(tmp_path):
             "std": [0.25] * c,
             "config": {"model": kind, "tta": tta},
         }
-        stub = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+        stub = SimpleNamespace(is_main_process=True, unwrap_model=lambda m, keep_torch_compile=True: m)
         checkpoint.save_model_dir(stub, model, tmp_path / "run" / "best", card)
         return tmp_path / "run", card, model
 

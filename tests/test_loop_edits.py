@@ -441,7 +441,7 @@ def test_fp16_skipped_steps_leave_the_lr_and_the_averages_alone():
         def __init__(self):
             self.scaler = scaler
 
-        def unwrap_model(self, m):
+        def unwrap_model(self, m, keep_torch_compile=True):
             return m
 
         def register_save_state_pre_hook(self, hook):

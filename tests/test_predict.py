@@ -25,7 +25,7 @@ from common.train import checkpoint
 
 from helpers import REPO, import_recipe
 
-STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m: m)
+STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m, keep_torch_compile=True: m)
 
 # A recipe of the user's own (as common.tools.copy_recipe starts one), defining a model class that
 # common.models does not have: predict must build it from this file.

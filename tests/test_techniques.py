@@ -30,7 +30,7 @@ class _Acc:
     def __init__(self):
         self.save_hooks, self.load_hooks = [], []
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model, keep_torch_compile=True):
         return model
 
     def register_save_state_pre_hook(self, hook):

@@ -217,7 +217,7 @@ def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit,
         )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     val_pos, train_pos = perm[:n_val], perm[n_val:]
-    labels = split.labels
+    labels = split.labels.long()  # (a split of your own may hold another integer type)
     val_labels = labels[val_pos]
     in_train = torch.zeros(int(labels.max()) + 1, dtype=torch.bool)
     in_train[labels[train_pos]] = True
