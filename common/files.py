@@ -69,11 +69,11 @@ def write_fsynced(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Temp file, fsync, rename, fsync the folder: readers see the old file or the new one, even after a crash."""
     tmp = temp_name(path)
     try:
-        with os.fdopen(create_exclusive(tmp), "w") as f:
+        with os.fdopen(create_exclusive(tmp), "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -5,13 +5,21 @@ Inside the batch loop an evaluation is due at every --eval-every-steps step; aft
 --eval-every epochs, the last epoch, and where --max-steps stops. The same weights are never evaluated twice
 (an --eval-every-steps step that ends an epoch is the epoch's evaluation). An evaluation due on a
 --checkpoint-every step runs before that checkpoint is written, so the checkpoint holds its result and a resumed
-run never loses it (nor keeps a worse model in best/)."""
+run never loses it (nor keeps a worse model in best/).
+
+What an evaluation costs the loop besides its forward passes is kept small: its pictures are drawn in a child
+process (``common.train.tracking.MetricsLog.images``), and best/ is written by a thread from a copy of the weights
+taken at the evaluation. Whatever records the best value (a checkpoint, summary.json, the end of the run) reads
+``Evaluator.best``, which waits for that write first: no record runs ahead of the folder. A write that fails leaves
+best/ with the previous weights, and the value goes back to theirs; the error is raised at the next evaluation or
+at the end."""
 
 from __future__ import annotations
 
+import threading
 import time
 
-import numpy as np
+import torch
 
 from common.console import say
 from common.train import checkpoint as ckpt
@@ -33,12 +41,41 @@ class Evaluator:
 
     def __init__(self, cfg, accelerator, evaluate, model, data, log, card: dict, run_dir, best):
         self.cfg, self.accelerator, self.evaluate, self.model = cfg, accelerator, evaluate, model
-        self.data, self.log, self.card, self.run_dir, self.best = data, log, card, run_dir, best
+        self.data, self.log, self.card, self.run_dir, self._best = data, log, card, run_dir, best
+        self.writing = None  # a best/ being written in the background (BestWrite)
+        self.failed = None  # ... that failed: raised at the next evaluation or at the end
         self.now = False  # an --eval-every-steps evaluation is due at this step (set by at_step)
         self.checkpoint_after = False  # ... and --checkpoint-every fell on it too: checkpoint after the result
         self.evaluated_step = None  # the step whose weights were evaluated last
         self.epoch_result = None  # the epoch's evaluation, for the epoch line
         self.seconds = None  # how long the last evaluation took
+
+    @property
+    def best(self):
+        """The best --monitor value, whose weights best/ holds: a best/ still being written is waited for first."""
+        self.settle()
+        return self._best
+
+    @best.setter
+    def best(self, value) -> None:
+        self.settle()
+        self._best = value
+
+    def settle(self) -> None:
+        """Wait for the best/ being written; if it failed, best/ kept the previous weights and the value goes back
+        to theirs (the error is raised by ``raise_failed``)."""
+        writing, self.writing = self.writing, None
+        if writing is None:
+            return
+        writing.join()
+        if writing.error is not None:
+            self._best, self.failed = writing.previous, writing.error
+
+    def raise_failed(self) -> None:
+        self.settle()
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise failed
 
     def at_step(self, step: int, checkpoint_now: bool, mid_epoch: bool) -> bool:
         """After an optimizer step: is an --eval-every-steps evaluation due? True when the step's checkpoint must
@@ -57,20 +94,19 @@ class Evaluator:
     def run(self, step: int, epoch: int, mid_epoch: bool) -> bool:
         """Evaluate, log the result and keep the model in best/ when --monitor improved. True when this step's
         checkpoint was waiting for the result (the caller writes it now)."""
+        self.raise_failed()
         metrics = self.evaluate()
         cfg = self.cfg
         self.seconds = metrics.get("seconds") if metrics else None
         self.log_result("eval", metrics, self.data.val, step)
         self.evaluated_step = step
         value = metrics[cfg.monitor.split("/", 1)[1]]
-        if self.best is None or (value > self.best if cfg.mode == "max" else value < self.best):
-            self.best = value
-            ckpt.save_model_dir(
-                self.accelerator,
-                self.model,
-                self.run_dir / "best",
-                {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step},
-            )
+        best = self.best
+        if best is None or (value > best if cfg.mode == "max" else value < best):
+            card = {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step}
+            if self.accelerator.is_main_process:  # (save_model_dir writes on the main process only)
+                self.writing = BestWrite(self.accelerator, self.model, self.run_dir / "best", card, best)
+            self._best = value
         if self.now and mid_epoch:  # mid-epoch: its own line, not the epoch's
             say(
                 f"eval at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
@@ -82,8 +118,9 @@ class Evaluator:
         checkpoint_after, self.checkpoint_after = self.checkpoint_after, False
         return checkpoint_after
 
-    def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> np.ndarray | None:
-        """Scalars to metrics.jsonl and the trackers, images to TensorBoard; returns the confusion matrix image."""
+    def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> bytes | None:
+        """Scalars to metrics.jsonl and the trackers, pictures to TensorBoard (in the background); for the final
+        evaluation, returns the confusion matrix as PNG bytes."""
         per_class = {
             f"{split}/accuracy_class/{name}": acc
             for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))
@@ -102,7 +139,8 @@ class Evaluator:
 
     def final(self, metrics: dict | None, step: int, epochs_completed: int):
         """The final evaluation (test split, else validation) logged, and final/ written: (split, scalars, confusion
-        matrix image)."""
+        matrix as PNG bytes). best/ is complete first."""
+        self.raise_failed()
         split = "test" if self.data.test is not None else "val"
         final, confusion = {}, None
         if metrics is not None:
@@ -117,3 +155,38 @@ class Evaluator:
             {**self.card, "metrics": final, "epoch": epochs_completed, "step": step},
         )
         return split, final, confusion
+
+
+class BestWrite:
+    """best/ written by a thread: the scored model's weights copied to the host now (training moves the live ones on),
+    written by ``checkpoint.save_model_dir`` as the model itself would be (temp folder, fsync, swap). ``previous``:
+    the best value before this one, whose weights best/ keeps if the write fails (``error``)."""
+
+    def __init__(self, accelerator, model, path, card: dict, previous):
+        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+        self.weights = Snapshot({k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()})
+        self.previous, self.error = previous, None
+        self.thread = threading.Thread(
+            target=self._write, args=(accelerator, path, card), name="best-weights", daemon=False
+        )
+        self.thread.start()
+
+    def _write(self, accelerator, path, card) -> None:
+        try:
+            ckpt.save_model_dir(accelerator, self.weights, path, card)
+        except BaseException as err:  # raised in the loop's thread (Evaluator.raise_failed)
+            self.error = err
+
+    def join(self) -> None:
+        self.thread.join()
+
+
+class Snapshot(torch.nn.Module):
+    """Weights copied at an evaluation, saved as the model they were copied from."""
+
+    def __init__(self, state: dict):
+        super().__init__()
+        self.state = state
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        return self.state

@@ -1,11 +1,12 @@
 """Pictures of a run: a confusion-matrix heatmap, a grid of misclassified images, training curves.
 
 Pure functions. The image builders return numpy ``(H, W, 3)`` uint8 arrays (ready for
-``SummaryWriter.add_image(..., dataformats="HWC")`` or :func:`save_image_png`); ``save_curves_png``
-writes a PNG; ``confusion_matrix_figure`` and ``curves_figure`` return the matplotlib Figure behind
-them. matplotlib (Agg backend, no display needed) is imported inside the functions, so
-``import common.train.plots`` stays cheap. No pyplot global state is used: every figure is a standalone
-``matplotlib.figure.Figure``.
+``SummaryWriter.add_image(..., dataformats="HWC")``, :func:`png_bytes` or :func:`save_image_png`);
+``save_curves_png`` writes a PNG (files are written whole or not at all); ``confusion_matrix_figure`` and
+``curves_figure`` return the matplotlib Figure behind them. The training run draws them in a child process
+(``common.train.render``), not in its loop. matplotlib (Agg backend, no display needed) is imported inside the
+functions, so ``import common.train.plots`` stays cheap. No pyplot global state is used: every figure is a
+standalone ``matplotlib.figure.Figure``.
 
 What the pictures promise: the confusion matrix's heading names the split and its image count when
 the caller passes ``title`` (``confusion_matrix_title(split, n)``); in the curves every evaluation
@@ -15,11 +16,14 @@ different splits at the same step do not hide each other.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
 
 import numpy as np
+
+from common.files import write_atomic
 
 
 def _figure(width_in: float, height_in: float, dpi: int = 100):
@@ -181,13 +185,21 @@ def _cell_image(img: np.ndarray, side: int) -> np.ndarray:
     return np.asarray(Image.fromarray(hwc).resize(size, Image.NEAREST))
 
 
-def save_image_png(image: np.ndarray, path) -> Path:
-    """Write an ``(H, W, 3)`` uint8 array (as returned above) to a PNG; returns the path."""
+def png_bytes(image: np.ndarray) -> bytes:
+    """An ``(H, W, 3)`` uint8 array (as returned above) as PNG bytes (what ``SummaryWriter.add_image`` writes)."""
     from PIL import Image
 
+    buf = io.BytesIO()
+    Image.fromarray(np.asarray(image, dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def save_image_png(image, path) -> Path:
+    """Write an ``(H, W, 3)`` uint8 array (as returned above), or PNG bytes, to a PNG file, whole or not at all (a
+    temp file renamed: a killed run leaves no cut-off picture); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.asarray(image, dtype=np.uint8)).save(path)
+    write_atomic(path, image if isinstance(image, bytes) else png_bytes(image))
     return path
 
 
@@ -289,7 +301,6 @@ def save_curves_png(metrics_jsonl_path, out_png) -> Path:
         f"run {Path(metrics_jsonl_path).resolve().parent.name} (train loss includes "
         "label smoothing, eval loss does not)",
     )
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, format="png")
-    return out_png
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return save_image_png(buf.getvalue(), out_png)

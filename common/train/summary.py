@@ -105,8 +105,8 @@ class Summary:
 
     def finish(self, cfg, values: dict, split: str, final: dict, confusion) -> str:
         """The end of a run that trained to its end: the --target-accuracy check decides the status (returned);
-        curves.png and confusion_matrix.png (the image TensorBoard got, titled with the step), summary.json and the
-        printed table."""
+        curves.png and confusion_matrix.png (``confusion``: the PNG TensorBoard got, titled with the step), summary.json
+        and the printed table."""
         value = final.get(f"{split}/accuracy")
         missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
         status = "target_missed" if missed else "completed"
