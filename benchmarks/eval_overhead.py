@@ -353,12 +353,7 @@ def table(report: dict) -> str:
             f"\nsmall-op loop, iterations/s: alone {c['alone_per_s']:,.0f}, beside a drawing thread "
             f"{c['beside_thread_per_s']:,.0f}, beside the drawing child {c['beside_child_per_s']:,.0f}"
         )
-    width = max(len(r["label"]) for r in report["ratios"].values())
-    lines += ["", f"{'ratio':<{width}}{'value':>9}  {'target':<8}result"]
-    for r in report["ratios"].values():
-        value = "-" if r["value"] is None else f"{r['value']:.2f}"
-        target = "" if r["op"] is None else f"{r['op']} {r['target']:g}"
-        lines.append(f"{r['label']:<{width}}{value:>9}  {target:<8}{r['status']}")
+    lines += harness.ratio_lines(report["ratios"])
     return "\n".join(lines + [f"not measured {what}: {why.splitlines()[0]}" for what, why in report["skipped"].items()])
 
 

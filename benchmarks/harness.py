@@ -544,6 +544,17 @@ def judge(table: dict) -> dict:
     return out
 
 
+def ratio_lines(ratios: dict) -> list[str]:
+    """The judged ratios (``judge``'s) as table lines: label, value, target, result."""
+    width = max(len(r["label"]) for r in ratios.values())
+    lines = ["", f"{'ratio':<{width}}{'value':>9}  {'target':<8}result"]
+    for r in ratios.values():
+        value = "-" if r["value"] is None else f"{r['value']:.2f}"
+        target = "" if r["op"] is None else f"{r['op']} {r['target']:g}"
+        lines.append(f"{r['label']:<{width}}{value:>9}  {target:<8}{r['status']}")
+    return lines
+
+
 def format_table(report: dict) -> str:
     lines = [
         machine_line(report["machine"]),
@@ -555,10 +566,5 @@ def format_table(report: dict) -> str:
         f"  {v['source']}"
         for key, v in report["rows"].items()
     ]
-    width = max(len(r["label"]) for r in report["ratios"].values())
-    lines += ["", f"{'ratio':<{width}}{'value':>9}  {'target':<8}result"]
-    for r in report["ratios"].values():
-        value = "-" if r["value"] is None else f"{r['value']:.2f}"
-        target = "" if r["op"] is None else f"{r['op']} {r['target']:g}"
-        lines.append(f"{r['label']:<{width}}{value:>9}  {target:<8}{r['status']}")
+    lines += ratio_lines(report["ratios"])
     return "\n".join(lines + [f"not measured {what}: {why}" for what, why in report["skipped"].items()])
