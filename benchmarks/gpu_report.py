@@ -158,6 +158,25 @@ def read_correct(run_dir: Path, precision: str, toy: bool, compiled: bool = Fals
     return text + (f"; MISSED: {', '.join(missed)}" if missed else ""), ", ".join(checks), not missed, s
 
 
+def read_sharded(run_dir: Path, toy: bool):
+    """An FSDP2 run: completed, its startup line said so, its checkpoints hold Accelerate's sharded folders, final/
+    one whole state_dict of the model's own class."""
+    from safetensors import safe_open
+
+    text, goal, passed, s = read_correct(run_dir, "bf16", toy)
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    checks = {
+        "distributed FSDP": s.get("distributed") == "FSDP",
+        "sharded checkpoint": bool(checkpoints) and (checkpoints[-1] / "pytorch_model_fsdp_0" / ".metadata").exists(),
+        "final/ names the model's class": "FSDP" not in (run_dir / "final" / "model.json").read_text(),
+    }
+    with safe_open(str(run_dir / "final" / "model.safetensors"), "pt") as f:
+        checks["final/ whole"] = len(list(f.keys())) > 0
+    missed = [k for k, ok in checks.items() if not ok]
+    text += f"; MISSED: {', '.join(missed)}" if missed else ""
+    return text, f"{goal}, {', '.join(checks)}", passed and not missed, s
+
+
 def plain_weights(run_dir: Path) -> dict:
     """best/ and final/ of a compiled run hold the model's own state keys and name its own class."""
     from safetensors import safe_open
@@ -243,8 +262,9 @@ def read_profile(run_dir: Path):
 # --- the rows -------------------------------------------------------------------------------------------------------
 
 
-def launch(ctx: Ctx, recipe: str, args, precision: str = "bf16", extra=()) -> list:
-    """`accelerate launch --config_file accelerate_configs/single_gpu.yaml ...` with the report's Python."""
+def launch(ctx: Ctx, recipe: str, args, precision: str = "bf16", extra=(), through=()) -> list:
+    """`accelerate launch --config_file accelerate_configs/single_gpu.yaml ...` with the report's Python; ``through``:
+    a script that runs the recipe (the rehearsal's FSDP stand-in)."""
     return [
         ctx.py,
         "-m",
@@ -254,6 +274,7 @@ def launch(ctx: Ctx, recipe: str, args, precision: str = "bf16", extra=()) -> li
         "--mixed_precision",
         precision,
         *extra,
+        *through,
         REPO / "recipes" / f"{recipe}.py",
         *args,
     ]
@@ -284,7 +305,7 @@ def plan(ctx: Ctx) -> list[Row]:
             rows.append(
                 Row(
                     name,
-                    30 if name == "correct/bf16" else 20,
+                    25 if name == "correct/bf16" else 20,
                     f"mnist_convnet {precision}{', --max-grad-norm 1' if clip else ''}, {STEPS} steps",
                     launch(ctx, "mnist_convnet", args("mnist_convnet", run.name, *flags, report=not clip), precision),
                     lambda r=run, p=precision: read_correct(r, p, toy),
@@ -324,9 +345,9 @@ def plan(ctx: Ctx) -> list[Row]:
         )
     )
     for name, recipe, budget, flags, what in (
-        ("correct/ema", "finetune_folder", 30, ["--ema-decay", 0.99, "--epochs", 8, "--batch-size", 32],
+        ("correct/ema", "finetune_folder", 25, ["--ema-decay", 0.99, "--epochs", 8, "--batch-size", 32],
          "finetune_folder --ema-decay 0.99, 200 flower photos"),
-        ("correct/sync-bn", "cifar_cnn", 25, ["--sync-bn", "--epochs", 1], "cifar_cnn --sync-bn, 1 GPU"),
+        ("correct/sync-bn", "cifar_cnn", 20, ["--sync-bn", "--epochs", 1], "cifar_cnn --sync-bn, 1 GPU"),
     ):  # fmt: skip
         run = w / "runs" / name.replace("/", "-")
         flags = [*flags, "--max-steps", STEPS, "--log-every", 10]
@@ -339,6 +360,21 @@ def plan(ctx: Ctx) -> list[Row]:
                 lambda r=run: read_correct(r, "bf16", toy),
             )
         )
+    # FSDP version 2 as `accelerate launch --use_fsdp --fsdp_version 2` gives it (1 GPU: the sharding code path,
+    # Accelerate's sharded checkpoint and the gathered final/; tests/test_fsdp.py runs 2 CPU processes)
+    run = w / "runs" / "correct-fsdp2"
+    fsdp = ("--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
+    flags = ["--epochs", 8, "--batch-size", 32, "--max-steps", STEPS, "--log-every", 10, "--checkpoint-every", 20]
+    rows.append(
+        Row(
+            "correct/fsdp2",
+            15,
+            f"finetune_folder under --use_fsdp --fsdp_version 2 (block by block), 200 flower photos, {STEPS} steps",
+            launch(ctx, "finetune_folder", args("finetune_folder", run.name, *flags), extra=fsdp,
+                   through=(REPO / "tests" / "standins" / "fsdp_on_cpu.py",) if toy else ()),
+            lambda r=run: read_sharded(r, toy),
+        )
+    )  # fmt: skip
 
     def tta(*argv):
         return [ctx.py, *([ME, "--toy-airbench"] if toy else [TTA]), *map(str, argv)]

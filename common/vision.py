@@ -107,9 +107,9 @@ def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Modu
 
     family = check_name(name)
     if family == "timm":
-        return guard_cpu_bf16_strided_convs(timm_models.build(timm_source(name), num_classes, image_size))
+        return prepared_for_cpus_and_sharding(timm_models.build(timm_source(name), num_classes, image_size))
     if family == "transformers":
-        return guard_cpu_bf16_strided_convs(hf_models.build(model_folder(name), num_classes, image_size))
+        return prepared_for_cpus_and_sharding(hf_models.build(model_folder(name), num_classes, image_size))
     kwargs = {}
     if name in ("googlenet", "inception_v3"):
         kwargs.update(aux_logits=False, init_weights=True)
@@ -127,7 +127,11 @@ def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Modu
         model = models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True, **kwargs)
     except TypeError:
         model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
-    return guard_cpu_bf16_strided_convs(model)
+    return prepared_for_cpus_and_sharding(model)
+
+
+def prepared_for_cpus_and_sharding(model: nn.Module) -> nn.Module:
+    return declare_blocks(guard_cpu_bf16_strided_convs(model))
 
 
 class GuardedConv2d(nn.Conv2d):
@@ -151,6 +155,28 @@ def guard_cpu_bf16_strided_convs(model: nn.Module) -> nn.Module:
             continue
         if max(conv.stride) > 1 and max(conv.padding) > 0:
             conv.__class__ = GuardedConv2d
+    return model
+
+
+def declare_blocks(model: nn.Module) -> nn.Module:
+    """Declare the model's repeated block as FSDP's unit of sharding, the way transformers models declare theirs
+    (``_no_split_modules``), where the model declares none: the class whose instances (two or more) hold the most
+    parameters (ResNet's BasicBlock or Bottleneck, ViT's EncoderBlock, ConvNeXt's CNBlock). Under FSDP version 2 with
+    Accelerate's transformer-based wrapping (`accelerate config`'s default) each block is then sharded on its own, so
+    a process gathers one block's whole weights at a time, not the whole model's. Nothing else reads it."""
+    if getattr(model, "_no_split_modules", None):
+        return model
+    held, count = {}, {}
+    for module in model.modules():
+        plain = isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or not next(module.children(), None)
+        if module is model or plain:  # containers and single layers are not blocks
+            continue
+        name = type(module).__name__
+        held[name] = held.get(name, 0) + sum(p.numel() for p in module.parameters())
+        count[name] = count.get(name, 0) + 1
+    blocks = sorted((n for n in held if count[n] >= 2), key=held.get, reverse=True)
+    if blocks:
+        model._no_split_modules = blocks[:1]
     return model
 
 

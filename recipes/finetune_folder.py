@@ -91,6 +91,7 @@ class Config(CommonConfig):
     batch_size: int = 128
     lr: float = knob(0.2, "peak learning rate of the head (SGD, Nesterov)")
     lr_rule = LRRule("linear", 128)
+    shards = True  # takes the launcher's FSDP version 2 answer on GPUs (a plain class attribute, as lr_rule)
     backbone_lr_scale: float = knob(0.1, "with --weights, the backbone learns at this times --lr (from scratch: 1)")
     momentum: float = knob(0.9, "SGD momentum (Nesterov)")
     weight_decay: float = knob(5e-4, "SGD weight decay")
@@ -178,7 +179,9 @@ def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     return vision.build(cfg.model, num_classes, in_shape[-1])
 
 
-def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int, fused: bool = True) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum; ``fused``: one kernel per step, which masks a NaN step on the device (no wait for
+    it); torch's sharded parameters (FSDP2) take the unfused one only."""
     scale = cfg.backbone_lr_scale if cfg.weights else 1.0
     return torch.optim.SGD(
         param_groups(model, num_classes, cfg.lr, scale),
@@ -186,8 +189,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int) -> to
         momentum=cfg.momentum,
         nesterov=True,
         weight_decay=cfg.weight_decay,
-        fused=True,
-    )  # one kernel per step; masks a NaN step on the device (no wait for it)
+        fused=fused,
+    )
 
 
 def main(argv=None) -> int:
@@ -222,8 +225,9 @@ def train(cfg: Config, run: TrainingRun) -> None:
     model = build_model(cfg, data.shape, data.num_classes)
     if cfg.weights and not cfg.eval_only and not run.resuming:  # a resume takes every weight from its checkpoint
         say(vision.load_pretrained(model, cfg.weights, cfg.model, data.num_classes, cfg.image_size))
-    model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-    optimizer = build_optimizer(cfg, model, data.num_classes)
+    if cfg.channels_last and not accelerator.is_fsdp2:  # FSDP2 shards contiguous weights only (batches still are)
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(cfg, model, data.num_classes, fused=not accelerator.is_fsdp2)
     model, optimizer, train_loader, val_loader, final_loader = accelerator.prepare(
         model, optimizer, train_loader, val_loader, final_loader
     )

@@ -143,32 +143,81 @@ def idle_cores_note(cpu: bool) -> str:
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 SHARDING = {  # the environment `accelerate launch` sets for an answer, and the answer as `accelerate config` asks it
-    "ACCELERATE_USE_FSDP": "FSDP",
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
 }
+DDP_INSTEAD = (
+    "launch with DDP instead (accelerate_configs/multi_gpu_bf16.yaml, or answer `accelerate config`'s distributed "
+    "question with multi-GPU and no to FSDP and DeepSpeed)"
+)
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes")
 
 
-def launcher_answers(cfg) -> tuple[str, list[str]]:
+def fsdp_asked(cfg, cpu: bool, precision: str) -> bool:
+    """True when the launcher asks for FSDP (``accelerate launch --use_fsdp``, a config with distributed_type: FSDP,
+    ACCELERATE_USE_FSDP=true) and this run shards with it: FSDP version 2, a recipe whose Config says it shards
+    (``shards = True``: the photo recipe, whose models grow past one GPU), on GPUs. Otherwise one paragraph naming
+    what to launch instead, before anything is read."""
+    env = os.environ
+    if not _truthy(env.get("ACCELERATE_USE_FSDP")):
+        return False
+    version = env.get("FSDP_VERSION", "1").strip()
+    asked = "The launcher asks for FSDP (ACCELERATE_USE_FSDP=true: `accelerate config`'s FSDP answer, `accelerate "
+    asked += "launch --use_fsdp` or a config with distributed_type: FSDP)"
+    if version != "2":
+        raise RecipeError(
+            f"{asked} in version {version} (FSDP_VERSION={version}; 1 is Accelerate's default when the version is "
+            "not given). The recipes shard with FSDP version 2 only (torch's fully_shard): add --fsdp_version 2 to "
+            "`accelerate launch`, or fsdp_version: 2 under fsdp_config in the config file."
+        )
+    if not getattr(cfg, "shards", False):
+        raise RecipeError(
+            f"{asked}, which this recipe does not take: its model is a few megabytes, a whole copy of which fits "
+            "every GPU, and sharding it would only add communication. FSDP is for models too large for one GPU: "
+            f"the photo recipe (recipes/finetune_folder.py) shards with it. Here, {DDP_INSTEAD}."
+        )
+    if cpu:
+        raise RecipeError(
+            f"{asked} on a machine without a GPU. Accelerate shards with FSDP on GPUs only: on a CPU it would "
+            "silently train plain DDP, a whole copy of the model per process, while the run said FSDP. On a CPU, "
+            f"launch with --config_file {CPU_2PROC_CONFIG} (DDP over gloo); keep the FSDP answer for GPUs."
+        )
+    clashes = []
+    if getattr(cfg, "ema_decay", 0):
+        clashes.append("--ema-decay (the average is a whole copy of the model on every process: use --ema-decay 0)")
+    if cfg.eval_only:
+        clashes.append(
+            "--eval-only (it scores one whole weights file, best/ or final/: launch it without the FSDP answer)"
+        )
+    if precision == "fp16":
+        clashes.append(
+            "fp16 (its loss scaler is not sharded with FSDP2 here: use --mixed_precision bf16, or fp32 on a GPU "
+            "without native bf16)"
+        )
+    if clashes:
+        raise RecipeError(f"{asked} together with {'; and with '.join(clashes)}. Nothing was read or written.")
+    return True
+
+
+def launcher_answers(cfg, cpu: bool | None = None) -> tuple[str, list[str], bool]:
     """What the launcher asked for (its config file, its flags and ACCELERATE_* variables all arrive here as the
     environment), checked before anything is read: the precision (any letter case), refused in one paragraph where
-    the recipes would not do what it says; gradient accumulation asked of Accelerate taken as --grad-accum. Returns
-    the precision and the notes for the startup line."""
+    the recipes would not do what it says; gradient accumulation asked of Accelerate taken as --grad-accum; FSDP
+    (``fsdp_asked``). Returns the precision, the notes for the startup line and whether the model is sharded."""
     env = os.environ
+    cpu = not has_accelerator_device() if cpu is None else cpu
     for variable, answer in SHARDING.items():
         if _truthy(env.get(variable)):
             raise RecipeError(
                 f"The launcher asks for {answer} ({variable}=true: `accelerate config`'s {answer} answer, "
                 f"`accelerate launch --use_{answer.lower().replace('-', '_')}` or a config with distributed_type: "
-                f"{answer.upper().replace('-', '_')}), which these recipes do not run: on a CPU Accelerate would "
-                "silently train plain DDP instead, and on GPUs the recipes' best/, final/ and checkpoint checks read "
-                "the whole model on one process, which a sharded model is not. Every model here trains with a whole "
-                "copy per process: launch with DDP instead (accelerate_configs/multi_gpu_bf16.yaml, or answer "
-                "`accelerate config`'s distributed question with multi-GPU and no to FSDP and DeepSpeed)."
+                f"{answer.upper().replace('-', '_')}), which these recipes do not run: it is not among their "
+                "requirements, and on a CPU Accelerate would silently train plain DDP instead. To shard a large "
+                "photo model over GPUs, the photo recipe takes FSDP version 2 (`accelerate launch --use_fsdp "
+                f"--fsdp_version 2`); every other model here fits one GPU whole: {DDP_INSTEAD}."
             )
     asked = env.get("ACCELERATE_MIXED_PRECISION", "no")
     precision = asked.strip().lower()
@@ -205,7 +254,7 @@ def launcher_answers(cfg) -> tuple[str, list[str]]:
             notes.append(
                 f"gradient accumulation over {steps} steps from the launcher ({source}), as --grad-accum {steps}"
             )
-    return precision, notes
+    return precision, notes, fsdp_asked(cfg, cpu, precision)
 
 
 def make_accelerator(cfg):
@@ -214,7 +263,7 @@ def make_accelerator(cfg):
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
     cpu = not has_accelerator_device()
-    precision, notes = launcher_answers(cfg)
+    precision, notes, sharded = launcher_answers(cfg, cpu)
     notes.insert(0, lost_processes_note())
     if cpu and precision == "fp16":
         precision = "bf16"
@@ -249,10 +298,80 @@ def make_accelerator(cfg):
         project_config=ProjectConfiguration(project_dir="."),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.timeout_s))],
     )
+    if sharded:
+        require_fsdp2(accelerator)
+        note = "; ".join(n for n in (note, whole_on_every_process(accelerator)) if n)
     return accelerator, note
 
 
-def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
+def whole_on_every_process(accelerator) -> str:
+    """FSDP2 starts from the model every process builds whole (the same seed, the same --weights), so Accelerate's
+    "CPU RAM efficient loading" (the model's weights read on the main process only and sent to the others) is turned
+    off: it adds nothing here, and Accelerate's loader fails on a model with buffers (BatchNorm's statistics)."""
+    plugin = accelerator.state.fsdp_plugin
+    if not plugin.cpu_ram_efficient_loading:
+        return ""
+    plugin.cpu_ram_efficient_loading = False
+    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "False"  # transformers reads it too: every rank loads weights
+    return (
+        "fsdp_cpu_ram_efficient_loading is off: every process builds the model whole from the same seed and weights "
+        "before it is sharded"
+    )
+
+
+def require_fsdp2(accelerator) -> None:
+    """The launcher's FSDP answer is what Accelerate set up (it keeps plain DDP, or one process, where it cannot)."""
+    if not accelerator.is_fsdp2:
+        raise RecipeError(
+            f"The launcher asks for FSDP version 2, but Accelerate set up {accelerator.distributed_type.value} with "
+            f"{accelerator.num_processes} process(es) on {accelerator.device.type}, which would train a whole copy of "
+            "the model per process. FSDP runs under `accelerate launch` with GPUs (--use_fsdp --fsdp_version 2, or "
+            "a config with distributed_type: FSDP): launch it that way, or without the FSDP answer."
+        )
+
+
+def share_buffers(accelerator, model) -> None:
+    """Under FSDP2 every process takes the main process's buffers (BatchNorm's running statistics, which FSDP does
+    not shard and each process moves with its own batches), as DDP gives every forward pass: the model evaluated,
+    checkpointed and saved is one model, and a resume continues it exactly. Called before each of those; nothing
+    without FSDP2."""
+    if not accelerator.is_fsdp2 or accelerator.num_processes == 1:
+        return
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for buffer in model.buffers():
+        if not isinstance(buffer, DTensor):
+            dist.broadcast(buffer, src=0)
+
+
+def sharding(accelerator, model) -> str:
+    """How FSDP2 shards ``model`` (prepared), for the startup line; '' without FSDP."""
+    if not accelerator.is_fsdp2:
+        return ""
+    from collections import Counter
+
+    from torch.distributed.fsdp import FSDPModule
+
+    from common.train.checkpoint import plain_class
+
+    units = Counter(plain_class(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model)
+    plugin = accelerator.state.fsdp_plugin
+    each = ", ".join(f"{n} {name}" for name, n in units.most_common())
+    units = (
+        f"units: {each} and the rest of {plain_class(model).__name__}"
+        if each
+        else f"one unit, the whole {plain_class(model).__name__} (no auto-wrap policy: fsdp_auto_wrap_policy "
+        "TRANSFORMER_BASED_WRAP shards it block by block)"
+    )
+    return (
+        f"sharded=FSDP2 over {accelerator.num_processes} process(es): parameters, gradients and optimizer state; "
+        f"{units}; reshard_after_forward={plugin.reshard_after_forward}; "
+        f"state_dict_type={plugin.state_dict_type.name}"
+    )
+
+
+def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "", sharded: str = "") -> str:
     dev = accelerator.device
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
@@ -271,6 +390,7 @@ def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "") -> str:
         # where the peak LR came from (common.schedules.LRRule.follow): a batch the LR was not tuned at is the
         # first thing to suspect when a run diverges or crawls
         f"lr={cfg.lr:g}" + (f" ({cfg.lr_note})" if getattr(cfg, "lr_note", "") else ""),
+        *([sharded] if sharded else []),
     ]
     return "startup: " + " ".join(parts) + (f" NOTE: {note}" if note else "")
 

@@ -126,9 +126,11 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
     if accelerator.is_main_process:
         for f in tmp.glob("*.safetensors"):
             follow_umask(f)
-        for f in tmp.iterdir():  # every rank's files on disk before the folder is renamed and marked complete
-            if f.is_file():
+        for f in sorted(tmp.rglob("*")):  # every rank's files on disk (FSDP2's in folders) before the folder is
+            if f.is_file():  # renamed and marked complete
                 _fsync_file(f)
+        for sub in (d for d in tmp.iterdir() if d.is_dir()):
+            _fsync_dir(sub)
         _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -193,6 +195,8 @@ def verify_files(path: Path) -> None:
             ) from None
 
     bad = [f"{f} (custom state, which these recipes never write)" for f in sorted(path.glob("custom_checkpoint_*"))]
+    for folder in sorted(p for p in path.iterdir() if p.is_dir()):  # FSDP2's sharded model and optimizer
+        bad += verify_sharded(folder)
     for f in sorted(path.iterdir()):
         if f.suffix in (".pkl", ".bin", ".pt") and not f.name.startswith("custom_checkpoint_"):
             try:
@@ -213,6 +217,60 @@ def verify_files(path: Path) -> None:
         )
 
 
+# what a sharded checkpoint's index (torch.distributed.checkpoint's .metadata, a pickle torch reads without
+# weights_only) may name: its own records, torch's sizes, dtypes and layouts, and the paths of its files
+DCP_INDEX_NAMES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in DCP_INDEX_NAMES.get(module, ()) or (
+            module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"the index names {module}.{name}, which a sharded checkpoint never holds")
+
+
+def verify_sharded(folder: Path) -> list[str]:
+    """A folder of torch.distributed.checkpoint files (FSDP2's model or optimizer): its index read with only the
+    records it may hold (anything else: returned, as not plain data) and every file it names long enough for the
+    bytes it is said to hold (else DamagedCheckpoint)."""
+    index = folder / ".metadata"
+    if not index.is_file():
+        raise DamagedCheckpoint(f"{folder} has no .metadata index (an interrupted write)")
+    try:
+        with open(index, "rb") as f:
+            meta = _IndexUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        if "never holds" in str(err):
+            return [f"{index} ({err})"]
+        raise DamagedCheckpoint(f"{index} is damaged ({str(err)[:160]})") from None
+    except (OSError, EOFError, ValueError, TypeError, AttributeError) as err:
+        raise DamagedCheckpoint(f"{index} is damaged ({type(err).__name__}: {str(err)[:160]})") from None
+    for item in (getattr(meta, "storage_data", None) or {}).values():
+        name = str(item.relative_path)
+        if Path(name).name != name or name in ("", ".", ".."):
+            return [f"{index} (it names {name!r}, a file outside its folder)"]
+        f = folder / name
+        if not f.is_file() or f.stat().st_size < item.offset + item.length:
+            raise DamagedCheckpoint(f"{f} is damaged (shorter than its index says, or missing)")
+    return []
+
+
 # --- model files (best/, final/) -----------------------------------------------------------------
 
 
@@ -225,7 +283,7 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
     return {
         "recipe": recipe,
         "recipe_file": recipe_file,
-        "model": type(model).__name__,
+        "model": plain_class(model).__name__,
         "input_shape": list(data.shape),
         "class_names": data.class_names,
         "mean": transform.mean,
@@ -236,9 +294,37 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
     }
 
 
+def plain_class(module: torch.nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps a sharded module's class for a subclass (FSDPResNet of
+    ResNet), which predict and export could not rebuild."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    return next(b for b in cls.__bases__ if b is not FSDPModule) if issubclass(cls, FSDPModule) else cls
+
+
+def whole_weights(accelerator, model: torch.nn.Module, copy: bool = False) -> dict:
+    """The model's state_dict whole, on the main process's host ({} on the others): under FSDP2 gathered from every
+    process's shards (every process must call this then; Accelerate's ``get_state_dict``), else the unwrapped model's
+    own (a compiled model's keys and class). ``copy``: copied even where the tensors already live on the host, for a
+    write that outlives training's next update."""
+    if getattr(accelerator, "is_fsdp2", False):
+        from common.train.accelerator import share_buffers
+
+        share_buffers(accelerator, model)  # the main process's BatchNorm statistics, as every process has them
+        state = accelerator.get_state_dict(model)  # full tensors on the main process, offloaded to its host
+        return {k: v.detach().contiguous() for k, v in state.items()} if accelerator.is_main_process else {}
+    if not accelerator.is_main_process:
+        return {}
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+    return {k: v.detach().to("cpu", copy=copy).contiguous() for k, v in plain.state_dict().items()}
+
+
 def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
-    """model.safetensors + model.json (what predict/export/--eval-only need to rebuild the model). Main
-    process only; written to a temp folder and swapped in, so a crash leaves the previous copy intact."""
+    """model.safetensors + model.json (what predict/export/--eval-only need to rebuild the model). ``model``: the
+    model (every process calls this: an FSDP2 model is gathered first) or its weights (``whole_weights``). Written
+    by the main process to a temp folder and swapped in, so a crash leaves the previous copy intact."""
+    state = model if isinstance(model, dict) else whole_weights(accelerator, model)
     if not accelerator.is_main_process:
         return
     from safetensors.torch import save_file
@@ -247,8 +333,6 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     tmp, old = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f".old-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    plain = accelerator.unwrap_model(model, keep_torch_compile=False)  # a compiled model's own keys and class
-    state = {k: v.detach().cpu().contiguous() for k, v in plain.state_dict().items()}
     save_file(state, str(tmp / WEIGHTS))
     follow_umask(tmp / WEIGHTS)
     _fsync_write(tmp / MODEL_CARD, json.dumps(card, indent=2, sort_keys=True))

@@ -28,7 +28,7 @@ from common.errors import RecipeError
 from common.files import move_aside, write_atomic
 from common.schedules import lr_multiplier
 from common.train import checkpoint as ckpt
-from common.train.accelerator import on_main
+from common.train.accelerator import on_main, share_buffers
 
 
 class Checkpointer:
@@ -219,6 +219,7 @@ class Checkpointer:
     ) -> Path:
         """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): by default
         after the batch running (``batch + 1`` batches of ``epoch`` consumed)."""
+        share_buffers(self.accelerator, model)  # FSDP2: one model's BatchNorm statistics on every process
         state = {
             "epoch": self.epoch if epoch is None else epoch,
             "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
@@ -271,6 +272,7 @@ def checkpoint_meta(cfg, accelerator, model) -> dict:
         "global_batch": cfg.batch_size,
         "config": dataclasses.asdict(cfg),
         "model_signature": ckpt.model_signature(accelerator.unwrap_model(model, keep_torch_compile=False)),
+        "sharded": "FSDP2" if accelerator.is_fsdp2 else None,  # the model's files: sharded folders, or one file
     }
 
 
@@ -317,6 +319,16 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
             f"The checkpoint {path} was written by a different model (first differences: {', '.join(diff[:4])}). "
             "Resume with the same recipe and model settings (see the config.json in its run directory), or "
             "start a new run with a new --output-dir."
+        )
+    sharded = "FSDP2" if accelerator.is_fsdp2 else None
+    if state.get("sharded") != sharded:
+        said = {"FSDP2": "sharded by FSDP version 2", None: "whole on every process (DDP or one process)"}
+        raise RecipeError(
+            f"The checkpoint {path} holds a model {said.get(state.get('sharded'), state.get('sharded'))}, and "
+            f"this launch trains it {said[sharded]}: its files cannot be loaded that way. Resume with the launcher "
+            "answer the run was started with (with or without --use_fsdp --fsdp_version 2); the number of "
+            "processes may change. To go on without FSDP, start a new run from the run's final/ or best/ "
+            "weights (--weights <run>/best/model.safetensors)."
         )
     if state["global_batch"] != cfg.batch_size:
         raise RecipeError(

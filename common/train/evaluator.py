@@ -19,8 +19,6 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
-
 from common.console import say
 from common.train import checkpoint as ckpt
 
@@ -104,8 +102,9 @@ class Evaluator:
         best = self.best
         if best is None or (value > best if cfg.mode == "max" else value < best):
             card = {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step}
+            weights = ckpt.whole_weights(self.accelerator, self.model, copy=True)  # FSDP2: gathered by every rank
             if self.accelerator.is_main_process:  # (save_model_dir writes on the main process only)
-                self.writing = BestWrite(self.accelerator, self.model, self.run_dir / "best", card, best)
+                self.writing = BestWrite(self.accelerator, weights, self.run_dir / "best", card, best)
             self._best = value
         if self.now and mid_epoch:  # mid-epoch: its own line, not the epoch's
             say(
@@ -158,14 +157,13 @@ class Evaluator:
 
 
 class BestWrite:
-    """best/ written by a thread: the scored model's weights copied to the host now (training moves the live ones on),
-    written by ``checkpoint.save_model_dir`` as the model itself would be (temp folder, fsync, swap). ``previous``:
-    the best value before this one, whose weights best/ keeps if the write fails (``error``)."""
+    """best/ written by a thread: the scored model's weights copied to the host at the evaluation (training moves the
+    live ones on; ``checkpoint.whole_weights``), written by ``checkpoint.save_model_dir`` as the model itself would be
+    (temp folder, fsync, swap). ``previous``: the best value before this one, whose weights best/ keeps if the write
+    fails (``error``)."""
 
-    def __init__(self, accelerator, model, path, card: dict, previous):
-        unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-        self.weights = Snapshot({k: v.detach().to("cpu", copy=True) for k, v in unwrapped.state_dict().items()})
-        self.previous, self.error = previous, None
+    def __init__(self, accelerator, weights: dict, path, card: dict, previous):
+        self.weights, self.previous, self.error = weights, previous, None
         self.thread = threading.Thread(
             target=self._write, args=(accelerator, path, card), name="best-weights", daemon=False
         )
@@ -179,14 +177,3 @@ class BestWrite:
 
     def join(self) -> None:
         self.thread.join()
-
-
-class Snapshot(torch.nn.Module):
-    """Weights copied at an evaluation, saved as the model they were copied from."""
-
-    def __init__(self, state: dict):
-        super().__init__()
-        self.state = state
-
-    def state_dict(self, *args, **kwargs) -> dict:
-        return self.state

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from common.train.accelerator import share_buffers
 from common.train.tracking import on_terminal
 
 
@@ -42,6 +43,7 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int =
     if loader is None:
         return None
     t0 = time.perf_counter()
+    share_buffers(accelerator, model)  # FSDP2: every process evaluates the same BatchNorm statistics
     was_training = model.training
     model.eval()
     preds, labels_all, losses = [], [], []

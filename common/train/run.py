@@ -65,7 +65,7 @@ from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, Unread
 from common.optimizers import zero_momentum_before_first_step
 from common.schedules import batch_larger_than_split
 from common.train import checkpoint as ckpt
-from common.train.accelerator import make_accelerator, startup_line
+from common.train.accelerator import make_accelerator, sharding, startup_line
 from common.train.checkpointer import Checkpointer
 from common.train.eval_only import EvalOnly
 from common.train.evaluator import Evaluator
@@ -290,7 +290,7 @@ class TrainingRun(TrainingLoop):
         self.profiler = StepProfiler(acc, cfg.profile, self.dir.path)
         self.progress = Progress(acc, cfg, position.total_steps)
         self.meter = Throughput(acc.device)
-        say(startup_line(acc, cfg, position.steps_per_epoch, self.note))
+        say(startup_line(acc, cfg, position.steps_per_epoch, self.note, sharding(acc, model)))
         sizes = {"train": data.train, "val": data.val, "test": data.test}
         params = sum(p.numel() for p in unwrapped.parameters())
         say(

@@ -76,6 +76,7 @@ class Summary:
                 "train_s": round(now - (self.train_start or now), 2),
             },
             "processes": acc.num_processes,
+            "distributed": acc.distributed_type.value,  # FSDP when the model was sharded
             "precision": acc.mixed_precision,
             "device": acc.device.type,
             "versions": {
