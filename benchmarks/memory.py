@@ -84,9 +84,9 @@ def main(argv=None):
         )
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory(prefix="memory-bench-") as cache_dir:
-        data = load_image_data(
+        data = load_image_data(  # decode once, unmeasured
             CommonConfig(dataset=args.dataset, cache_dir=cache_dir, val_fraction=0.1), "", True
-        )  # decode once, unmeasured
+        )
         n = len(data.train) + len(data.val)
         mib = n * data.train.source_images[0].numel() / 2**20
         del data

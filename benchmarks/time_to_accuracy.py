@@ -148,9 +148,9 @@ def recipe_eval_points(rows: list[dict], train_start: float) -> list[dict]:
         gaps.append((row["time"] - prev_t, step - prev_step))
         prev_t, prev_step = row["time"], step
     is_eval = ["eval/accuracy" in row for row in rows]
-    rates = [
+    rates = [  # gap 0 holds the warm-up
         dt / ds for k, (dt, ds) in enumerate(gaps) if k > 0 and ds > 0 and not is_eval[k] and not is_eval[k - 1]
-    ]  # gap 0 holds the warm-up
+    ]
     rate = statistics.median(rates) if rates else None
 
     def excess(k):
@@ -535,9 +535,9 @@ def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path) -> dict:
         [*own, *args.recipe_argv],
         nproc=args.nproc if config else 0,
         config=config,
-        precision=None,
+        precision=None,  # the config's precision
         threads=threads,
-    )  # the config's precision
+    )
     # the benchmark's decoded cache; the recipe's Accelerator sees no GPU on --device cpu
     env = recipe_env(threads=threads, cache_dir=cache_dir, cpu_only=args.device == "cpu", offline=False)
     log = run_dir.with_name(run_dir.name + ".log")

@@ -85,8 +85,8 @@ def recipe_flags(shared: set[str]) -> dict[str, list[str]]:
                     if (
                         isinstance(item, ast.AnnAssign)
                         and isinstance(item.target, ast.Name)
-                        and "ClassVar" not in ast.unparse(item.annotation)
-                    ):  # not a field, not a flag
+                        and "ClassVar" not in ast.unparse(item.annotation)  # a ClassVar: not a field, not a flag
+                    ):
                         found.setdefault("--" + item.target.id.replace("_", "-"), []).append(path.stem)
     return {flag: names for flag, names in found.items() if flag not in shared}
 

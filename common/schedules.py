@@ -94,8 +94,9 @@ def build_scheduler(optimizer, cfg, steps_per_epoch: int):
 
     def for_group(group):
         stop = group["train_epochs"] * steps_per_epoch if group.get("train_epochs") else math.inf
+        # a group trained for its first epochs only (train_epochs) is then held still
         return lambda step: (
             lr_multiplier(step, total, warmup, cfg.schedule, cfg.warmup_start, cfg.final_lr) if step < stop else 0.0
-        )  # a group trained for its first epochs only is then held still
+        )
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, [for_group(g) for g in optimizer.param_groups])

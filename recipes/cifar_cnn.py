@@ -140,8 +140,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
         train_loader,
         data,
         transform,  # fresh, or resumed exactly
-        evaluate=lambda: validate(val_loader),
-    )  # called when due; best/ and checkpoints follow
+        evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
+    )
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due

@@ -73,8 +73,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
         lr=cfg.lr,
         betas=parse_floats(cfg.betas, "--betas", count=2),
         weight_decay=cfg.weight_decay,
-        fused=True,
-    )  # one kernel per step; masks a NaN step
+        fused=True,  # one kernel per step; masks a NaN step
+    )
 
 
 def main(argv=None) -> int:
@@ -119,8 +119,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
         train_loader,
         data,
         transform,  # fresh, or resumed exactly
-        evaluate=lambda: validate(val_loader),
-    )  # called when due; best/ and checkpoints follow
+        evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
+    )
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due

@@ -253,8 +253,8 @@ def train(cfg: Config, run: TrainingRun) -> None:
         data,
         transform,  # fresh, or resumed exactly
         evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
-        scored=scored,
-    )  # the weights evaluated and saved
+        scored=scored,  # the weights evaluated and saved
+    )
     for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
         model.train()
         for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due

@@ -88,9 +88,9 @@ def test_throughput_times_the_recipe_the_raw_loop_the_bound_and_the_levers(tmp_p
         "raw_torch",
         "pure_compute",
         "pure_bf16",
-        "pure_contiguous",
+        "pure_contiguous",  # the lever row: the memory format the recipe does not use
         "pure_compiled",
-    ]  # the lever row: the memory format the recipe does not use
+    ]
     check_recipe_row(report["rows"]["recipe"], processes=1)
     levers = report["levers"]
     assert levers["bf16"]["status"] == "ok" and levers["bf16"]["native_bf16"] == bool(cpu_bf16_support())

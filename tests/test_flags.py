@@ -24,7 +24,7 @@ def refused(recipe, args, env, tmp_path) -> str:
             ["--data-path -> --dataset", "-j -> --workers", "-b -> --batch-size (the GLOBAL batch", "-b is per GPU"],
         ),
         (
-            [
+            [  # the schedule and optimizer
                 "--lr-warmup-epochs",
                 "2",
                 "--lr-warmup-decay",
@@ -37,7 +37,7 @@ def refused(recipe, args, env, tmp_path) -> str:
                 "0",
                 "--clip-grad-norm",
                 "1",
-            ],  # the schedule and optimizer
+            ],
             [
                 "--lr-warmup-epochs -> --warmup-fraction",
                 "--lr-warmup-decay -> --warmup-start",
@@ -48,14 +48,14 @@ def refused(recipe, args, env, tmp_path) -> str:
             ],
         ),
         (
-            [
+            [  # augmentation, EMA
                 "--mixup-alpha",
                 "0.2",
                 "--cutmix-alpha=1.0",
                 "--model-ema",
                 "--train-crop-size",
                 "176",
-            ],  # augmentation, EMA
+            ],
             [
                 "--mixup-alpha -> --mixup",
                 "--cutmix-alpha -> --cutmix",

@@ -191,8 +191,8 @@ def test_the_ema_is_one_model_on_every_rank_and_resumes_exactly_at_2_processes(t
         "--eval-every-steps",
         3,
         "--eval-batch-size",
-        4,
-    ]  # several evaluation batches, shared between the ranks
+        4,  # several evaluation batches, shared between the ranks
+    ]
     full = tmp_path / "full"
     check_ok(launch("finetune_folder", [*base, "--checkpoint-every", 4, "--output-dir", full], env, nproc=2))
     part = stopped_at(full, 4, tmp_path / "part")  # as a run stopped at step 4 leaves its folder

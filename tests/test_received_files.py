@@ -157,10 +157,10 @@ def test_a_checkpoint_damaged_again_after_the_fallback_is_set_aside_again(tmp_pa
         "damaged-step-00000004",
         "damaged-step-00000004.2",
     ]
-    assert all(
+    assert all(  # kept whole, not merged
         len(list((folder / name).glob("model*.safetensors"))) == 1
         for name in ("damaged-step-00000004", "damaged-step-00000004.2")
-    )  # kept whole, not merged
+    )
     assert json.loads((run / "summary.json").read_text())["global_step"] == 4
 
 

@@ -120,9 +120,9 @@ def test_bias_groups_scale_the_lr_keep_the_decay_and_freeze_early_params():
 def test_whitening_init_decorrelates_patches():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(64, 1, 16, 16, generator=g)
-    images = torch.cat(
+    images = torch.cat(  # correlated channels
         [base, 0.5 * base + 0.1 * torch.randn(64, 1, 16, 16, generator=g), torch.randn(64, 1, 16, 16, generator=g)], 1
-    )  # correlated channels
+    )
     images = nn.functional.avg_pool2d(images, 3, 1, 1)  # correlated neighbouring pixels
     conv = nn.Conv2d(3, 24, 3, bias=False)
     before = conv.weight.clone()

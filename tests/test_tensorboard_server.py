@@ -69,8 +69,8 @@ def tb(tmp_path_factory, reference_run):
         stdout=log,
         stderr=subprocess.STDOUT,
         env=recipe_env(root),
-        start_new_session=True,
-    )  # its own process group: the data server child dies with it
+        start_new_session=True,  # its own process group: the data server child dies with it
+    )
     try:
         # Ready when the server answers AND has loaded everything the event file holds (it loads in the
         # background, so the first answers can be partial).

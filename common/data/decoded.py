@@ -296,11 +296,11 @@ def place_on_device(cfg, accelerator, data: ImageData) -> str:
     of the free memory (a batch is then one on-device gather, no host-to-device copy per step), recorded in
     ``data.on_device``. Returns the note for the startup line ('' on a CPU, where host memory is the device's, and
     for photos, decoded per batch). CPU runs are unchanged."""
-    shared = {
+    shared = {  # the decoded splits' arrays (photos hold file names)
         id(s.source_images): s.source_images
         for s in (data.train, data.val, data.test)
         if s is not None and hasattr(s, "source_images")
-    }  # decoded splits (photos hold file names)
+    }
     if accelerator.device.type != "cuda" or "data_on_device" in getattr(cfg, "explicit", ()) or not shared:
         return ""
     need = sum(t.numel() * t.element_size() for t in shared.values())  # train and held-out share one source

@@ -282,9 +282,8 @@ class TrainingRun(TrainingLoop):
         self.evaluator = Evaluator(
             cfg, acc, evaluate, model if scored is None else scored, data, self.log, card, self.dir.path, state["best"]
         )
-        self.checks = StepChecks(
-            acc, optimizer, self.dir.path, state["skipped_steps"]
-        )  # the guard (common.train.guard)
+        # the guard (common.train.guard)
+        self.checks = StepChecks(acc, optimizer, self.dir.path, state["skipped_steps"])
         self.checks.watch_updates(optimizer)  # optimizer.step() without run.step(loss) stops at once
         zero_momentum_before_first_step(optimizer)  # a fused SGD's skipped first step keeps no garbage momentum
         self.profiler = StepProfiler(acc, cfg.profile, self.dir.path)
