@@ -5,8 +5,8 @@ yours (Python looks in the script's folder first) and fail later with a bare Mod
 half of each. This module is installed beside ``common`` (``pip install -e .``) under a name nothing else
 uses, so it is found either way and can name both folders.
 
-It also reads the script being started: one written for version 0.4's module paths (a recipe copied then) stops
-here with every import line to change (``common.moved``), instead of at the first of them.
+Code written for version 0.4's module paths (a recipe copied then) fails at its first old import with Python's own
+ModuleNotFoundError or ImportError; UPGRADING.md says where each name lives now and how to update a copy.
 """
 
 from __future__ import annotations
@@ -41,10 +41,3 @@ def check() -> None:
 
 
 check()
-
-# A recipe written for 0.4's module paths (a copy made then) stops here, every line to change named at once.
-_main = getattr(sys.modules.get("__main__"), "__file__", None)
-if _main and _main.endswith(".py"):
-    from common import moved
-
-    moved.check_script(_main)

@@ -12,7 +12,3 @@ if sys.platform == "win32":  # signals, fcntl locks and the launcher's process h
         "locks and signals that keep runs safe to stop, resume and share.\n"
     )
     raise SystemExit(2)
-
-from common import moved  # noqa: E402 - after the platform check
-
-moved.install()  # code written for 0.4's module paths is told where they moved

@@ -22,7 +22,6 @@ from common.config_checks import MONITOR_MODES, check
 from common.errors import ConfigError, report
 from common.files import write_atomic
 from common.flag_hints import hint
-from common.moved import getattr_hook
 
 
 def knob(default, help: str, choices=None):
@@ -383,6 +382,3 @@ def to_dict(cfg) -> dict:
 
 def save_config(cfg, path: Path) -> None:
     write_atomic(path, json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
-
-
-__getattr__ = getattr_hook(__name__)  # names that moved in 0.5 say where to

@@ -17,7 +17,6 @@ from torch import nn
 
 from common import hf_models, timm_models
 from common.errors import ConfigError
-from common.moved import getattr_hook
 from common.torchvision_weights import download, weights_entry
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
@@ -341,6 +340,3 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, im
             else ""
         )
     )
-
-
-__getattr__ = getattr_hook(__name__)  # names that moved in 0.5 say where to

@@ -1,23 +1,23 @@
-"""A recipe copied from version 0.4 (before common/ was put in data/, train/ and tools/) stops at start with one
-paragraph naming every import to change and where each name lives now; code of your own that imports a 0.4 path is
-told the same at that import. Nothing that imports the current paths is stopped."""
+"""A recipe copied from version 0.4 (before common/ was put in data/, train/ and tools/). Since 0.6 nothing of ours
+reads it at start or redirects its imports: it fails at its first old import with Python's own error, and
+UPGRADING.md's commands turn its imports into ones that resolve. Nothing that imports the current paths is stopped."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
-import re
 import subprocess
 import sys
 
 import pytest
+from test_upgrading import commands, tables
 
-from common import moved
-from common.tools.copy_recipe import available_recipes, copy_recipe
+import common
 
-from helpers import REPO, launch, recipe_env
+from helpers import REPO
 
-# The import lines of the four recipes of version 0.4, as a copy made then holds them, and the lines of their loops
+# The import lines of three recipes of version 0.4, as a copy made then holds them, and the lines of their loops
 # that used a name that has since left common.vision.
 OLD_IMPORTS = {
     "cifar_cnn": """from common.augment import BatchTransform, channel_stats
@@ -56,37 +56,39 @@ import common.checkpoint as ckpt
 }
 
 
-@pytest.mark.parametrize("recipe", sorted(OLD_IMPORTS))
-def test_a_recipe_copied_from_0_4_stops_at_start_naming_every_new_path(tmp_path, recipe):
-    copy = tmp_path / f"my_{recipe}.py"
+def test_a_copy_from_0_4_fails_at_its_first_old_import_with_pythons_own_error(tmp_path):
+    copy = tmp_path / "my_mnist_convnet.py"
     copy.write_text(
         '"""My copy."""\n\nimport accelerate_recipes  # noqa: F401\n'
-        + OLD_IMPORTS[recipe]
+        + OLD_IMPORTS["mnist_convnet"]
         + '\nprint("the recipe ran")\n'
     )
     proc = subprocess.run(
         [sys.executable, str(copy), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "the recipe ran" not in proc.stdout and lines[0].startswith(f"error: {copy} was written for version 0.4")
-    expected = moved.old_imports(copy.read_text())
-    assert len(expected) >= 6 and all(change in lines[0] for change in expected)
-    # every moved line is named, each with its new home
-    assert re.search(r"line \d+: common\.augment\.BatchTransform -> common\.data\.augment\.BatchTransform;", lines[0])
-    assert "common.run.TrainingRun -> common.train.run.TrainingRun" in lines[0]
-    assert "common.config.LRRule -> common.schedules.LRRule" in lines[0]
-    assert "common.models" not in lines[0] and "common.errors" not in lines[0]  # not moved: not named
-    if recipe == "finetune_folder":
-        assert "common.vision.param_groups -> common.optimizers.param_groups" in lines[0]
-        assert "common.photos.load_photos -> common.data.photo_sources.load_photos" in lines[0]
-    if recipe == "mnist_convnet":
-        assert "common.data.load_image_data -> common.data.decoded.load_image_data" in lines[0]
-        assert "common.checkpoint -> common.train.checkpoint" in lines[0]
+    assert proc.returncode == 1 and "the recipe ran" not in proc.stdout, proc.stderr
+    assert proc.stderr.rstrip().endswith("ModuleNotFoundError: No module named 'common.augment'"), proc.stderr
 
 
-def test_the_copy_with_the_named_paths_runs(tmp_path):
-    """Changing the lines the message names is all it takes: the same imports at their new places start."""
+def test_no_redirect_of_0_4_is_left():
+    """No import hook, no module __getattr__: an old path or name is Python's own error, the current ones work."""
+    assert not any(type(f).__module__.startswith("common") for f in sys.meta_path)
+    with pytest.raises(ModuleNotFoundError, match=r"^No module named 'common\.run'$"):
+        importlib.import_module("common.run")
+    with pytest.raises(ImportError, match=r"^cannot import name 'LRRule' from 'common\.config'"):
+        exec("from common.config import LRRule", {})
+    with pytest.raises(ImportError, match=r"^cannot import name 'make_loader' from 'common\.data'"):
+        exec("from common.data import make_loader", {})
+    exec("from common.data import cache, folders", {})  # the data folder's own modules
+    for name in ("common.config", "common.vision", "common.data", "common.data.decoded", "common.train.run"):
+        importlib.import_module(name)
+    found = [name for name, module in sys.modules.items() if name.split(".")[0] == "common" and module is not None]
+    assert len(found) > 5 and [n for n in found if "__getattr__" in vars(sys.modules[n])] == []
+    assert importlib.util.find_spec("common.moved") is None and list(common.__path__) == [str(REPO / "common")]
+
+
+def test_the_copy_with_the_new_paths_runs(tmp_path):
+    """Changing the lines UPGRADING.md names is all it takes: the same imports at their new places start."""
     copy = tmp_path / "my_recipe.py"
     copy.write_text(
         '"""My copy."""\n\nimport accelerate_recipes  # noqa: F401\n'
@@ -104,74 +106,46 @@ def test_the_copy_with_the_named_paths_runs(tmp_path):
     assert proc.returncode == 0 and "the recipe ran" in proc.stdout, proc.stderr
 
 
-def test_code_of_your_own_is_told_at_the_import():
-    with pytest.raises(ModuleNotFoundError, match=r"common\.run -> common\.train\.run"):
-        importlib.import_module("common.run")
-    with pytest.raises(ImportError, match=r"common\.config\.LRRule -> common\.schedules\.LRRule"):
-        exec("from common.config import LRRule", {})
-    with pytest.raises(ImportError, match=r"common\.data\.make_loader -> common\.data\.decoded\.make_loader"):
-        exec("from common.data import make_loader", {})
-    with pytest.raises(ImportError, match=r"common\.vision\.batch_mix -> common\.data\.augment\.batch_mix"):
-        exec("from common.vision import batch_mix", {})
-    # the data folder's own modules, and names that never existed, are as before
-    exec("from common.data import cache, folders", {})
-    import common.config
-    import common.vision
-
-    assert not hasattr(common.vision, "no_such_name") and not hasattr(common.config, "no_such_name")
-
-
-def test_every_new_place_exists_and_nothing_current_is_stopped(tmp_path):
-    for old, new in moved.MODULES.items():
-        importlib.import_module(new)
-    for new in moved.NAMES.values():
-        first, *attrs = new.split(".")
-        obj = importlib.import_module(first)
-        for attr in attrs:  # a module of a package, or a name in a module
-            is_module = hasattr(obj, "__path__") and importlib.util.find_spec(f"{obj.__name__}.{attr}") is not None
-            obj = importlib.import_module(f"{obj.__name__}.{attr}") if is_module else getattr(obj, attr)
-    for recipe in available_recipes():  # the shipped recipes, and a copy of each, name the current paths only
-        assert moved.old_imports((REPO / "recipes" / f"{recipe}.py").read_text()) == [], recipe
-        copy = tmp_path / f"copy_of_{recipe}.py"
-        copy_recipe(recipe, copy)
-        assert moved.old_imports(copy.read_text()) == [], recipe
-        assert "from common.train.run import TrainingRun" in copy.read_text()
-
-
-def test_through_the_launcher_on_two_processes_it_is_said_once(tmp_path):
-    """Every rank stops at start; only the first says why (the launcher then reports its failed children)."""
-    copy = tmp_path / "my_cifar_cnn.py"
-    copy.write_text('"""My copy."""\n\nimport accelerate_recipes  # noqa: F401\n' + OLD_IMPORTS["cifar_cnn"])
-    proc = launch(copy, [], recipe_env(tmp_path), nproc=2)
-    said = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and len(said) == 1 and "common.run.TrainingRun -> common.train.run" in said[0]
-    assert "exitcode  : 2" in proc.stderr  # both ranks stopped with the bad-input code
-
-
-def test_a_guarded_fallback_runs_and_a_typo_is_not_called_moved(tmp_path):
-    """Before, a script that tries the new path and falls back to 0.4's under `except ImportError` was stopped at
-    start as written for 0.4, and a misspelt name from common.data was said to have moved to common.data.decoded.
-    Now the guarded imports run (the fallback is never needed), and a typo gets Python's own ImportError."""
-    script = tmp_path / "mine.py"
-    script.write_text(
-        "import accelerate_recipes  # noqa\n"
-        "try:\n"
-        "    from common.train.run import TrainingRun\n"
-        "except ImportError:  # version 0.4\n"
-        "    from common.run import TrainingRun\n"
-        "try:\n"
-        "    from common.run import TrainingRun as Old\n"
-        "except (ModuleNotFoundError, AttributeError):\n"
-        "    Old = None\n"
-        'print("ran", TrainingRun.__name__, Old)\n'
+@pytest.mark.parametrize("recipe", sorted(OLD_IMPORTS))
+def test_upgradings_commands_update_a_copy_from_0_4(tmp_path, recipe):
+    """Steps 1-3 of UPGRADING.md's 'Updating a copy' on a real 0.4 copy: the first finds its old lines, the sed
+    rewrites every module path to one that imports, and each name that does not import from its line is one the
+    third command finds and the names table places."""
+    find, rewrite, find_names = commands()
+    _, names = tables()
+    copy = tmp_path / "my_recipe.py"
+    copy.write_text(OLD_IMPORTS[recipe])
+    proc = subprocess.run(["bash", "-c", find], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "common.run import TrainingRun" in proc.stdout, proc.stdout + proc.stderr
+    subprocess.run(["bash", "-c", rewrite.replace("my_recipe.py", copy.name)], cwd=tmp_path, check=True, timeout=60)
+    proc = subprocess.run(["bash", "-c", find], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "", proc.stdout  # nothing of 0.4's module paths is left
+    proc = subprocess.run(
+        ["bash", "-c", find_names.replace("my_recipe.py", copy.name)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "ran TrainingRun None" in proc.stdout, proc.stderr
-    assert moved.old_imports("from common.data import load_image_dta\nfrom common.run import TrainingRn\n") == []
-    with pytest.raises(ImportError) as raised:
-        exec("from common.data import load_image_dta", {})
-    assert "moved" not in str(raised.value) and "decoded" not in str(raised.value)
-    # a real 0.4 name is still named where it went
-    assert moved.old_imports("from common.data import load_image_data\n") == [
-        "line 1: common.data.load_image_data -> common.data.decoded.load_image_data"
-    ]
+    hits = dict(hit.split(":", 1) for hit in proc.stdout.splitlines())  # line number -> line (grep -n)
+    left = []  # (line, name): a name that does not import from the line the sed left
+    for node in ast.walk(ast.parse(copy.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                importlib.import_module(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                submodule = hasattr(module, "__path__") and importlib.util.find_spec(f"{node.module}.{alias.name}")
+                if not (hasattr(module, alias.name) or submodule):
+                    left.append((node.lineno, alias.name))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "vision":
+            if not hasattr(importlib.import_module("common.vision"), node.attr):
+                left.append((node.lineno, node.attr))
+    assert left, "each of these copies uses a name that left its module"
+    for line, name in left:
+        assert name in hits.get(str(line), ""), (line, name, proc.stdout)
+        assert any(old.endswith(f".{name}") for old in names), name
+    if recipe == "mnist_convnet":
+        assert "from common.data.decoded import load_image_data, make_loader" in copy.read_text()
+        assert "import common.train.checkpoint as ckpt" in copy.read_text()
