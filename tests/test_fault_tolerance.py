@@ -185,7 +185,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
     the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
     process at once, without waiting for the step."""
     import common.data.sources as sources_module
-    from common.train.run import TrainingRun
+    from common.train.run import watching
     from common.train.stopping import StopFlag
 
     run = tmp_path / "run"
@@ -243,16 +243,12 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
     assert "resumed from" in again.stdout and (run / "final" / "model.safetensors").exists()
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
-    real_guard = TrainingRun.guard_step
-
-    def two_ctrl_c(self, grad_norm=None):
-        if self.global_step == 1:
+    def two_ctrl_c(run):
+        if run.global_step == 1:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
-        return real_guard(self, grad_norm)
 
-    with monkeypatch.context() as mp:
-        mp.setattr(TrainingRun, "guard_step", two_ctrl_c)
+    with watching(before_update=two_ctrl_c):
         with pytest.raises(KeyboardInterrupt):  # out of main(), as from `python recipe.py`: Python exits 130
             run_in_process("fashion_mnist_mlp", [*args[:8], "--output-dir", tmp_path / "run2"], env)
     assert not (tmp_path / "run2" / "checkpoints").exists()  # ended at once: no stop checkpoint
@@ -521,20 +517,17 @@ def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp
     """A stop request that lands on the run's very last step: the checkpoint is written and the run exits 75;
     the resume has no batches left but still runs the last epoch's evaluation and end, so its summary
     (epochs completed, best, final) equals the uninterrupted run's."""
-    from common.train.run import TrainingRun
+    from common.train.run import watching
 
     base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP]
     full, part = tmp_path / "full", tmp_path / "part"
     check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
-    real = TrainingRun.guard_step
 
-    def stop_on_the_last_step(self, grad_norm=None):
-        if self.global_step + 1 == self.ckpt.total_steps:
-            self.stop.reason = "a test's stop request"
-        return real(self, grad_norm)
+    def stop_on_the_last_step(run):
+        if run.global_step + 1 == run.ckpt.total_steps:
+            run.stop.reason = "a test's stop request"
 
-    with monkeypatch.context() as mp:
-        mp.setattr(TrainingRun, "guard_step", stop_on_the_last_step)
+    with watching(before_update=stop_on_the_last_step):
         proc = run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part], env)
     assert proc.returncode == 75, proc.stderr[-2000:]
     check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", part, "--resume-from", "latest"], env))

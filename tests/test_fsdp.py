@@ -76,6 +76,7 @@ def weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
+@pytest.mark.integration  # 4 launches of 2 processes: about 100 s
 def test_fsdp2_shards_trains_as_ddp_resumes_exactly_and_its_files_load_everywhere(fsdp_run, photos_like, tmp_path):
     root, proc = fsdp_run
     run_dir = root / "run"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from common.train.guard import StepGuard
-from common.train.run import TrainingRun
+from common.train.run import WATCHERS
 
 from helpers import SMALL, check_ok, recipe_env, run_in_process
 
@@ -91,13 +91,10 @@ def test_no_sync_between_log_steps(recipe, data, extra, request, tmp_path, monke
 
         return wrapper
 
-    original_end_step = TrainingRun.end_step
+    def end_step(run):
+        at_step_end.append((run.global_step, run.epoch, total[0], dict(by_name)))
 
-    def end_step(self):
-        original_end_step(self)
-        at_step_end.append((self.global_step, self.epoch, total[0], dict(by_name)))
-
-    monkeypatch.setattr(TrainingRun, "end_step", end_step)
+    monkeypatch.setitem(WATCHERS, "after_step", [end_step])
     for name in SYNCING_METHODS:
         monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
     for name in ("tensor", "as_tensor"):

@@ -1,6 +1,6 @@
-"""The plan of common/ holds: imports go one way (ground floor, techniques, data/, train/, tools/), no cycles, no
-module of 400 lines or more, no import of the project's own modules inside a function, and README's Layout table
-names every module."""
+"""The plan of common/ holds: imports go one way (ground floor, techniques, data/, train/, tools/), no cycles, each
+module says its one job, no import of the project's own modules inside a function, and README's Layout table names
+every module."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from helpers import REPO
 
 COMMON = REPO / "common"
-GROUND = {"errors", "console", "files", "config", "config_checks", "flag_hints", "moved"}
+GROUND = {"errors", "console", "files", "config", "config_checks", "flag_hints"}
 TECHNIQUES = {
     "models",
     "vision",
@@ -84,9 +84,9 @@ def test_no_import_of_the_projects_modules_inside_a_function():
     assert inner == []
 
 
-def test_every_module_is_one_job_under_400_lines():
-    sizes = {p.relative_to(REPO): len(p.read_text().splitlines()) for p in COMMON.rglob("*.py")}
-    assert {p: n for p, n in sizes.items() if n >= 400} == {}
+def test_every_module_says_its_one_job():
+    """One job per module, said in its docstring (its length is the job's: no line cap)."""
+    assert [m for m, tree in modules().items() if not ast.get_docstring(tree)] == []
 
 
 def test_readme_layout_names_every_module():

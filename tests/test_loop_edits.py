@@ -102,16 +102,13 @@ def same_losses(a: Path, b: Path) -> None:
 
 def stopped_at(monkeypatch, step: int):
     """A stop request (as a signal makes it) at optimizer step ``step``: the run checkpoints there and exits 75."""
-    from common.train.run import TrainingRun
+    from common.train.run import WATCHERS
 
-    real = TrainingRun.guard_step
+    def stop(run):
+        if run.global_step + 1 == step:
+            run.stop.reason = "a test's stop request"
 
-    def stop(self, grad_norm=None):
-        if self.global_step + 1 == step:
-            self.stop.reason = "a test's stop request"
-        return real(self, grad_norm)
-
-    monkeypatch.setattr(TrainingRun, "guard_step", stop)
+    monkeypatch.setitem(WATCHERS, "before_update", [stop])
 
 
 def stop_and_resume(tmp_path, monkeypatch, env, copy: Path, run_args: list, run: Path, step: int):

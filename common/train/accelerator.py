@@ -330,47 +330,6 @@ def require_fsdp2(accelerator) -> None:
         )
 
 
-def share_buffers(accelerator, model) -> None:
-    """Under FSDP2 every process takes the main process's buffers (BatchNorm's running statistics, which FSDP does
-    not shard and each process moves with its own batches), as DDP gives every forward pass: the model evaluated,
-    checkpointed and saved is one model, and a resume continues it exactly. Called before each of those; nothing
-    without FSDP2."""
-    if not accelerator.is_fsdp2 or accelerator.num_processes == 1:
-        return
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    for buffer in model.buffers():
-        if not isinstance(buffer, DTensor):
-            dist.broadcast(buffer, src=0)
-
-
-def sharding(accelerator, model) -> str:
-    """How FSDP2 shards ``model`` (prepared), for the startup line; '' without FSDP."""
-    if not accelerator.is_fsdp2:
-        return ""
-    from collections import Counter
-
-    from torch.distributed.fsdp import FSDPModule
-
-    from common.train.checkpoint import plain_class
-
-    units = Counter(plain_class(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model)
-    plugin = accelerator.state.fsdp_plugin
-    each = ", ".join(f"{n} {name}" for name, n in units.most_common())
-    units = (
-        f"units: {each} and the rest of {plain_class(model).__name__}"
-        if each
-        else f"one unit, the whole {plain_class(model).__name__} (no auto-wrap policy: fsdp_auto_wrap_policy "
-        "TRANSFORMER_BASED_WRAP shards it block by block)"
-    )
-    return (
-        f"sharded=FSDP2 over {accelerator.num_processes} process(es): parameters, gradients and optimizer state; "
-        f"{units}; reshard_after_forward={plugin.reshard_after_forward}; "
-        f"state_dict_type={plugin.state_dict_type.name}"
-    )
-
-
 def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "", sharded: str = "") -> str:
     dev = accelerator.device
     if dev.type == "cuda":

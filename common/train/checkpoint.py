@@ -32,6 +32,7 @@ from common.files import fsync_dir as _fsync_dir
 from common.files import fsync_file as _fsync_file
 from common.files import move_aside
 from common.files import write_fsynced as _fsync_write
+from common.train.sharding import plain_class, share_buffers
 
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -294,23 +295,12 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
     }
 
 
-def plain_class(module: torch.nn.Module) -> type:
-    """The module's own class: FSDP2's ``fully_shard`` swaps a sharded module's class for a subclass (FSDPResNet of
-    ResNet), which predict and export could not rebuild."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(module)
-    return next(b for b in cls.__bases__ if b is not FSDPModule) if issubclass(cls, FSDPModule) else cls
-
-
 def whole_weights(accelerator, model: torch.nn.Module, copy: bool = False) -> dict:
     """The model's state_dict whole, on the main process's host ({} on the others): under FSDP2 gathered from every
     process's shards (every process must call this then; Accelerate's ``get_state_dict``), else the unwrapped model's
     own (a compiled model's keys and class). ``copy``: copied even where the tensors already live on the host, for a
     write that outlives training's next update."""
     if getattr(accelerator, "is_fsdp2", False):
-        from common.train.accelerator import share_buffers
-
         share_buffers(accelerator, model)  # the main process's BatchNorm statistics, as every process has them
         state = accelerator.get_state_dict(model)  # full tensors on the main process, offloaded to its host
         return {k: v.detach().contiguous() for k, v in state.items()} if accelerator.is_main_process else {}

@@ -28,7 +28,8 @@ from common.errors import RecipeError
 from common.files import move_aside, write_atomic
 from common.schedules import lr_multiplier
 from common.train import checkpoint as ckpt
-from common.train.accelerator import on_main, share_buffers
+from common.train.accelerator import on_main
+from common.train.sharding import share_buffers
 
 
 class Checkpointer:

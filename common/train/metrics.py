@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from common.train.accelerator import share_buffers
+from common.train.sharding import share_buffers
 from common.train.tracking import on_terminal
 
 
