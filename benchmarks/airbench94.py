@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from harness import REPO, bad_input, machine_line, provenance, save, warn_if_busy  # first: the repo on sys.path
+from launching import recipe_config
 from torch import nn
 
 from common.data.decoded import load_image_data
 from common.errors import RecipeError
-from common.tools.launching import recipe_config
 from common.train.accelerator import cpu_bf16_support
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)  # CIFAR-10's, as the paper uses

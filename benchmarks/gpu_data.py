@@ -35,13 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from harness import REPO, bad_input, synthetic_images  # first: the repo on sys.path
+from launching import recipe_config
 from PIL import Image
 
 from common.data import cache
 from common.data.decoded import load_image_data
 from common.data.pixels import natural
 from common.data.splits import ImageSplit
-from common.tools.launching import recipe_config
 
 FORMAT = "accelerate-recipes-gpu-data/1"
 MAX_BYTES = 60 * 2**20  # of the window's 64 MiB: the working tree (about 1.3 MiB) travels too

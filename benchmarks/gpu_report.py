@@ -75,8 +75,7 @@ from pathlib import Path
 import gpu_data
 import torch
 from harness import REPO, bad_input, machine_line, provenance, warn_if_busy  # first: the repo on sys.path
-
-from common.tools.launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
+from launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
 
 DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 500, 20, 540  # the script's deadline, its data install, the run's timeout_s
 DEVICE_COMMAND = "PYTHONPATH=$PWD python3 benchmarks/gpu_report.py --out $OUT --work-dir /tmp/gpu-report"

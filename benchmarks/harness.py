@@ -26,10 +26,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-
-from common.data.augment import BatchTransform, batch_generator, channel_stats  # noqa: E402
-from common.tools.launching import (  # noqa: E402
+from launching import (  # noqa: E402
     import_recipe,
     launch_command,
     read_run,
@@ -40,7 +37,10 @@ from common.tools.launching import (  # noqa: E402
     shipped_recipes,
     stop_children_on_term,
 )
-from common.tools.machine import load_average, machine_info, versions  # noqa: E402
+from machine import load_average, machine_info, versions  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+
+from common.data.augment import BatchTransform, batch_generator, channel_stats  # noqa: E402
 
 NUM_CLASSES = 10
 # Image shape of each recipe's default Hub dataset (a recipe reads its shape from the data).

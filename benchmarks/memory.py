@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from harness import REPO, bad_input  # first: puts the repository on sys.path
+from machine import machine_info
 
 from common.config import CommonConfig
 from common.data.decoded import ImageSplit, load_image_data, make_loader
-from common.tools.machine import machine_info
 
 
 def memory_kib() -> dict:

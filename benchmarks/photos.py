@@ -28,8 +28,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from launching import launch_command, recipe_env  # noqa: E402
+
 from benchmarks.harness import machine_line, provenance, warn_if_busy  # noqa: E402
-from common.tools.launching import launch_command, recipe_env  # noqa: E402
 
 
 def timed(cmd, env, log: Path) -> tuple[int, float, float]:
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
         "--out-json", type=Path, default=REPO / "benchmarks" / "results" / f"photos-{socket.gethostname()}.json"
     )
     args = p.parse_args(argv)
-    from common.tools.launching import recipe_config
+    from launching import recipe_config
 
     cfg = recipe_config("finetune_folder", ["--dataset", str(args.data), *args.recipe_args.split()])
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="photos-bench-"))

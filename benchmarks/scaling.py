@@ -19,9 +19,8 @@ from pathlib import Path
 import harness
 import torch
 import torch.multiprocessing as mp
-
-from common.tools.launching import import_recipe, recipe_config
-from common.tools.machine import free_port
+from launching import import_recipe, recipe_config
+from machine import free_port
 
 
 def _ddp_worker(rank: int, world: int, port: int, job: dict, out_dir: str):

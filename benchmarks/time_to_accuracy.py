@@ -48,12 +48,7 @@ from harness import (  # first: the repo on sys.path
     split_recipe_args,
     warn_if_busy,
 )
-from torch import nn
-from torchvision import transforms
-
-from common.data.decoded import load_image_data
-from common.errors import RecipeError
-from common.tools.launching import (
+from launching import (
     launch_command,
     read_run,
     recipe_config,
@@ -62,6 +57,11 @@ from common.tools.launching import (
     shipped_recipes,
     stop_children_on_term,
 )
+from torch import nn
+from torchvision import transforms
+
+from common.data.decoded import load_image_data
+from common.errors import RecipeError
 
 # Flags the benchmark sets itself on the recipe command line (per seed, per run directory).
 OWN_FLAGS = ("--dataset", "--output-dir", "--seed", "--eval-every-steps", "--resume-from")
@@ -173,7 +173,7 @@ def recipe_eval_points(rows: list[dict], train_start: float) -> list[dict]:
 
 
 def read_recipe_run(run_dir: Path) -> dict:
-    """What a finished recipe run wrote (common.tools.launching.read_run), checked: it trained to its end and says
+    """What a finished recipe run wrote (launching.read_run), checked: it trained to its end and says
     when its first training step began (timing.train_start). RuntimeError otherwise."""
     run = read_run(run_dir)
     summary, timing = run["summary"], run["summary"].get("timing") or {}

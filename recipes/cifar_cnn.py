@@ -25,15 +25,24 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
-from common.averaging import Lookahead
-from common.config import CommonConfig, knob, parse_config
-from common.data.augment import BatchTransform, channel_stats
-from common.errors import ConfigError
-from common.models import CifarCNN, convert_sync_batchnorm, init_whitening, parse_ints
-from common.optimizers import sgd_with_bias_groups
-from common.schedules import LRRule, build_scheduler
-from common.train.metrics import evaluate
-from common.train.run import TrainingRun
+from common.api import (
+    BatchTransform,
+    CifarCNN,
+    CommonConfig,
+    ConfigError,
+    Lookahead,
+    LRRule,
+    TrainingRun,
+    build_scheduler,
+    channel_stats,
+    convert_sync_batchnorm,
+    evaluate,
+    init_whitening,
+    knob,
+    parse_config,
+    parse_ints,
+    sgd_with_bias_groups,
+)
 
 RECIPE = "cifar_cnn"
 

@@ -33,12 +33,20 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
-from common.config import CommonConfig, knob, parse_config
-from common.data.augment import BatchTransform, channel_stats
-from common.models import MLP, parse_floats, parse_ints
-from common.schedules import LRRule, build_scheduler
-from common.train.metrics import evaluate
-from common.train.run import TrainingRun
+from common.api import (
+    MLP,
+    BatchTransform,
+    CommonConfig,
+    LRRule,
+    TrainingRun,
+    build_scheduler,
+    channel_stats,
+    evaluate,
+    knob,
+    parse_config,
+    parse_floats,
+    parse_ints,
+)
 
 RECIPE = "fashion_mnist_mlp"
 

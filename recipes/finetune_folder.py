@@ -37,18 +37,25 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
-from common import vision
-from common.averaging import EMA
-from common.config import CommonConfig, knob, parse_config
-from common.console import say
-from common.data.augment import BatchTransform, batch_mix, mixed
-from common.data.photo_sources import load_photos
-from common.data.photos import photo_stats
-from common.errors import ConfigError
-from common.optimizers import param_groups
-from common.schedules import LRRule, build_scheduler
-from common.train.metrics import evaluate
-from common.train.run import TrainingRun
+from common.api import (
+    EMA,
+    BatchTransform,
+    CommonConfig,
+    ConfigError,
+    LRRule,
+    TrainingRun,
+    batch_mix,
+    build_scheduler,
+    evaluate,
+    knob,
+    load_photos,
+    mixed,
+    param_groups,
+    parse_config,
+    photo_stats,
+    say,
+    vision,
+)
 
 RECIPE = "finetune_folder"
 

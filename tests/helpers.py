@@ -17,12 +17,11 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
+import launching  # benchmarks/ (pytest.ini's pythonpath): the launch harness the benchmarks use too
 import numpy as np
 import pytest
-
-from common.tools import launching
-from common.tools.launching import recipe_path  # noqa: F401  (the tests import it from here)
-from common.tools.machine import free_port  # noqa: F401  (the tests import it from here)
+from launching import recipe_path  # noqa: F401  (the tests import it from here)
+from machine import free_port  # noqa: F401  (the tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,7 +193,7 @@ def check_ok(proc: subprocess.CompletedProcess):
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every row of a JSON-lines file, strictly: a missing file or a line cut short fails the test (the benchmarks'
-    common.tools.launching.read_jsonl forgives both, for runs that were killed)."""
+    benchmarks/launching.py's read_jsonl forgives both, for runs that were killed)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 

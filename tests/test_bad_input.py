@@ -233,7 +233,7 @@ time.sleep(60)
 @pytest.mark.parametrize("case", ["differ", "only_rank_1"])
 def test_bad_input_that_differs_by_process_is_said_by_each(tmp_path, env, case):
     """The false positive: a message the main process did not say (another one, or none at all) is printed."""
-    from common.tools.machine import free_port
+    from machine import free_port
 
     from helpers import ACCELERATE, CONFIGS, REPO
 

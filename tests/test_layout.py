@@ -21,7 +21,7 @@ TECHNIQUES = {
     "schedules",
     "averaging",
 }
-FLOORS = {"data": 2, "train": 3, "tools": 4}
+FLOORS = {"data": 2, "train": 3, "tools": 4, "api": 5}  # api: the names recipes use, from every floor
 
 
 def modules() -> dict[str, ast.Module]:
@@ -100,3 +100,20 @@ def test_readme_layout_names_every_module():
         if not re.search(rf"`{re.escape(parts[-1])}(\.py)?`", table):
             missing.append(m)
     assert missing == []
+
+
+def test_recipes_use_only_the_public_names():
+    """common.api's __all__ is the public surface: the recipes (which users copy) import from it alone, and
+    every name it declares exists."""
+    import common.api
+
+    assert not [n for n in common.api.__all__ if not hasattr(common.api, n)]
+    outside = []
+    for recipe in sorted((REPO / "recipes").glob("*.py")):
+        for node in ast.walk(ast.parse(recipe.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("common"):
+                if node.module != "common.api" or {a.name for a in node.names} - set(common.api.__all__):
+                    outside.append(f"{recipe.name}: from {node.module} import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("common") for a in node.names):
+                outside.append(f"{recipe.name}: import {', '.join(a.name for a in node.names)}")
+    assert outside == []

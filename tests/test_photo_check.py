@@ -16,10 +16,10 @@ import time
 import psutil
 import pytest
 import torch
+from launching import launch_command
 
 from common.data import photo_check
 from common.data.photos import PhotoSplit
-from common.tools.launching import launch_command
 from common.train.stopping import StopFlag
 
 from helpers import REPO, check_ok, run_in_process, write_photo_folder

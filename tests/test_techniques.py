@@ -254,7 +254,7 @@ def test_alternating_flip_shows_each_image_both_ways_and_resumes_exactly():
 def test_each_part_of_the_method_can_be_switched_off_for_an_ablation(tmp_path, capsys):
     """--dirac-init false gives torch's own conv init; --flip takes alternating, random or none (a bool, as an
     older run's config.json holds, is refused by name, not read as a flip mode)."""
-    from common.tools.launching import recipe_config
+    from launching import recipe_config
 
     recipe = import_recipe("cifar_cnn")
     for dirac in (True, False):

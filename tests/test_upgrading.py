@@ -18,6 +18,7 @@ from helpers import REPO
 
 DOC = REPO / "UPGRADING.md"
 ROW = re.compile(r"^\| `([\w.]+)` \| `([\w.]+)`")
+FILE_ROW = re.compile(r"^\| `([\w.]+)` \| `([\w/]+\.py)`", re.M)
 MODULES_MOVED, NAMES_MOVED = 29, 17  # 0.4 -> 0.5 is history: the tables neither grow nor shrink
 
 
@@ -61,7 +62,11 @@ def resolve(path: str):
 def test_every_place_the_tables_name_exists():
     modules, names = tables()
     assert (len(modules), len(names)) == (MODULES_MOVED, NAMES_MOVED)
+    left = dict(FILE_ROW.findall(section("Upgrading from 0.5 to 0.6")))  # 0.5 module -> its file in 0.6
     for old, new in modules.items():
+        if new in left:  # left the package in 0.6: its file is where that section says
+            assert (REPO / left[new]).is_file(), left[new]
+            continue
         importlib.import_module(new)
         if old != "common.data":  # the data folder since 0.5; its 0.4 names are data.py's, now decoded.py's
             with pytest.raises(ModuleNotFoundError):

@@ -38,7 +38,7 @@ from common.data.photos import eval_view
 from common.data.pixels import as_mode, read_rgb, unreadable_reason
 from common.data.walk import images_below
 from common.errors import RecipeError, printable, run_command
-from common.tools.launching import import_recipe
+from common.tools.recipe_files import import_recipe
 from common.train.checkpoint import find_model_dir, load_model_dir
 from common.train.metrics import tta_logits
 

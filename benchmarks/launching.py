@@ -5,7 +5,6 @@ environment, the run with its output kept in a log, and what a finished run wrot
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -14,35 +13,18 @@ import sys
 import time
 from pathlib import Path
 
+from machine import free_port
+
 from common.config import parse_config
-from common.tools.machine import free_port
+from common.tools.recipe_files import RECIPES_DIR, import_recipe, recipe_path  # noqa: F401  (read from here too)
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPES_DIR, CONFIGS_DIR = REPO / "recipes", REPO / "accelerate_configs"
-_IMPORTED: dict[Path, object] = {}
-
-
-def recipe_path(recipe) -> Path:
-    """A recipe name (recipes/<name>.py) or a path to a recipe file."""
-    path = Path(recipe)
-    return (path if path.suffix == ".py" else RECIPES_DIR / f"{recipe}.py").resolve()
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = REPO / "accelerate_configs"
 
 
 def shipped_recipes() -> list[str]:
     """The names of the recipes in recipes/, for choices and messages."""
     return sorted(path.stem for path in RECIPES_DIR.glob("*.py"))
-
-
-def import_recipe(recipe, prefix: str = "_recipe"):
-    """The recipe file as a module, imported once per file (recipes run nothing at import)."""
-    path = recipe_path(recipe)
-    if path not in _IMPORTED:
-        spec = importlib.util.spec_from_file_location(f"{prefix}_{len(_IMPORTED)}_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the Config class is made
-        spec.loader.exec_module(module)
-        _IMPORTED[path] = module
-    return _IMPORTED[path]
 
 
 def recipe_config(recipe, argv=()):
