@@ -3,7 +3,7 @@
 Each error's message is one paragraph that names the problem and the fix; commands print it after
 ``error:`` with no traceback and exit with the error's code. Through ``accelerate launch`` (torchrun)
 every non-zero worker exit reaches the shell as 1, so a run also records how it ended in
-``<run>/summary.json`` (``status``); see README, "Fault tolerance".
+``<run>/summary.json`` (``status``); see docs/fault-tolerance.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Fine-tune (or train from scratch) a torchvision, timm or transformers model on a folder of your own photos, or a
-Hugging Face image dataset, on 1 to N devices.
+Hugging Face image dataset, on 1 to N devices (FSDP version 2 on GPUs for models too large for one).
 
-Photos of any size and mode are read from their files per batch in DataLoader workers (common.data.photos): random
-resized crops and flips for training; for evaluation and predict the shorter side is resized and the centre
-cropped (never squashed). --image-size is that crop's side; from scratch the training crops grow from half of it
-to it over the epochs (progressive resizing: the early epochs cost less). Nothing decoded is kept, so memory and
-disk do not grow with the data. --model is a torchvision classification model, a timm model (resnet50d,
-timm/resnet10t.c3_in1k, hf-hub:org/name) or a folder holding a timm or transformers model (config.json and weights,
-which it starts from); --weights starts it from a state_dict file (or a folder holding one) or its library's
-pretrained weights (DEFAULT), whose own normalisation and crop size are then used.
-
-Measured (README): ResNet-18 from scratch on 3,457 flower photos, 32 epochs from 64 to 128 px, 2 CPU processes
-(amx_bf16): 73.02% validation (seeds 1-3) in 542-562 s; the previous default (16 epochs at 112 px) 67.76% in
-343-354 s, a torchvision-style script 42.26% in 682-726 s at those settings.
+Photos of any size and mode are decoded per batch in DataLoader workers: random resized crops and flips for
+training, the shorter side resized and the centre cropped for evaluation and predict. From scratch the training
+crops grow from half of --image-size to it (progressive resizing). --model: a torchvision or timm name, or a folder
+holding a timm or transformers model; --weights: DEFAULT (the library's pretrained weights) or a state_dict file.
+Folder rules and models: docs/data.md; measured accuracy and wall time: docs/results.md.
 
     accelerate launch recipes/finetune_folder.py --dataset ~/photos                     # ResNet-18 from scratch
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --weights DEFAULT   # pretrained (downloads)
     accelerate launch recipes/finetune_folder.py --dataset beans        # a Hub image dataset (or its clone, parquet)
-    accelerate launch recipes/finetune_folder.py --dataset ~/photos --model resnet50 --weights ~/resnet50.pth
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --model timm/resnet10t.c3_in1k --weights DEFAULT
-    accelerate launch recipes/finetune_folder.py --dataset ~/photos --model ~/vit-base-patch16-224  # transformers
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/finetune_folder.py \\
         --dataset ~/photos --workers 8 --output-dir runs/photos --resume-from latest
 Every knob: python recipes/finetune_folder.py --help
@@ -66,7 +57,7 @@ class Config(CommonConfig):
     dataset: str = knob(
         "",
         "a folder of photos (<dir>/<class>/<image>, optionally under train/ val/ test/), or a "
-        "Hugging Face image dataset: a Hub id, a local clone, parquet files (README)",
+        "Hugging Face image dataset: a Hub id, a local clone, parquet files (docs/data.md)",
     )
     model: str = knob(
         "resnet18",
@@ -251,7 +242,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(scored)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (README, "The loop") ---
+    # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (docs/loop.md) ---
     run.start(
         model,
         optimizer,

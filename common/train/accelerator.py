@@ -4,7 +4,7 @@
     print(startup_line(accelerator, cfg, steps_per_epoch, note))
 
 Launcher concerns (process count, precision, machines) come from ``accelerate launch`` and its config,
-never from the recipe. Two traps are handled here (README, "Launcher configs"):
+never from the recipe. Two traps are handled here (docs/launchers.md):
 
 - On a machine with no GPU the Accelerator is told ``cpu=True``: under a multi-process launch
   (torchrun) that is what makes the processes join one gloo group instead of silently running N
