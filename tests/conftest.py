@@ -22,6 +22,78 @@ from helpers import (
     write_photo_folder,
 )
 
+# The long tests, marked integration here by node id (a whole test, or one case of a parametrized test whose other
+# cases stay quick): each took about 12 s or more on a 2-core CPU (launches of 2 processes, SLURM, two nodes, the
+# benchmarks' own runs). With them out, `pytest -m "not integration"` is the quick tier CI runs; `pytest -m
+# integration` runs them (and the tests marked in their files: a real compile, the GPU script's rehearsal).
+LONG = {
+    "tests/test_bad_input.py::test_a_batch_larger_than_the_split_is_refused_on_two_processes_too",
+    "tests/test_bad_input.py::test_bad_input_on_two_processes_is_said_once[data]",
+    "tests/test_bad_input.py::test_bad_input_on_two_processes_is_said_once[flag]",
+    "tests/test_bad_input.py::test_bad_input_on_two_processes_is_said_once[photo]",
+    "tests/test_bad_input.py::test_bad_input_that_differs_by_process_is_said_by_each[differ]",
+    "tests/test_bad_input.py::test_bad_input_that_differs_by_process_is_said_by_each[only_rank_1]",
+    "tests/test_benchmark.py::test_data_path_times_the_loader_against_a_per_sample_pipeline",
+    "tests/test_benchmark.py::test_eval_overhead_times_an_evaluations_bookkeeping_against_its_forward_passes",
+    "tests/test_benchmark.py::test_memory_measures_both_modes_on_a_local_dataset",
+    "tests/test_benchmark.py::test_scaling_runs_one_and_two_processes_through_accelerate_and_raw_ddp",
+    "tests/test_data.py::test_an_unchanged_folder_is_read_without_datasets_and_a_changed_one_is_decoded_again",
+    "tests/test_data.py::test_two_processes_racing_for_the_cache_decode_each_split_once",
+    "tests/test_fault_tolerance.py::test_a_kill_during_a_checkpoint_write_and_a_damaged_complete_checkpoint",
+    "tests/test_fault_tolerance.py::test_mid_epoch_resume_is_exact[2]",
+    "tests/test_fault_tolerance.py::test_one_failing_rank_ends_the_job",
+    "tests/test_fault_tolerance.py::test_port_in_use",
+    "tests/test_fault_tolerance.py::test_sync_bn_two_processes_equals_one_process_full_batch",
+    "tests/test_fault_tolerance.py::test_two_nodes_over_loopback_train_together",
+    "tests/test_finetune_folder.py::test_a_weights_file_with_a_1000_class_head_loads_into_a_3_class_model",
+    "tests/test_finetune_folder.py::test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved",
+    "tests/test_finetune_folder.py::test_the_recipes_own_augmentation_trains_and_resumes_exactly",
+    "tests/test_finetune_folder.py::test_trains_on_photos_of_any_size_and_mode_at_1_and_2_processes",
+    "tests/test_fsdp.py::test_a_sharded_checkpoint_is_resumed_only_sharded",
+    "tests/test_gpu_paths.py::test_compiled_run_files_load_everywhere[finetune_folder]",
+    "tests/test_gpu_paths.py::test_compiled_run_files_load_everywhere[mnist_convnet]",
+    "tests/test_gpu_paths.py::test_fp16_with_and_without_clipping[finetune_folder-extra5]",
+    "tests/test_hot_path.py::test_no_sync_between_log_steps[finetune_folder-photos_like-extra4]",
+    "tests/test_image_folders.py::test_two_processes_read_the_same_split_of_a_folder",
+    "tests/test_launcher_promises.py::test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run",
+    "tests/test_launcher_promises.py::test_a_nohup_run_survives_the_logout_of_its_shell",
+    "tests/test_launcher_promises.py::test_no_shared_filesystem_is_refused_on_every_node",
+    "tests/test_launcher_promises.py::test_one_writer_per_run_directory_and_a_terminated_launcher",
+    "tests/test_loop_edits.py::test_break_and_continue_on_two_processes_through_the_launcher",
+    "tests/test_loop_edits.py::test_continue_before_the_step_skips_the_batch[finetune_folder]",
+    "tests/test_model_families.py::test_a_transformers_folder_trains_resumes_exactly_and_predict_export_and_eval_only_load_it",
+    "tests/test_old_copies.py::test_through_the_launcher_on_two_processes_it_is_said_once",
+    "tests/test_photo_check.py::test_a_sigkilled_run_leaves_no_photo_checker_running[launcher]",
+    "tests/test_photo_tables.py::test_a_parquet_image_dataset_trains_exactly_as_the_same_photos_in_a_folder",
+    "tests/test_photo_tables.py::test_memory_stays_flat_in_the_number_of_photos",
+    "tests/test_photo_trust.py::test_a_large_folder_is_checked_beside_training_and_a_damaged_photo_stops_it_naming_all",
+    "tests/test_photo_trust.py::test_a_weights_run_resumes_without_its_file_and_keeps_its_normalisation",
+    "tests/test_photo_trust.py::test_eval_only_normalises_as_the_scored_run_did_on_any_data",
+    "tests/test_photo_trust.py::test_every_path_scores_large_photos_of_odd_sizes_alike",
+    "tests/test_photo_trust.py::test_the_ema_is_one_model_on_every_rank_and_resumes_exactly_at_2_processes",
+    "tests/test_predict.py::test_cli_folder_table_csv_and_output_file",
+    "tests/test_predict.py::test_model_class_of_a_users_own_recipe_file",
+    "tests/test_recipes.py::test_eval_only_on_two_processes",
+    "tests/test_recipes.py::test_recipe_end_to_end[2-cifar_cnn]",
+    "tests/test_recipes.py::test_recipe_end_to_end[2-fashion_mnist_mlp]",
+    "tests/test_scan_cache.py::test_a_kept_scan_that_leaves_files_out_stops_the_run_and_a_photo_added_after_launch_does_not",
+    "tests/test_scan_cache.py::test_a_later_run_reads_the_kept_scan_until_a_folder_changes_and_a_resume_walks",
+    "tests/test_scan_cache.py::test_a_photo_replaced_in_place_stops_a_run_started_from_the_kept_scan",
+    "tests/test_slurm.py::test_batch_script_checkpoints_requeues_and_resumes",
+    "tests/test_slurm.py::test_real_slurm_requeue_and_resume",
+    "tests/test_techniques.py::test_cifar_resume_with_lookahead_and_whitening_is_exact[2]",
+    "tests/test_time_to_accuracy.py::test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accuracy",
+    "tests/test_time_to_accuracy.py::test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy",
+    "tests/test_user_commands.py::test_copied_recipe_with_its_own_model_is_served_by_every_tool",
+    "tests/test_user_commands.py::test_cpu_config_that_starts_one_process_says_so",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in LONG or item.nodeid.split("[", 1)[0] in LONG:
+            item.add_marker(pytest.mark.integration)
+
 
 @pytest.fixture
 def env(tmp_path):

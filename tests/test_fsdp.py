@@ -143,16 +143,28 @@ class Payload:
         return (shutil.rmtree, ("/nonexistent-target",))
 
 
-def test_a_crafted_or_damaged_sharded_checkpoint_is_refused_before_torch_reads_it(fsdp_run, tmp_path):
+def sharded_checkpoint(folder):
+    """A checkpoint folder as Accelerate's FSDP2 save_state lays it out: torch.distributed.checkpoint's files (written
+    here by one process) in pytorch_model_fsdp_0/ and optimizer_0/."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(
+        {"conv.weight": torch.randn(8, 3, 3, 3), "fc.bias": torch.randn(5)},
+        checkpoint_id=folder / "pytorch_model_fsdp_0",
+    )
+    dcp.save({"state": {"0": {"momentum_buffer": torch.randn(5)}}}, checkpoint_id=folder / "optimizer_0")
+    return folder
+
+
+def test_a_crafted_or_damaged_sharded_checkpoint_is_refused_before_torch_reads_it(tmp_path):
     """torch.distributed.checkpoint reads a sharded folder's .metadata with plain pickle: a crafted index would run
     code. It is read first with only the records such an index holds; a file shorter than the index says is
     damage (--resume-from latest then falls back)."""
     from common.errors import RecipeError
     from common.train import checkpoint as ckpt
 
-    root, _ = fsdp_run
-    good = root / "run" / "checkpoints" / "step-00000006"
-    ckpt.verify_files(good)  # the real one passes
+    good = sharded_checkpoint(tmp_path / "good")
+    ckpt.verify_files(good)  # a real one passes
 
     crafted = tmp_path / "crafted"
     shutil.copytree(good, crafted)
@@ -174,7 +186,7 @@ def test_a_crafted_or_damaged_sharded_checkpoint_is_refused_before_torch_reads_i
     cut = tmp_path / "cut"
     shutil.copytree(good, cut)
     shard = sorted((cut / "pytorch_model_fsdp_0").glob("*.distcp"))[0]
-    shard.write_bytes(shard.read_bytes()[:1000])
+    shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ckpt.DamagedCheckpoint, match="shorter than its index says"):
         ckpt.verify_files(cut)
 
