@@ -27,6 +27,7 @@ ROWS = [
     "correct/compile/predict",
     "correct/ema",
     "correct/sync-bn",
+    "correct/fsdp2",
     "cifar_cnn_vs_airbench94",
     "mnist_convnet_to_99.3",
     *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),

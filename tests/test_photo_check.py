@@ -28,7 +28,7 @@ ARGS = ["--image-size", 32, "--batch-size", 8, "--workers", 0, "--model", "shuff
 # the photo recipe with its checker slowed (``slowed``), for a run in a process of its own
 WRAPPER = """
 import os, runpy, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {benchmarks!r}]
 from common.data import photo_check
 from test_photo_check import slowed
 env = os.environ
@@ -72,7 +72,7 @@ def slowed_run(tmp_path, env, root, nproc=0, fast=10, delay=2.0):
     """The photo recipe on ``root`` (checked beside training) in a process of its own under a slowed checker,
     started, not awaited (``nproc=1``: under `accelerate launch`); the checker's log."""
     wrapper = tmp_path / "slowed.py"
-    wrapper.write_text(WRAPPER.format(tests=str(REPO / "tests")))
+    wrapper.write_text(WRAPPER.format(tests=str(REPO / "tests"), benchmarks=str(REPO / "benchmarks")))
     log = tmp_path / "checked.log"
     env = {**env, "ACCELERATE_RECIPES_CHECK_FIRST": "5", "CHECK_LOG": str(log)}
     env.update(CHECK_FAST=str(fast), CHECK_DELAY_S=str(delay))
