@@ -131,3 +131,13 @@ def test_the_link_check_sees_a_broken_file_and_anchor(tmp_path, monkeypatch):
         "`[not a link](nowhere.md)`\n\n# Top\n\n[bad](b.md#missing) [gone](c.md)\n"
     )
     assert broken_links(page) == ["a.md: b.md#missing (no heading with that anchor)", "a.md: c.md (no such file)"]
+
+
+def test_readme_api_paragraph_is_common_api_all():
+    """README's API paragraph names exactly the public surface the recipes import from."""
+    import common.api
+
+    text = (REPO / "README.md").read_text()
+    paragraph = next(p for p in text.split("\n\n") if p.startswith("The API:"))
+    named = re.findall(r"`(\w+)`", paragraph.split(":", 2)[2])
+    assert named == list(common.api.__all__)
