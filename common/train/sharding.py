@@ -10,8 +10,10 @@ import torch
 def plain_class(module: torch.nn.Module) -> type:
     """The module's own class: FSDP2's ``fully_shard`` swaps a sharded module's class for a subclass (FSDPResNet of
     ResNet), which predict and export could not rebuild."""
-    from torch.distributed.fsdp import FSDPModule
-
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before 2.6 has no FSDP2: no class was swapped
+        return type(module)
     cls = type(module)
     return next(b for b in cls.__bases__ if b is not FSDPModule) if issubclass(cls, FSDPModule) else cls
 
