@@ -181,6 +181,34 @@ def run_in_process(recipe, args, env, cwd=None) -> InProcessResult:
     return InProcessResult([str(path), *argv], code or 0, out.getvalue(), err.getvalue())
 
 
+def run_in_process_signalled(recipe, args, env, run_dir: Path, key: str, rows: int, sig=signal.SIGTERM):
+    """``run_in_process``, with ``sig`` sent to this process once ``run_dir``/metrics.jsonl holds ``rows`` rows
+    carrying ``key`` (a stop mid-run, at a point the run reached); never after main() returned, nor later than
+    120 s."""
+    import threading
+    import time
+
+    returned = threading.Event()
+
+    def signal_when_logged():
+        deadline = time.time() + 120
+        while time.time() < deadline and not returned.is_set():
+            metrics = Path(run_dir) / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().count(f'"{key}"') >= rows:
+                if not returned.is_set():
+                    os.kill(os.getpid(), sig)  # handled by the recipe's stop flag
+                return
+            time.sleep(0.02)
+
+    sender = threading.Thread(target=signal_when_logged, daemon=True)
+    sender.start()
+    try:
+        return run_in_process(recipe, args, env)
+    finally:
+        returned.set()
+        sender.join(timeout=10)
+
+
 def check_ok(proc: subprocess.CompletedProcess):
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-6000:]}"

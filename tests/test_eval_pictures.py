@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import check_ok, read_jsonl, run_in_process
+from helpers import check_ok, read_jsonl, run_in_process, run_in_process_signalled
 
 CONV = ["--width", "8"]
 NAMES = ["cat", "dog", "bird", "fish"]
@@ -141,24 +140,7 @@ def test_a_stopped_run_keeps_every_evaluations_pictures_and_its_resume_adds_the_
     run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 400, "--batch-size", 32, *CONV, "--eval-every-steps", 2]
     args += ["--log-every", 1, "--output-dir", run, "--resume-from", "latest"]
-    returned = threading.Event()
-
-    def terminate_after_two_evaluations():
-        deadline = time.time() + 120
-        while time.time() < deadline and not returned.is_set():
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().count('"eval/accuracy"') >= 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(0.02)
-
-    killer = threading.Thread(target=terminate_after_two_evaluations, daemon=True)
-    killer.start()
-    try:
-        proc = run_in_process("mnist_convnet", args, env)
-    finally:
-        returned.set()
-        killer.join(timeout=10)
+    proc = run_in_process_signalled("mnist_convnet", args, env, run, "eval/accuracy", 2)  # after two evaluations
     assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps, found = eval_steps(run), images_by_tag(run)
     assert len(steps) >= 2

@@ -25,6 +25,7 @@ from helpers import (
     read_jsonl,
     recipe_env,
     run_in_process,
+    run_in_process_signalled,
     stopped_at,
 )
 
@@ -128,7 +129,6 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
     75 and says how to continue; the same command resumes. In this process (the signal handler and the
     stop path are the same code at any process count); a TERM reaching both ranks of a real 2-process
     launch through the launcher is tests/test_slurm.py::test_batch_script_checkpoints_requeues_and_resumes."""
-    import threading
 
     run = tmp_path / "run"
     args = [
@@ -146,25 +146,7 @@ def test_sigterm_checkpoints_exits_75_and_the_same_command_resumes(tmp_path, env
         "--resume-from",
         "latest",
     ]
-    returned = threading.Event()
-
-    def terminate_once_training():
-        deadline = time.time() + 120
-        while time.time() < deadline and not returned.is_set():
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().count('"train/loss"') >= 2:
-                if not returned.is_set():
-                    os.kill(os.getpid(), sig)  # handled by the recipe's stop flag
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=terminate_once_training, daemon=True)
-    killer.start()
-    try:
-        proc = run_in_process("fashion_mnist_mlp", args, env)
-    finally:
-        returned.set()
-        killer.join(timeout=10)
+    proc = run_in_process_signalled("fashion_mnist_mlp", args, env, run, "train/loss", 2, sig)  # once training
     assert proc.returncode == 75, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert f"stopped by signal {sig.name} at step" in out and "--resume-from latest to continue" in out, out
