@@ -78,6 +78,28 @@ from harness import REPO, bad_input, machine_line, provenance, warn_if_busy  # f
 from launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
 
 DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 500, 20, 540  # the script's deadline, its data install, the run's timeout_s
+# Each row's seconds on the GPU: what it took on an NVIDIA H200 (2026-11-27, benchmarks/results/gpu-h200-2026-11-27.json)
+# rounded up by about a second, summing to DEADLINE_S less SETUP_S. Most of a row is its launch (two Python processes
+# importing torch), not the GPU's work.
+BUDGET_S = {
+    "correct/bf16": 21,
+    "correct/bf16+clip": 16,
+    "correct/fp16": 21,
+    "correct/fp16+clip": 18,
+    "correct/compile": 48,
+    "correct/compile/predict": 7,
+    "correct/ema": 46,
+    "correct/sync-bn": 25,
+    "correct/fsdp2": 45,
+    "cifar_cnn_vs_airbench94": 58,
+    "mnist_convnet_to_99.3": 46,
+    "throughput/mnist_convnet/host": 20,
+    "throughput/mnist_convnet/device": 18,
+    "throughput/cifar_cnn/host": 26,
+    "throughput/cifar_cnn/device": 22,
+    "profile/mnist_convnet": 19,
+    "profile/cifar_cnn": 23,
+}
 DEVICE_COMMAND = "PYTHONPATH=$PWD python3 benchmarks/gpu_report.py --out $OUT --work-dir /tmp/gpu-report"
 CARRY = "gpu-data"
 TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
@@ -304,7 +326,7 @@ def plan(ctx: Ctx) -> list[Row]:
             rows.append(
                 Row(
                     name,
-                    25 if name == "correct/bf16" else 20,
+                    BUDGET_S[name],
                     f"mnist_convnet {precision}{', --max-grad-norm 1' if clip else ''}, {STEPS} steps",
                     launch(ctx, "mnist_convnet", args("mnist_convnet", run.name, *flags, report=not clip), precision),
                     lambda r=run, p=precision: read_correct(r, p, toy),
@@ -314,7 +336,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "correct/compile",
-            60,
+            BUDGET_S["correct/compile"],
             f"mnist_convnet bf16 under --dynamo_backend {backend}, {STEPS} steps; weights without _orig_mod.",
             launch(ctx, "mnist_convnet", args("mnist_convnet", run.name, *steps), extra=("--dynamo_backend", backend)),
             lambda r=run: read_correct(r, "bf16", toy, compiled=True),
@@ -324,7 +346,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "correct/compile/predict",
-            15,
+            BUDGET_S["correct/compile/predict"],
             "python -m common.tools.predict on the compiled run's best/ (else final/), 48 held-out images",
             [
                 ctx.py,
@@ -343,17 +365,17 @@ def plan(ctx: Ctx) -> list[Row]:
             after="correct/compile",
         )
     )
-    for name, recipe, budget, flags, what in (
-        ("correct/ema", "finetune_folder", 25, ["--ema-decay", 0.99, "--epochs", 8, "--batch-size", 32],
+    for name, recipe, flags, what in (
+        ("correct/ema", "finetune_folder", ["--ema-decay", 0.99, "--epochs", 8, "--batch-size", 32],
          "finetune_folder --ema-decay 0.99, 200 flower photos"),
-        ("correct/sync-bn", "cifar_cnn", 20, ["--sync-bn", "--epochs", 1], "cifar_cnn --sync-bn, 1 GPU"),
+        ("correct/sync-bn", "cifar_cnn", ["--sync-bn", "--epochs", 1], "cifar_cnn --sync-bn, 1 GPU"),
     ):  # fmt: skip
         run = w / "runs" / name.replace("/", "-")
         flags = [*flags, "--max-steps", STEPS, "--log-every", 10]
         rows.append(
             Row(
                 name,
-                budget,
+                BUDGET_S[name],
                 f"{what}, {STEPS} steps",
                 launch(ctx, recipe, args(recipe, run.name, *flags)),
                 lambda r=run: read_correct(r, "bf16", toy),
@@ -367,7 +389,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "correct/fsdp2",
-            15,
+            BUDGET_S["correct/fsdp2"],
             f"finetune_folder under --use_fsdp --fsdp_version 2 (block by block), 200 flower photos, {STEPS} steps",
             launch(ctx, "finetune_folder", args("finetune_folder", run.name, *flags), extra=fsdp,
                    through=(REPO / "tests" / "standins" / "fsdp_on_cpu.py",) if toy else ()),
@@ -383,7 +405,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "cifar_cnn_vs_airbench94",
-            95,
+            BUDGET_S["cifar_cnn_vs_airbench94"],
             f"cifar_cnn default (single_gpu.yaml, bf16) vs airbench94 = benchmarks/airbench94.py (blob "
             f"{blob_id(REPO / 'benchmarks' / 'airbench94.py')}: this repository's, from the paper arXiv 2404.00498, "
             "not Keller Jordan's file; fp16, uncompiled), same split and GPU",
@@ -416,7 +438,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "mnist_convnet_to_99.3",
-            55,
+            BUDGET_S["mnist_convnet_to_99.3"],
             "time_to_accuracy.py, mnist_convnet default (single_gpu.yaml, bf16), evaluating every 100 steps",
             tta(
                 "--recipe",
@@ -454,19 +476,19 @@ def plan(ctx: Ctx) -> list[Row]:
             rows.append(
                 Row(
                     name,
-                    18,
+                    BUDGET_S[name],
                     f"{recipe} bf16, --data-on-device {on}, {n} steps, windows of {every}",
                     launch(ctx, recipe, args(recipe, run.name, *flags)),
                     lambda r=run: read_rate(r),
                 )
             )
-    for recipe, budget in (("mnist_convnet", 18), ("cifar_cnn", 20)):
+    for recipe in ("mnist_convnet", "cifar_cnn"):
         run = w / "runs" / f"profile-{recipe}"
         flags = ["--epochs", 1, "--max-steps", 12, "--log-every", 10, "--profile", 5]
         rows.append(
             Row(
                 f"profile/{recipe}",
-                budget,
+                BUDGET_S[f"profile/{recipe}"],
                 f"{recipe} bf16 --profile 5 (steps 3-7)",
                 launch(ctx, recipe, args(recipe, run.name, *flags)),
                 lambda r=run: read_profile(r),
