@@ -78,9 +78,9 @@ from harness import REPO, bad_input, machine_line, provenance, warn_if_busy  # f
 from launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
 
 DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 500, 20, 540  # the script's deadline, its data install, the run's timeout_s
-# Each row's seconds on the GPU: what it took on an NVIDIA H200 (2026-11-27, benchmarks/results/gpu-h200-2026-11-27.json)
-# rounded up by about a second, summing to DEADLINE_S less SETUP_S. Most of a row is its launch (two Python processes
-# importing torch), not the GPU's work.
+# Each row's seconds on the GPU: what it took on an NVIDIA H200 (benchmarks/results/gpu/h200-2026-11-27.json), rounded
+# up by about a second, summing to DEADLINE_S less SETUP_S. Most of a row is its launch (two Python processes importing
+# torch), not the GPU's work.
 BUDGET_S = {
     "correct/bf16": 21,
     "correct/bf16+clip": 16,
