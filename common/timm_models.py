@@ -34,8 +34,8 @@ def timm_module():
         import timm
     except ImportError as err:
         raise ConfigError(
-            f"timm models need the timm package, which is not importable ({err}). Run `pip install timm` (or "
-            "`pip install -r requirements.txt`, which installs it), or pick a torchvision --model."
+            f"timm models need the timm package, which is not importable ({err}). Run `pip install -e '.[timm]'` in "
+            "this repository (or `pip install timm`), or pick a torchvision --model."
         ) from None
     return timm
 

@@ -7,6 +7,8 @@ first: ``resnet50`` is torchvision's, ``timm/resnet50`` (or ``resnet50.a1_in1k``
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -44,7 +46,19 @@ def check_name(name: str) -> str:
     folder = model_folder(name)
     if folder is not None:
         return folder_family(folder)
-    if timm_models.is_hub_name(name) or timm_models.registry_name(name) or name.startswith("timm/"):
+    if timm_models.is_hub_name(name):
+        return "timm"
+    if name.startswith("timm/"):
+        timm_models.timm_module()  # without timm: the paragraph naming its install
+    elif importlib.util.find_spec("timm") is None:  # an extra: a name torchvision lacks may be timm's
+        close = difflib.get_close_matches(name, model_names(), n=5)
+        raise ConfigError(
+            f"--model {name!r} is not a torchvision classification model"
+            + (f" (did you mean {', '.join(close)}?)" if close else "")
+            + ", and timm is not installed here: for a timm model, run `pip install -e '.[timm]'` in this repository "
+            f"(or `pip install timm`). {MODEL_FORMS}."
+        )
+    if timm_models.registry_name(name) or name.startswith("timm/"):
         return "timm"
     close = timm_models.close_names(name, others=model_names())  # torchvision's and timm's, nearest first
     raise ConfigError(

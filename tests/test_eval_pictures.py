@@ -108,7 +108,8 @@ def test_a_run_draws_no_picture_in_its_own_process_and_every_one_reaches_tensorb
     tmp_path, env, mnist_like, monkeypatch
 ):
     """The drawing functions raise in the training process: every evaluation's pictures still reach TensorBoard at
-    its step (so they were drawn elsewhere), and confusion_matrix.png is the final one TensorBoard got."""
+    its step (so they were drawn elsewhere), confusion_matrix.png is the final one TensorBoard got, and curves.png is
+    drawn by the drawing process too (matplotlib is not imported here for it)."""
     import common.train.plots as plots
     import common.train.render as render
 
@@ -118,6 +119,7 @@ def test_a_run_draws_no_picture_in_its_own_process_and_every_one_reaches_tensorb
     for module in (plots, render):
         monkeypatch.setattr(module, "confusion_matrix_image", not_here)
         monkeypatch.setattr(module, "misclassified_grid", not_here)
+        monkeypatch.setattr(module, "curves_png", not_here)
     run = tmp_path / "run"
     args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *CONV, "--eval-every-steps", 3]
     proc = check_ok(run_in_process("mnist_convnet", [*args, "--output-dir", run], env))
@@ -130,7 +132,8 @@ def test_a_run_draws_no_picture_in_its_own_process_and_every_one_reaches_tensorb
     (final,) = found["test/confusion_matrix"]
     assert final.step == 9 and [e.step for e in found["test/misclassified"]] == [9]
     assert (run / "confusion_matrix.png").read_bytes() == final.encoded_image_string
-    assert (run / "curves.png").stat().st_size > 0
+    monkeypatch.undo()
+    assert (run / "curves.png").read_bytes() == plots.curves_png(run / "metrics.jsonl")  # what this process draws
     assert not list(run.glob("*.tmp")) and not list(run.glob(".tmp-*")) and not list(run.glob(".old-*"))
 
 

@@ -188,6 +188,25 @@ def test_a_mistyped_model_gets_its_closest_names_in_one_paragraph(tmp_path, env,
     assert "did you mean mobilenetv4_conv_small" in paragraph, paragraph
 
 
+def test_without_timm_a_name_torchvision_lacks_says_what_to_install(monkeypatch):
+    """timm is an extra: without it, a timm name (or a typo of a torchvision one) is one paragraph with torchvision's
+    closest names and the install line; torchvision's names still resolve."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "timm" else find_spec(name, *a))
+    monkeypatch.setitem(sys.modules, "timm", None)  # `import timm` raises ImportError
+    assert vision.check_name("resnet18") == "torchvision"
+    for name, close in (("resnet10t", "resnet18"), ("resnt18", "resnet18")):
+        with pytest.raises(ConfigError) as caught:
+            vision.check_name(name)
+        message = str(caught.value)
+        assert "pip install -e '.[timm]'" in message and "did you mean" in message and close in message, message
+        assert "\n" not in message
+    with pytest.raises(ConfigError, match=r"timm models need the timm package"):
+        vision.resolve("timm/resnet10t.c3_in1k", "")
+
+
 def test_without_transformers_a_transformers_folder_says_what_to_install(tmp_path, monkeypatch):
     folder = tmp_path / "vit"
     folder.mkdir()

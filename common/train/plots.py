@@ -194,6 +194,11 @@ def png_bytes(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def png_size(png: bytes) -> tuple[int, int]:
+    """(height, width) of PNG bytes, from the header's IHDR chunk."""
+    return int.from_bytes(png[20:24], "big"), int.from_bytes(png[16:20], "big")
+
+
 def save_image_png(image, path) -> Path:
     """Write an ``(H, W, 3)`` uint8 array (as returned above), or PNG bytes, to a PNG file, whole or not at all (a
     temp file renamed: a killed run leaves no cut-off picture); returns the path."""
@@ -295,6 +300,11 @@ def save_curves_png(metrics_jsonl_path, out_png) -> Path:
     accuracy panel, so missing keys just mean missing lines; a panel with no data says so. Evaluation
     series always have markers (a single evaluation is a visible point), train series when they have
     at most ``FEW_POINTS`` points."""
+    return save_image_png(curves_png(metrics_jsonl_path), out_png)
+
+
+def curves_png(metrics_jsonl_path) -> bytes:
+    """The picture ``save_curves_png`` writes, as PNG bytes."""
     records = read_metrics(metrics_jsonl_path)
     fig = curves_figure(
         records,
@@ -303,4 +313,4 @@ def save_curves_png(metrics_jsonl_path, out_png) -> Path:
     )
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    return save_image_png(buf.getvalue(), out_png)
+    return buf.getvalue()

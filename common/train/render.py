@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.train.plots import confusion_matrix_image, misclassified_grid, png_bytes
+from common.train.plots import confusion_matrix_image, curves_png, misclassified_grid, png_bytes, png_size
 
 MAX_PENDING = 2  # evaluations waiting to be drawn before the loop waits for one (evaluations outrunning drawing)
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `common`, for the child's import
@@ -54,9 +54,14 @@ class Drawn:
 
 
 def draw(job: dict, arrays: dict) -> dict:
-    """The pictures ``job["draw"]`` names ("confusion", "misclassified") as {name: (PNG bytes, height, width)}."""
+    """The pictures ``job["draw"]`` names ("confusion", "misclassified"; "curves": the run's curves.png, from the
+    metrics.jsonl at ``job["metrics"]``) as {name: (PNG bytes, height, width)}."""
     out = {}
     for name in job["draw"]:
+        if name == "curves":
+            png = curves_png(job["metrics"])
+            out[name] = (png, *png_size(png))
+            continue
         if name == "confusion":
             image = confusion_matrix_image(arrays["confusion"], job["class_names"], title=job["title"])
         else:

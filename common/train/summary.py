@@ -104,15 +104,18 @@ class Summary:
             except OSError:  # a full disk: summary.json keeps its last whole version ("running")
                 pass
 
-    def finish(self, cfg, values: dict, split: str, final: dict, confusion) -> str:
+    def finish(self, cfg, values: dict, split: str, final: dict, confusion, curves: bytes | None = None) -> str:
         """The end of a run that trained to its end: the --target-accuracy check decides the status (returned);
-        curves.png and confusion_matrix.png (``confusion``: the PNG TensorBoard got, titled with the step), summary.json
-        and the printed table."""
+        curves.png (``curves``: its PNG, else drawn here) and confusion_matrix.png (``confusion``: the PNG TensorBoard
+        got, titled with the step), summary.json and the printed table."""
         value = final.get(f"{split}/accuracy")
         missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
         status = "target_missed" if missed else "completed"
         if self.accelerator.is_main_process:
-            save_curves_png(self.path / "metrics.jsonl", self.path / "curves.png")
+            if curves is not None:
+                save_image_png(curves, self.path / "curves.png")
+            else:
+                save_curves_png(self.path / "metrics.jsonl", self.path / "curves.png")
             if confusion is not None:
                 save_image_png(confusion, self.path / "confusion_matrix.png")
         say(self.table(cfg.monitor, values, final, self.write(status, values, {"final": final})))
