@@ -446,6 +446,7 @@ def test_resume_refuses_another_model(tmp_path, env, mnist_like):
     proc = run_in_process("fashion_mnist_mlp", [*base, "--hidden", "64", "--resume-from", "latest"], env)
     assert proc.returncode == 2
     assert "different model" in proc.stderr and "Traceback" not in proc.stderr
+    assert "The run used --hidden '32' (this command: '64')" in proc.stderr, proc.stderr[-2000:]
 
 
 def tree(run: Path) -> dict:

@@ -310,6 +310,20 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
     return [f"resuming with the run's own {', '.join(taken)} (from the checkpoint)"] if taken else []
 
 
+def _settings_differing(saved, cfg) -> str:
+    """The run's settings that this command changes, other than how it is watched, stored or fed: a sentence for a
+    refusal (a recipe's default that changed between versions shows here), or ''."""
+    if not isinstance(saved, dict):
+        return ""
+    skip = RESUME_FREE | RESUME_APPLIED | set(RESUME_MUST_MATCH) | {"explicit"}
+    found = [
+        f"--{key.replace('_', '-')} {str(saved[key])[:60]!r} (this command: {str(value)[:60]!r})"
+        for key, value in sorted(dataclasses.asdict(cfg).items())
+        if key in saved and key not in skip and saved[key] != value
+    ]
+    return f"The run used {'; '.join(found[:6])}. " if found else ""
+
+
 def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[str]:
     """Refuse a checkpoint of another model or global batch; return notes on what else changed."""
     mine = ckpt.model_signature(accelerator.unwrap_model(model, keep_torch_compile=False))
@@ -318,7 +332,8 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
         diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
         raise RecipeError(
             f"The checkpoint {path} was written by a different model (first differences: {', '.join(diff[:4])}). "
-            "Resume with the same recipe and model settings (see the config.json in its run directory), or "
+            + _settings_differing(state.get("config"), cfg)
+            + "Resume with the same recipe and model settings (see the config.json in its run directory), or "
             "start a new run with a new --output-dir."
         )
     sharded = "FSDP2" if accelerator.is_fsdp2 else None
