@@ -329,7 +329,10 @@ def test_a_kill_during_a_checkpoint_write_and_a_damaged_complete_checkpoint(tmp_
     check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
     killed = subprocess.run(
         [sys.executable, "-c", KILL_DURING_SAVE, *map(str, base), "--output-dir", str(part)],
-        env={**env, "PYTHONPATH": f"{REPO / 'tests'}:{env.get('PYTHONPATH', '')}"},
+        env={
+            **env,
+            "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO / "benchmarks"), env.get("PYTHONPATH", "")]),
+        },
         cwd=str(REPO),
         capture_output=True,
         text=True,
