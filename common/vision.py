@@ -48,9 +48,7 @@ def check_name(name: str) -> str:
         return folder_family(folder)
     if timm_models.is_hub_name(name):
         return "timm"
-    if name.startswith("timm/"):
-        timm_models.timm_module()  # without timm: the paragraph naming its install
-    elif importlib.util.find_spec("timm") is None:  # an extra: a name torchvision lacks may be timm's
+    if not name.startswith("timm/") and importlib.util.find_spec("timm") is None:  # an extra: the name may be timm's
         close = difflib.get_close_matches(name, model_names(), n=5)
         raise ConfigError(
             f"--model {name!r} is not a torchvision classification model"

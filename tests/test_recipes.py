@@ -256,8 +256,9 @@ def test_a_small_split_keeps_its_last_batch_and_resumes_exactly(tmp_path, env, m
 
 def test_a_recipe_process_freezes_what_is_alive_before_the_interpreter_exits(tmp_path, env, mnist_like):
     """The interpreter's garbage collections at shutdown walked every object torch, Accelerate and the rest left
-    (about 1 s of every recipe process's exit on 2 cores): a run registers gc.freeze at exit, so they skip it. An exit
-    handler registered before the run runs after it and sees the frozen objects; the run still ends well."""
+    (about 1 s of every recipe process's exit on 2 cores): importing the run registers gc.freeze at exit, so they skip
+    it. An exit handler registered before the recipe is imported runs after it and sees the frozen objects; the run
+    still ends well."""
     probe = (
         "import atexit, gc, runpy, sys\n"
         "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count(), flush=True))\n"

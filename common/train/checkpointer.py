@@ -315,7 +315,7 @@ def _settings_differing(saved, cfg) -> str:
     refusal (a recipe's default that changed between versions shows here), or ''."""
     if not isinstance(saved, dict):
         return ""
-    skip = RESUME_FREE | RESUME_APPLIED | set(RESUME_MUST_MATCH) | {"explicit"}
+    skip = RESUME_FREE | RESUME_APPLIED | set(RESUME_MUST_MATCH)
     found = [
         f"--{key.replace('_', '-')} {str(saved[key])[:60]!r} (this command: {str(value)[:60]!r})"
         for key, value in sorted(dataclasses.asdict(cfg).items())

@@ -194,11 +194,6 @@ def png_bytes(image: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def png_size(png: bytes) -> tuple[int, int]:
-    """(height, width) of PNG bytes, from the header's IHDR chunk."""
-    return int.from_bytes(png[20:24], "big"), int.from_bytes(png[16:20], "big")
-
-
 def save_image_png(image, path) -> Path:
     """Write an ``(H, W, 3)`` uint8 array (as returned above), or PNG bytes, to a PNG file, whole or not at all (a
     temp file renamed: a killed run leaves no cut-off picture); returns the path."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import queue
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.train.plots import confusion_matrix_image, curves_png, misclassified_grid, png_bytes, png_size
+from common.train.plots import confusion_matrix_image, curves_png, misclassified_grid, png_bytes
 
 MAX_PENDING = 2  # evaluations waiting to be drawn before the loop waits for one (evaluations outrunning drawing)
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `common`, for the child's import
@@ -59,8 +60,11 @@ def draw(job: dict, arrays: dict) -> dict:
     out = {}
     for name in job["draw"]:
         if name == "curves":
+            from PIL import Image
+
             png = curves_png(job["metrics"])
-            out[name] = (png, *png_size(png))
+            width, height = Image.open(io.BytesIO(png)).size  # the header only
+            out[name] = (png, height, width)
             continue
         if name == "confusion":
             image = confusion_matrix_image(arrays["confusion"], job["class_names"], title=job["title"])

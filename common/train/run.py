@@ -92,20 +92,11 @@ DROP_SHARE = 0.1  # training drops its last incomplete batch (equal batches) unl
 WATCHERS: dict[str, list] = {"before_update": [], "after_step": []}
 
 
-def _fast_exit() -> None:
-    """At this process's exit (an exit handler), freeze what is alive so that the interpreter's own garbage
-    collections at shutdown skip it: with torch, Accelerate, datasets and matplotlib loaded they took about 1 s of
-    every recipe process's exit on a 2-core CPU (0.3 s frozen). What must be freed while the interpreter is whole (the
-    process group's work) is freed by ``TrainingRun._close`` before this; files and writers are closed by then; the
-    memory goes back to the system with the process. Registered once, so many runs in one process (the tests) freeze
-    only when it exits."""
-    global _EXIT_FREEZE
-    if not _EXIT_FREEZE:
-        atexit.register(gc.freeze)
-        _EXIT_FREEZE = True
-
-
-_EXIT_FREEZE = False
+# At this process's exit, freeze what is alive so that the interpreter's own garbage collections at shutdown skip
+# it: with torch, Accelerate, datasets and matplotlib loaded they took about 1 s of every recipe process's exit on a
+# 2-core CPU (0.3 s frozen). What must be freed while the interpreter is whole (the process group's work) is freed by
+# ``TrainingRun._close``; files and writers are closed by then; the memory goes back to the system with the process.
+atexit.register(gc.freeze)
 
 
 @contextlib.contextmanager
@@ -207,7 +198,6 @@ class TrainingRun:
             self.accelerator.free_memory()
             gc.collect()
             self.accelerator.state.destroy_process_group()
-        _fast_exit()
 
     def _position(self) -> dict:
         """summary.json's record of how far the run got (an update the loop applied just before an error counts)."""

@@ -217,13 +217,9 @@ class MetricsLog:
         if not self.accelerator.is_main_process:
             return None
         job_id = renderer().submit({"draw": ["curves"], "metrics": str(self.path)}, {})
-        png = None
-        for d in renderer().collect(until=job_id, timeout=PICTURES_TIMEOUT_S):
-            if d.id == job_id:
-                png = d.pictures.get("curves", (None,))[0]
-            else:  # an evaluation's pictures, if any were left
-                self._add_pictures([d])
-        return png
+        drawn = renderer().collect(until=job_id, timeout=PICTURES_TIMEOUT_S)  # only this job: close took the rest
+        found = [d.pictures["curves"][0] for d in drawn if d.id == job_id and "curves" in d.pictures]
+        return found[0] if found else None
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """One HParams session in TensorBoard's main event file: the sanitized config and the final metrics."""
