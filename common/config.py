@@ -34,9 +34,27 @@ def knob(default, help: str, choices=None):
 
 
 # --- what a resume and --eval-only do with each setting: the one place that says it ----------------------
-# A resume given a value other than the checkpoint's. A field named in no set (a recipe's model or augmentation
-# settings, for instance) is accepted, with a note that the result will differ from the original run.
-RESUME_MUST_MATCH = {  # taken from the checkpoint when not given; another value is refused, for this reason
+# A resume continues the run with the run's own settings (read from its checkpoint before anything is built from
+# them: the Accelerator, the data, the model), except this launch's own (RESUME_LAUNCH_OWN) and the flags this command
+# gives. A given value other than the run's: refused (RESUME_MUST_MATCH), put over the restored optimizer state
+# (RESUME_APPLIED), accepted without a word (RESUME_FREE), or, for a field named in no set (a recipe's model or
+# augmentation settings, for instance), accepted with a note that the result will differ from the original run.
+RESUME_LAUNCH_OWN = {  # where and how this launch runs, never taken from the checkpoint
+    "output_dir",
+    "resume_from",
+    "max_steps",  # where this launch stops (a stopped run resumes past it)
+    "eval_only",
+    "checkpoint",
+    "cache_dir",
+    "data_on_device",
+    "workers",
+    "eval_batch_size",
+    "report_to",
+    "progress_every_s",
+    "profile",
+    "timeout_s",
+}
+RESUME_MUST_MATCH = {  # another value is refused, for this reason
     "dataset": "the checkpoint was trained on that data",
     "val_fraction": "it chose the images held out for validation",
     "seed": "it chose the images held out for validation and the order of the data",

@@ -27,8 +27,8 @@ def cpu_fp16(monkeypatch):
     made = []
     original = run_module.make_accelerator
 
-    def make(cfg):
-        accelerator, note = original(cfg)
+    def make(cfg, *launch):
+        accelerator, note = original(cfg, *launch)
         accelerator.state._mixed_precision = "fp16"
         accelerator.native_amp = True
         accelerator.scaler = torch.amp.GradScaler("cpu")

@@ -399,8 +399,8 @@ def fp16_on_this_cpu(monkeypatch, overflow_at):
 
     real_make, calls = common.train.run.make_accelerator, [0]
 
-    def make(cfg):
-        accelerator, note = real_make(cfg)
+    def make(cfg, *launch):
+        accelerator, note = real_make(cfg, *launch)
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
         AcceleratorState()._mixed_precision = "fp16"
         real_backward = accelerator.backward

@@ -257,13 +257,16 @@ def launcher_answers(cfg, cpu: bool | None = None) -> tuple[str, list[str], bool
     return precision, notes, fsdp_asked(cfg, cpu, precision)
 
 
-def make_accelerator(cfg):
-    """Build the Accelerator. Returns (accelerator, note), the note being '' or a one-line warning."""
+def make_accelerator(cfg, launch=None):
+    """Build the Accelerator from ``cfg`` (its --seed and --grad-accum: a resume has taken the run's own by now) and
+    ``launch``, what ``launcher_answers`` returned (read here when not given). Returns (accelerator, note), the note
+    being '' or a one-line warning."""
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
     cpu = not has_accelerator_device()
-    precision, notes, sharded = launcher_answers(cfg, cpu)
+    precision, notes, sharded = launch if launch is not None else launcher_answers(cfg, cpu)
+    notes = list(notes)
     notes.insert(0, lost_processes_note())
     if cpu and precision == "fp16":
         precision = "bf16"

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import torch
 
-from common.config import RESUME_APPLIED, RESUME_FREE, RESUME_MUST_MATCH, received, save_config
+from common.config import (
+    RESUME_APPLIED,
+    RESUME_FREE,
+    RESUME_LAUNCH_OWN,
+    RESUME_MUST_MATCH,
+    received,
+    save_config,
+)
 from common.config_checks import check_received
 from common.console import say
 from common.data.splits import (
@@ -278,9 +285,12 @@ def checkpoint_meta(cfg, accelerator, model) -> dict:
 
 
 def adopt_resume_settings(path: Path, cfg) -> list[str]:
-    """Before the data is read: the checkpoint's seed, validation fraction, accumulation and dataset, unless
-    the command line gives another value, which is refused (it would validate on trained-on images, or
-    resume at the wrong data position). Returns notes on what was taken from the checkpoint."""
+    """The run's own settings, read from the checkpoint ``path`` into ``cfg``, before anything is built from them (the
+    Accelerator's data seed and accumulation, the data, the model): every setting this command does not give, except
+    this launch's own (``common.config.RESUME_LAUNCH_OWN``: --max-steps, --output-dir, caches, workers, ...). A given
+    value other than the run's is refused where it would change what the run means (``RESUME_MUST_MATCH``: it would
+    validate on trained-on images or resume at the wrong data position); the others are the command's, said later by
+    the resume. Returns a note on what was taken from the checkpoint."""
     try:
         saved = ckpt.read_state(path).get("config", {})
     except ckpt.DamagedCheckpoint:  # the resume falls back to an older checkpoint; the run's settings are the same
@@ -288,26 +298,34 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
             saved = json.loads((Path(path).parents[1] / "config.json").read_text())
         except (OSError, ValueError):
             return []
+    if not isinstance(saved, dict):
+        return []
     explicit = getattr(cfg, "explicit", set())
-    refused, taken = [], []
-    for key, why in RESUME_MUST_MATCH.items():
-        if key not in saved or not hasattr(cfg, key) or getattr(cfg, key) == saved[key]:
+    refused, taken = [], {}
+    for field in dataclasses.fields(cfg):
+        key = field.name
+        if key not in saved or key in RESUME_LAUNCH_OWN or getattr(cfg, key) == saved[key]:
             continue
         flag = "--" + key.replace("_", "-")
-        if key in explicit:
-            refused.append(f"{flag} {getattr(cfg, key)!r} (the run used {saved[key]!r}: {why})")
-        else:
-            setattr(cfg, key, received(type(cfg), key, saved[key], f"the checkpoint {path}"))
-            taken.append(f"{flag} {saved[key]!r}")
+        if key not in explicit:
+            value = received(type(cfg), key, saved[key], f"the checkpoint {path}")
+            if value != getattr(cfg, key):
+                setattr(cfg, key, value)
+                taken[key] = f"{flag} {value!r}"
+        elif key in RESUME_MUST_MATCH:
+            refused.append(f"{flag} {getattr(cfg, key)!r} (the run used {saved[key]!r}: {RESUME_MUST_MATCH[key]})")
     if refused:
         raise RecipeError(
             f"Refusing to resume from {path} with {'; '.join(refused)}. Resume without "
             f"{'that flag' if len(refused) == 1 else 'those flags'} (the run's own values are then "
             "used), or start a new run with a new --output-dir. Nothing was changed."
         )
-    if taken:
-        check_received(cfg, f"the checkpoint {path}")
-    return [f"resuming with the run's own {', '.join(taken)} (from the checkpoint)"] if taken else []
+    if not taken:
+        return []
+    check_received(cfg, f"the checkpoint {path}")
+    if "lr" in taken:  # the startup line says where the peak LR came from
+        cfg.lr_note = "the run's own, from its checkpoint"
+    return [f"resuming with the run's own {', '.join(taken.values())} (from the checkpoint)"]
 
 
 def _settings_differing(saved, cfg) -> str:

@@ -70,7 +70,7 @@ from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, Unread
 from common.optimizers import zero_momentum_before_first_step
 from common.schedules import batch_larger_than_split
 from common.train import checkpoint as ckpt
-from common.train.accelerator import make_accelerator, startup_line
+from common.train.accelerator import launcher_answers, make_accelerator, startup_line
 from common.train.checkpointer import Checkpointer
 from common.train.eval_only import EvalOnly
 from common.train.evaluator import Evaluator, evaluation_due
@@ -132,14 +132,20 @@ class TrainingRun:
         err = None
         self.recipe_file = str(Path(inspect.getfile(train)).resolve())  # model.json names it for the tools
         try:
-            self.accelerator, self.note = make_accelerator(self.cfg)
+            # In this order: what the launcher asks (its accumulation counts as given on the command line), then a
+            # resume's settings (the run's own), then everything built from them, the Accelerator first.
+            launch = launcher_answers(self.cfg)
+            resume, notes = RunDir.adopt_run_settings(self.cfg)
+            self.accelerator, self.note = make_accelerator(self.cfg, launch)
             self.summary.accelerator = self.accelerator
             self.stop = StopFlag()
             if self.cfg.eval_only:
                 self.eval_only = EvalOnly(self.cfg)
             else:
-                self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator)
+                self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator, planned=resume)
                 self.summary.path = self.dir.path
+                for note in notes:
+                    say(f"NOTE: {note}")
             train(self.cfg, self)
             if self.ckpt is not None and not self.loop.finished:
                 self._unfinished()

@@ -20,7 +20,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common.console import say
 from common.errors import RecipeError, StorageError
 from common.train.accelerator import on_main
 from common.train.checkpoint import find_latest, is_complete
@@ -196,20 +195,28 @@ class RunDir:
     def __init__(self, path: Path, resume_path: Path | None, made: bool, lock: RunDirLock | None):
         self.path, self.resume_path, self.made, self.lock = path, resume_path, made, lock
 
-    @classmethod
-    def claim(cls, cfg, recipe: str, accelerator) -> RunDir:
-        """The main process resolves the directory, checks a resume's settings (a refused resume changes nothing
-        there, its lock file included) and takes the lock; every rank then learns the directory, checks that it
-        sees the same folder, and takes the checkpoint's settings that decide what the run means (into ``cfg``)."""
-        import copy
+    @staticmethod
+    def adopt_run_settings(cfg) -> tuple[Path | None, list[str]]:
+        """A resume's checkpoint and the run's own settings taken from it into ``cfg``
+        (``common.train.checkpointer.adopt_resume_settings``): called on every process before the Accelerator is built,
+        since its data seed and accumulation come from them, as do the data, the model and the schedule. Reads only
+        (the run directory is claimed later, by ``claim``). Returns the checkpoint (None for a fresh start) and the
+        notes to print."""
+        if not cfg.resume_from:
+            return None, []
+        _, resume, _ = resolve(cfg, "")  # with --resume-from nothing is created here
+        return resume, [] if resume is None else adopt_resume_settings(resume, cfg)
 
+    @classmethod
+    def claim(cls, cfg, recipe: str, accelerator, planned: Path | None = None) -> RunDir:
+        """The main process resolves the directory, takes the lock and checks that the checkpoint to resume is still
+        ``planned``, the one whose settings the run took before the Accelerator was built (``adopt_run_settings``);
+        every rank then learns the directory and checks that it sees the same folder."""
         lock = None
 
         def claim_on_main():
             nonlocal lock
             run_dir, resume, made = resolve(cfg, recipe)
-            if resume is not None:
-                adopt_resume_settings(resume, copy.copy(cfg))
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
@@ -219,6 +226,8 @@ class RunDir:
                     "write."
                 ) from None
             lock = RunDirLock(run_dir)
+            if cfg.resume_from == "latest":  # again, under the lock: no other run writes there now
+                resume = find_latest(run_dir)
             return run_dir, resume, made, lock.token
 
         path, resume, made, token = on_main(accelerator, claim_on_main)
@@ -227,9 +236,12 @@ class RunDir:
             accelerator.project_configuration.set_directories(str(path))
             accelerator.project_configuration.logging_dir = str(path)
             check_shared(accelerator, path, token)
-            if resume is not None:  # before any data is read: the split depends on these settings
-                for note in adopt_resume_settings(resume, cfg):
-                    say(f"NOTE: {note}")
+            if resume != planned:
+                raise RecipeError(
+                    f"The run directory {path} changed while this launch started: the checkpoint to resume is now "
+                    f"{resume or 'none'}, where it was {planned or 'none'} a moment before (another run wrote there "
+                    "and has ended). Nothing was written. Rerun the same command to continue from the newest one."
+                )
         except BaseException:
             claimed.release(started=False)
             raise
