@@ -354,27 +354,34 @@ class TrainingRun:
         self.loop.pending = False
         if self.checks.batch_tracked():
             if self.accelerator.sync_gradients:
-                self.checks.step_taken(True)  # the fp16 skip check, once per step (the loop may not have asked)
+                updated = self.checks.step_taken(
+                    True
+                )  # the fp16 skip check, once per step (the loop may not have asked)
                 self.checks.refuse_left_before_update(self.recipe_file)
-                self._end_step()
+                self._end_step(updated)
             self._evaluate_if_due()  # at --eval-every-steps
         else:
             self.loop.skipped += 1
         self.checks.next_batch()
         self.ckpt.batch_done()
 
-    def _end_step(self) -> None:
-        """After each optimizer step: log, progress, checkpoint, stop (the evaluator says whether to evaluate)."""
+    def _end_step(self, updated: bool = True) -> None:
+        """After each optimizer step: log, progress, checkpoint, stop (the evaluator says whether to evaluate). An
+        update fp16 loss scaling skipped (``updated`` False) is no step: the step count, --max-steps, logging,
+        checkpoints and evaluations count updates (summary.json's skipped_steps counts the others); only a stop
+        request is honoured."""
         c, cfg = self.ckpt, self.cfg
-        c.step_done()
-        if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
-            self.summary.first_step_at = time.time()
-        self.profiler.step()
-        log_now = c.global_step % cfg.log_every == 0 or c.done
-        checkpoint_now = c.due()
-        # An evaluation due at this step goes first (its checkpoint is written after the result), so the checkpoint
-        # holds its result; at an epoch's last step the epoch's end checkpoints after the epoch's evaluation.
-        eval_first = self.evaluator.at_step(c.global_step, checkpoint_now, c.mid_epoch())
+        log_now = checkpoint_now = eval_first = False
+        if updated:
+            c.step_done()
+            if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
+                self.summary.first_step_at = time.time()
+            self.profiler.step()
+            log_now = c.global_step % cfg.log_every == 0 or c.done
+            checkpoint_now = c.due()
+            # An evaluation due at this step goes first (its checkpoint is written after the result), so the
+            # checkpoint holds its result; at an epoch's last step the epoch's end checkpoints after its evaluation.
+            eval_first = self.evaluator.at_step(c.global_step, checkpoint_now, c.mid_epoch())
         if log_now or checkpoint_now or self.evaluator.now or self.checks.stopping:
             self.checks.settle(c.epoch)
         if log_now:
@@ -390,6 +397,8 @@ class TrainingRun:
             )
         if checkpoint_now and c.mid_epoch() and not eval_first:
             self._save()
+        if not updated:
+            return
         for watch in WATCHERS["after_step"]:
             watch(self)
 
