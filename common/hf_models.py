@@ -5,7 +5,12 @@ logits as the recipes' models do, started from the folder's weights, with the no
 preprocessor_config.json.
 
 transformers is optional (``pip install 'accelerate-recipes[transformers]'``); a folder of a transformers model
-without it is one paragraph. Code in the folder (``auto_map``, trust_remote_code) is never run: a folder is data.
+without it is one paragraph. A folder is data: only architectures built into transformers are read, and code shipped
+in a folder is never run. A folder that asks for its own code (config.json's ``auto_map``, or a ``model_type``
+transformers lacks with .py files beside it) is refused in one paragraph by ``transformers_module``, which every read
+of a folder goes through (--model, and predict, export and --eval-only rebuilding a run's model), before transformers
+sees it; transformers is called with ``trust_remote_code=False`` besides, so it never runs such code nor asks whether
+to (its prompt on stdin).
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 def transformers_module(folder: Path):
+    """transformers, to read the model folder ``folder``: refused first, in one paragraph, when the folder asks to run
+    code of its own (``refuse_own_code``) or transformers is not installed."""
+    refuse_own_code(folder)
     try:
         import transformers
     except ImportError as err:
@@ -32,7 +40,58 @@ def transformers_module(folder: Path):
             "`pip install 'accelerate-recipes[transformers]'` (or `pip install transformers`), or pick a "
             "torchvision or timm --model."
         ) from None
+    refuse_own_code(folder, known_types=transformers.CONFIG_MAPPING)
     return transformers
+
+
+def config_json(folder: Path) -> dict:
+    """The folder's config.json as a mapping ({} where unreadable: said where the folder is read)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def refuse_own_code(folder: Path, known_types=None) -> None:
+    """One paragraph (ConfigError) for a folder whose model is defined by Python shipped in it: config.json's
+    ``auto_map`` names classes of the folder's .py files (transformers would import them, after asking on stdin when
+    the model_type is not its own), or, given the ``known_types`` of transformers (its CONFIG_MAPPING), the
+    model_type is none of them and .py files lie beside it. Read as JSON only: nothing of the folder is imported.
+    A model_type transformers lacks, with no code in sight, is a paragraph of its own (a model newer than it)."""
+    config = config_json(folder)
+    auto_map, model_type = config.get("auto_map"), config.get("model_type")
+    unknown = known_types is not None and isinstance(model_type, str) and model_type not in known_types
+    files = sorted(p.name for p in folder.glob("*.py") if p.is_file())
+    if auto_map or (unknown and files):
+        what = []
+        if auto_map:
+            entries = (
+                ", ".join(f"{key}: {value}" for key, value in auto_map.items())
+                if isinstance(auto_map, dict)
+                else str(auto_map)
+            )
+            what.append(f"config.json's auto_map names {entries[:300]}{'...' if len(entries) > 300 else ''}")
+        if unknown:
+            what.append(f"its model_type {model_type!r} is not an architecture built into transformers")
+        if files:
+            what.append(f"the folder holds {', '.join(files[:8])}{', ...' if len(files) > 8 else ''}")
+        raise ConfigError(
+            f"The model folder {folder} asks to run custom code, Python shipped in the folder ({'; '.join(what)}), "
+            "which transformers would import to build its model. The recipes never run a model folder's code (a "
+            "folder is data; its code would run with your permissions in every process of the run), so the folder "
+            "is refused. Use a model whose architecture is built into transformers (an AutoModelForImageClassification "
+            "of its own, saved with save_pretrained from an environment you trust: its config.json then has a "
+            "model_type transformers knows and no auto_map), or a torchvision or timm --model."
+        )
+    if unknown:
+        raise ConfigError(
+            f"The model folder {folder} holds a transformers model of model_type {model_type!r}, which is not an "
+            "architecture built into the transformers installed here, and the recipes build only those (a model "
+            "folder's own code is never run). If it is an architecture transformers added later, a transformers "
+            "release that includes it reads this folder; otherwise use a model whose architecture is built into "
+            "transformers (saved with save_pretrained), or a torchvision or timm --model."
+        )
 
 
 @contextmanager
@@ -70,12 +129,13 @@ def config(folder: Path, num_classes: int | None = None):
     transformers = transformers_module(folder)
     try:
         with quiet(transformers):
-            cfg = transformers.AutoConfig.from_pretrained(str(folder))  # no remote code: a folder is data
-    except Exception as err:  # noqa: BLE001 - a model_type this transformers lacks, a damaged file
+            # never the folder's code, nor a question on stdin whether to run it (refused before this)
+            cfg = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - a damaged file, a value this transformers refuses
         raise ConfigError(
             f"transformers {transformers.__version__} could not read {folder / 'config.json'} "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Upgrade transformers, or pass "
-            "a folder written by save_pretrained."
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a folder that "
+            "save_pretrained of an AutoModelForImageClassification wrote, whole."
         ) from None
     if num_classes is not None:
         cfg.num_labels = num_classes  # id2label/label2id follow
@@ -87,7 +147,7 @@ def build(folder: Path, num_classes: int, image_size: int | None) -> nn.Module:
     cfg = config(folder, num_classes)
     try:
         with quiet(transformers):
-            model = transformers.AutoModelForImageClassification.from_config(cfg)
+            model = transformers.AutoModelForImageClassification.from_config(cfg, trust_remote_code=False)
     except ValueError as err:
         raise ConfigError(
             f"{folder} holds a {cfg.model_type} model, which transformers has no image classifier for "
@@ -102,7 +162,7 @@ def pretrained_state(folder: Path) -> dict:
     transformers = transformers_module(folder)
     try:
         with quiet(transformers):
-            model = transformers.AutoModelForImageClassification.from_pretrained(str(folder))
+            model = transformers.AutoModelForImageClassification.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as err:  # noqa: BLE001
         raise ConfigError(
             f"transformers could not load the weights in {folder} ({type(err).__name__}: "

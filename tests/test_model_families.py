@@ -2,12 +2,15 @@
 scored by --eval-only, and load in predict and export (which rebuild the model from model.json through the recipe's
 build_model); local weights load (.safetensors, .pth, a Hub-layout folder, a model folder, timm's DEFAULT from the
 Hugging Face cache with no network); an offline Hub model with --weights fails at start naming the cache; a mistyped
-name gets its closest names in one paragraph; without transformers, a transformers folder says what to install.
-No test downloads anything: models are built with pretrained=False and their weights saved here."""
+name gets its closest names in one paragraph; without transformers, a transformers folder says what to install; a
+transformers folder that asks to run its own code is refused in one paragraph, by --model and by predict, export and
+--eval-only, and its code never runs, not even with stdin answering "y" to transformers' question. No test downloads
+anything: models are built with pretrained=False and their weights saved here."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -218,3 +221,116 @@ def test_without_transformers_a_transformers_folder_says_what_to_install(tmp_pat
     message = str(caught.value)
     assert "pip install 'accelerate-recipes[transformers]'" in message and str(folder) in message, message
     assert "\n" not in message
+
+
+def tiny_resnet(folder):
+    """A tiny ResNet image classifier as save_pretrained writes it: transformers' own architecture, no code."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1], num_labels=5)
+    transformers.AutoModelForImageClassification.from_config(config).save_pretrained(str(folder))
+    return folder
+
+
+def with_its_own_code(folder, model_type=None):
+    """The folder's config.json made to ask for Python shipped beside it, as a Hub repo with custom code does
+    (``auto_map`` naming classes of modeling_custom.py; with ``model_type`` one transformers lacks, transformers asks
+    whether to run it). Importing that file writes the marker file the folder's code ran, which is returned."""
+    marker = folder.parent / f"{folder.name}-code-ran"
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {
+        "AutoConfig": "modeling_custom.CustomConfig",
+        "AutoModelForImageClassification": "modeling_custom.CustomClassifier",
+    }
+    if model_type:
+        config["model_type"] = model_type
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "modeling_custom.py").write_text(
+        f"from pathlib import Path\n\nPath({str(marker)!r}).write_text('ran')\n\n"
+        "from transformers import ResNetConfig as CustomConfig\n"
+        "from transformers import ResNetForImageClassification as CustomClassifier\n"
+    )
+    return marker
+
+
+def answering_yes(cmd, env):
+    """``cmd`` run with stdin answering "y" to any question (a terminal's user, or a batch job's piped input)."""
+    return subprocess.run(
+        [sys.executable, *map(str, cmd)],
+        input="y\n",
+        env=env,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def refused_as_code(proc, folder, marker):
+    """Exit 2 with one paragraph naming the folder's code; transformers neither asked nor ran it."""
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in said, said[-4000:]
+    assert "[y/N]" not in said and "upgrade" not in said.lower() and "trust_remote_code" not in said, said[-4000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert str(folder) in paragraph and "custom code" in paragraph and "modeling_custom" in paragraph, paragraph
+    assert "never run" in paragraph and "save_pretrained" in paragraph, paragraph
+    assert not marker.exists(), "the folder's code ran"
+
+
+def test_a_transformers_folder_with_its_own_code_is_refused_and_its_code_never_runs(tmp_path, env):
+    """A folder whose config.json names classes of a .py file beside it (auto_map): refused before transformers reads
+    it, in one paragraph, with no question asked: even with stdin answering "y" its code does not run. So is one
+    of transformers' own model_type with an auto_map (transformers would quietly use its own class), and one whose
+    model_type transformers lacks with a .py file and no auto_map."""
+    from helpers import write_photo_folder
+
+    photos = write_photo_folder(tmp_path / "photos" / "train", 4).parent
+    args = ["--dataset", photos, *SMALL["finetune_folder"], "--epochs", 1, "--batch-size", 8, "--max-steps", 2]
+    asks = tiny_resnet(tmp_path / "asks")
+    marker = with_its_own_code(asks, model_type="custom-resnet")  # transformers would ask, and run it on "y"
+    proc = answering_yes(
+        [REPO / "recipes" / "finetune_folder.py", "--model", asks, *args, "--output-dir", tmp_path / "a"], env
+    )
+    refused_as_code(proc, asks, marker)
+    own_type = tiny_resnet(tmp_path / "own-type")
+    marker = with_its_own_code(own_type)  # model_type resnet: transformers' own, the auto_map beside it
+    proc = run_in_process("finetune_folder", ["--model", own_type, *args, "--output-dir", tmp_path / "b"], env)
+    refused_as_code(proc, own_type, marker)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    unknown = tiny_resnet(tmp_path / "unknown")
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "custom-resnet"}))
+    (unknown / "modeling_custom.py").write_text("raise SystemExit('ran')\n")
+    with pytest.raises(ConfigError) as caught:
+        vision.check_name(str(unknown))
+    message = str(caught.value)
+    assert "custom code" in message and "modeling_custom.py" in message and "never run" in message, message
+    assert "\n" not in message and "upgrade" not in message.lower(), message
+
+
+def test_a_run_whose_model_folder_asks_to_run_its_code_is_refused_by_predict_export_and_eval_only(
+    tmp_path, env, capsys
+):
+    """A finished run of a transformers folder, whose folder then asks to run its own code (as a crafted model.json
+    or a replaced folder would have it): predict, export and --eval-only, which rebuild the model from the run's
+    model.json and config.json, refuse it as --model does, and the code does not run, stdin answering "y"."""
+    from common.tools import export
+
+    from helpers import write_photo_folder
+
+    photos = write_photo_folder(tmp_path / "photos" / "train", 4).parent
+    folder = tiny_resnet(tmp_path / "model")
+    args = ["--dataset", photos, "--model", folder, *SMALL["finetune_folder"], "--epochs", 1, "--batch-size", 8]
+    check_ok(run_in_process("finetune_folder", [*args, "--max-steps", 2, "--output-dir", tmp_path / "run"], env))
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "model.json").read_text())["config"]["model"] == str(folder)
+    marker = with_its_own_code(folder, model_type="custom-resnet")
+    predicted = answering_yes(["-m", "common.tools.predict", final, photos / "train" / "ant"], env)
+    refused_as_code(predicted, folder, marker)
+    scored = answering_yes([REPO / "recipes" / "finetune_folder.py", "--eval-only", "--checkpoint", final], env)
+    refused_as_code(scored, folder, marker)
+    capsys.readouterr()
+    code = export.main([str(final), "--onnx", str(tmp_path / "m.onnx")])
+    err = capsys.readouterr().err
+    assert code == 2 and "custom code" in err and "upgrade" not in err.lower() and not marker.exists(), err
+    assert not (tmp_path / "m.onnx").exists()

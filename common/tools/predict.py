@@ -100,6 +100,8 @@ def build_model_from_card(card: dict, recipe_file=None) -> torch.nn.Module:
     try:
         cfg = recipe.Config(**{k: v for k, v in card["config"].items() if k in known})
         return recipe.build_model(cfg, tuple(card["input_shape"]), len(card["class_names"]))
+    except RecipeError:  # already one paragraph naming the problem (a model folder that asks to run its code)
+        raise
     except Exception as err:
         raise RecipeError(
             f"Could not rebuild the model of {card.get('recipe')} from model.json (input_shape "
