@@ -94,7 +94,7 @@ def folder_family(folder: Path) -> str:
     if isinstance(config, dict) and "architecture" in config:
         return "timm"
     if isinstance(config, dict) and "model_type" in config:
-        hf_models.transformers_module(folder)  # installed, the folder no code of its own: or one paragraph
+        hf_models.transformers_module(folder)  # installed, and the folder brings no code: else one paragraph
         return "transformers"
     raise ConfigError(
         f'{folder / "config.json"} names neither a timm architecture ("architecture") nor a transformers '

@@ -74,6 +74,30 @@ def test_the_child_process_draws_what_this_process_would(tmp_path):
     assert child.poll() is not None  # the stop message ends it
 
 
+def test_the_child_imports_nothing_from_the_folder_the_run_is_launched_from(tmp_path, monkeypatch):
+    """Launched from a folder that holds a `common` package (and a `matplotlib` one) whose import leaves a marker,
+    with an empty PYTHONPATH entry (which stands for that folder): the child imports this process's own `common` and
+    the installed matplotlib, draws the same picture this process would, and no marker appears."""
+    from common.train.render import Renderer, draw
+
+    launch, marker = tmp_path / "launch", tmp_path / "imported-from-the-launch-folder"
+    plant = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("common/__init__.py", "common/train/__init__.py", "common/train/render.py", "matplotlib/__init__.py"):
+        (launch / name).parent.mkdir(parents=True, exist_ok=True)
+        (launch / name).write_text(plant)
+    monkeypatch.chdir(launch)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep + os.environ.get("PYTHONPATH", ""))
+    renderer = Renderer()
+    job, arrays = job_and_arrays()
+    job["draw"] = ["confusion"]
+    job_id = renderer.submit(job, arrays)
+    (drawn,) = renderer.collect(until=job_id)
+    renderer.stop()
+    assert not marker.exists(), marker.read_text()
+    assert renderer.fallback is None and drawn.error is None  # drawn by the child
+    assert drawn.pictures["confusion"][0] == draw(job, arrays)["confusion"][0]
+
+
 def test_submitting_does_not_wait_and_what_is_not_drawn_in_time_is_dropped_cleanly():
     """A child that never answers: submit returns at once (the loop is not held); at the end finish waits its time
     limit, drops the job, says how many, and kills the child; a later job starts a new one."""

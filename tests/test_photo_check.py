@@ -1,7 +1,8 @@
 """The photo check beside training (common.data.photo_check) is the run's helper, never part of how it ends: a stop
 signal that reaches a checker is not a damaged photo, a run ends within seconds of its summary (the check stopped,
 what it got through kept, so the next launch checks only the rest), and a SIGKILLed run or launcher leaves no
-checker decoding on its own."""
+checker decoding on its own. Its records in the cache folder count only when this user wrote them and no one else
+may change them: one that another could have written marks no photo checked."""
 
 from __future__ import annotations
 
@@ -186,3 +187,40 @@ def test_a_sigkilled_run_leaves_no_photo_checker_running(tmp_path, env, killed):
             if pid is not None and alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize("forged", ["progress", "marker", "renamed"])
+def test_a_record_in_the_cache_folder_that_another_could_have_written_marks_no_photo_checked(tmp_path, env, forged):
+    """Anyone who can write the cache folder (a team's shared --cache-dir) could write the check's record for a
+    folder, claiming every photo checked: a damaged one then went unchecked. Now a record counts only when this user
+    wrote it, no one else may change it, and it names the check it stands for: ``progress`` and ``marker``, a record
+    claiming every row, written by another user (owned by UID 65534; when the tests do not run as root, writable by
+    others instead); ``renamed``, this user's own marker of another folder of as many photos, renamed to this one's.
+    The photos are checked again, the damaged one is named before training starts (exit 2), and one line says why."""
+    from common.data import folders
+
+    root = write_photo_folder(tmp_path / "d", 8)
+    victim = sorted((root / "bee").glob("*.jpg"))[-1]
+    victim.write_bytes(victim.read_bytes()[:200])  # its header reads, its data is cut short
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = f"photos-checked-{folders.scan(root, str(root)).splits['train'].fingerprint}"
+    args = ["--cache-dir", cache, *ARGS, "--max-steps", 1]
+    if forged == "renamed":
+        other = write_photo_folder(tmp_path / "other", 8, seed=1)
+        check_ok(run_in_process("finetune_folder", ["--dataset", other, *args, "--output-dir", tmp_path / "r0"], env))
+        [mine] = cache.glob("photos-checked-*")
+        mine.rename(cache / name)
+    else:
+        record = cache / (f"progress-{name}" if forged == "progress" else name)
+        record.write_text(json.dumps({"of": name, "rows": 24, "done": [[0, 24]]}))
+        if os.getuid() == 0:
+            os.chown(record, 65534, 65534)
+        else:
+            record.chmod(0o666)
+    proc = run_in_process("finetune_folder", ["--dataset", root, *args, "--output-dir", tmp_path / "run"], env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "1 of the 24 images in the train split" in paragraph and victim.name in paragraph, paragraph
+    [said] = [line for line in proc.stdout.splitlines() if "record" in line and "ignored" in line]
+    assert ("owned by user" in said or "may write it" in said) if forged != "renamed" else "not a record" in said

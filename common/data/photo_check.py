@@ -16,25 +16,37 @@ process that started it (a SIGKILLed rank included); and the run stops it instea
 ``common.train.run``), so a run ends within moments of its summary or its preemption checkpoint. What a stopped check
 had got through is kept beside the marker (``progress-photos-checked-...``: the rows found whole, by the same
 fingerprint), and the next launch checks only the rest.
+
+A cache folder may be shared (a team's ``--cache-dir``), and anyone who can write it can write a file there: the
+marker and the progress record are shortcuts, never an authority. Each is a record (``{"of": marker name, "rows":
+n, "done": [[lo, hi], ...]}``; the marker's covers every row) that counts only when it is a regular file owned by
+this user that no one else may write (its group and other write bits clear; this module writes them so, whatever the
+umask), and names the marker it stands for and the split's row count: another user's record, one others may change,
+or this user's record of another folder renamed to this one's name counts for nothing (``read_record``). A record
+that does not count is ignored, said in one line, and its photos are checked again; it is never an error. It is
+opened without following a symbolic link and without waiting (a FIFO planted in its place cannot hold the launch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import multiprocessing
 import multiprocessing.util
 import os
 import signal
+import stat
 import sys
 import threading
 import time
 from pathlib import Path
 
+from common.console import say
 from common.data.pixels import open_rgb, unreadable_error, unreadable_reason
 from common.errors import DataError
-from common.files import write_atomic
+from common.files import create_exclusive, temp_name
 
 CHECKED_FIRST = 20_000
 ENV = "ACCELERATE_RECIPES_CHECK_FIRST"
@@ -43,6 +55,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, si
 PARENT_POLL_S = 0.5  # how often a checker looks for its parent where the kernel does not end it (no prctl)
 SAVE_EVERY_S = 30.0  # how often a check running beside training records how far it got (a SIGKILL loses no more)
 PR_SET_PDEATHSIG = 1
+RECORD_LIMIT = 1 << 22  # the most bytes of a record read (a longer one does not count)
 
 
 def checked_first() -> int:
@@ -229,34 +242,82 @@ def progress_path(marker: Path) -> Path:
     return marker.with_name(f"progress-{marker.name}")
 
 
-def read_progress(marker: Path, rows: int) -> list:
-    """The rows an earlier launch found whole ([(lo, hi), ...]); [] when none is recorded, or the record does not
-    fit these rows (it is a shortcut: anything odd in it costs a check, never skips one it should not)."""
+def read_record(path: Path, marker: Path, rows: int) -> tuple[list, str]:
+    """The rows of a split that the record at ``path`` (its marker, or its progress record) says were found whole
+    ([(lo, hi), ...]), and '' -- when it counts: a regular file owned by this user, that neither its group nor others
+    may write, naming ``marker`` and ``rows``. Else ([], why it does not count); ([], '') when there is none."""
+    try:  # no symbolic link followed; a FIFO opens without waiting for a writer (and is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return [], ""
+    except OSError as err:
+        return [], "a symbolic link" if err.errno in (errno.ELOOP, errno.EMLINK) else f"unreadable: {err.strerror}"
     try:
-        with open(progress_path(marker), "rb") as f:
-            text = f.read(1 << 22)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return [], "not a regular file"
+        if st.st_uid != os.getuid():
+            return [], f"owned by user {st.st_uid}, not by this user ({os.getuid()})"
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return [], "others than its owner may write it"
+        chunks, left = [], RECORD_LIMIT + 1
+        while left and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        text = b"".join(chunks)
+    except OSError as err:
+        return [], f"unreadable: {err.strerror}"
+    finally:
+        os.close(fd)
+    try:
         record = json.loads(text)
         spans = record["done"]
-        assert record["rows"] == rows and isinstance(spans, list)
+        assert len(text) <= RECORD_LIMIT and record["of"] == Path(marker).name and record["rows"] == rows
+        assert isinstance(spans, list) and all(isinstance(s, list) and len(s) == 2 for s in spans)
         assert all(type(lo) is int and type(hi) is int and 0 <= lo < hi <= rows for lo, hi in spans)
-    except (OSError, ValueError, TypeError, KeyError, AssertionError):
-        return []
-    return _merged(spans)
+    except (ValueError, TypeError, KeyError, AssertionError):
+        return [], "not a record of these photos' check (an earlier version's, or another folder's)"
+    return _merged(spans), ""
 
 
-def _write_progress(marker: Path, rows: int, spans: list) -> None:
-    """Record ``spans`` (with what another launch on the same files recorded meanwhile); a failure costs the next
-    launch a longer check, nothing else."""
-    spans = _merged([*read_progress(marker, rows), *spans])
-    path = progress_path(marker)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def read_progress(marker: Path, rows: int) -> list:
+    """The rows an earlier launch found whole ([(lo, hi), ...]); [] when no record that counts (``read_record``)
+    is kept: it is a shortcut, and anything odd in it costs a check, never skips one it should not."""
+    return read_record(progress_path(marker), marker, rows)[0]
+
+
+def _write_record(path: Path, marker: Path, rows: int, spans: list) -> None:
+    """The record of ``spans`` at ``path``, replaced whole: a new file (never through a planted link) that neither
+    its group nor others may write, whatever the umask. A failure costs the next launch a longer check, nothing
+    else."""
+    tmp = path.with_name(f".{temp_name(path).name}")  # hidden: no glob of records matches it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"rows": rows, "done": [list(s) for s in spans]}))
+        with os.fdopen(create_exclusive(tmp), "w") as f:
+            os.fchmod(f.fileno(), stat.S_IMODE(os.fstat(f.fileno()).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+            f.write(json.dumps({"of": Path(marker).name, "rows": rows, "done": [list(s) for s in spans]}))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+
+
+def _write_progress(marker: Path, rows: int, spans: list) -> None:
+    """Record ``spans`` (with what another launch on the same files recorded meanwhile)."""
+    spans = _merged([*read_progress(marker, rows), *spans])
+    _write_record(progress_path(marker), marker, rows, spans)
+
+
+def _say_ignored(ignored: list) -> None:
+    """One line for the records of this launch that do not count ([(path, why), ...]), none when there are none."""
+    if ignored:
+        (path, why), more = ignored[0], f"; and {len(ignored) - 1} more" if len(ignored) > 1 else ""
+        say(
+            f"NOTE: the photo check's record {path} is ignored ({why}{more}): only a record this user wrote, that "
+            "no one else may change, marks photos checked. Its photos are checked again."
+        )
 
 
 def _check_rows(split, spans, side: int, clean) -> list:
@@ -287,7 +348,10 @@ class PhotoCheck:
 
     def __init__(self, items: list, side: int):
         self.items, self.side = items, side
-        self.done_before = [read_progress(marker, len(split)) for split, marker, _ in items]
+        read = [read_record(progress_path(marker), marker, len(split)) for split, marker, _ in items]
+        self.done_before = [spans for spans, _ in read]
+        # the progress records that do not count (``read_record``): [(path, why), ...]
+        self.ignored = [(progress_path(item[1]), why) for item, (_, why) in zip(items, read) if why]
         self.already = sum(_count(spans) for spans in self.done_before)  # checked by earlier launches
         self.total = sum(len(split) for split, _, _ in items) - self.already  # left to check
         self.error: DataError | None = None
@@ -337,9 +401,7 @@ class PhotoCheck:
                 errors.append(unreadable_error(bad, len(split), what))
             if not bad and all(proc.answer is not None for _, _, proc in parts):  # every row read whole
                 complete.add(marker)
-                with contextlib.suppress(OSError):  # only a shortcut: a failure costs the next launch a check
-                    Path(marker).parent.mkdir(parents=True, exist_ok=True)
-                    write_atomic(Path(marker), "")
+                _write_record(Path(marker), marker, len(split), _merged([(0, len(split))]))  # failed: checked again
                 with contextlib.suppress(OSError):
                     progress_path(marker).unlink(missing_ok=True)
         self._save(complete)  # a checker killed first (no verdict, no marker), or a damaged photo: what was whole
@@ -377,14 +439,22 @@ class PhotoCheck:
 
 
 def check_splits(items: list, side: int) -> PhotoCheck | None:
-    """Check the splits of ``items`` ([(split, marker, what), ...]; those with a marker are skipped, and the rows
-    an earlier launch found whole): before returning when at most ``checked_first()`` photos are left (on every
-    core), else in the background (one process, low priority), returned running. None when there is nothing to
-    check."""
-    items = [item for item in items if not Path(item[1]).exists()]
-    if not items:
+    """Check the splits of ``items`` ([(split, marker, what), ...]; those with a marker that counts are skipped, and
+    the rows an earlier launch found whole, by a record that counts: ``read_record``): before returning when at most
+    ``checked_first()`` photos are left (on every core), else in the background (one process, low priority),
+    returned running. None when there is nothing to check. One line says which records did not count, if any."""
+    left, ignored = [], []
+    for split, marker, what in items:
+        spans, why = read_record(Path(marker), marker, len(split))
+        if why:
+            ignored.append((Path(marker), why))
+        if _count(spans) < len(split):
+            left.append((split, marker, what))
+    if not left:
+        _say_ignored(ignored)
         return None
-    check = PhotoCheck(items, side)
+    check = PhotoCheck(left, side)
+    _say_ignored(ignored + check.ignored)
     if check.total <= checked_first():
         check.start(max(1, min(len(os.sched_getaffinity(0)), check.total // 256 + 1))).wait()
         return None

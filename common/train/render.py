@@ -6,7 +6,8 @@ their next collective: on a GPU, longer than the evaluation's forward passes. A 
 not help: matplotlib holds the GIL, and a loop of small torch ops ran at 13% of its speed beside it, at full speed
 beside the child (benchmarks/eval_overhead.py, benchmarks/README.md). ``Renderer`` hands each evaluation's numbers
 (the confusion matrix; up to 36 misclassified images with their labels and predictions: about 100 KB) to one child
-process, ``python -m common.train.render``, which draws them, encodes PNGs and sends the PNGs back; the run puts
+process (``CHILD``: this module's ``serve``, imported from the folder that holds this process's own ``common``,
+never from the folder the run is launched from), which draws them, encodes PNGs and sends the PNGs back; the run puts
 them in its one TensorBoard writer (``common.train.tracking.MetricsLog``). The child imports numpy, PIL and
 matplotlib, not torch. It runs at the training processes' priority: drawing starved by them would only make the loop
 wait for it later.
@@ -43,6 +44,14 @@ from common.train.plots import confusion_matrix_image, curves_png, misclassified
 MAX_PENDING = 2  # evaluations waiting to be drawn before the loop waits for one (evaluations outrunning drawing)
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds `common`, for the child's import
 HEADER = struct.Struct(">II")  # a message: the lengths of its JSON part and of its bytes, then both
+# The child's program, run as `python -c CHILD ROOT`. Not `python -m common.train.render`: that puts the current
+# folder first on sys.path, so a `common` package in the folder the run is launched from would be imported (and run)
+# instead of this one (`-P` would stop it, but only from Python 3.11). Under `-c` sys.path[0] is '' (the current
+# folder; absent with PYTHONSAFEPATH): it is dropped and ROOT put first.
+CHILD = (
+    "import sys; sys.path[:] = [sys.argv[1], *(p for p in sys.path if p)]; "
+    "from common.train.render import serve; serve()"
+)
 
 
 @dataclasses.dataclass
@@ -128,7 +137,7 @@ class Renderer:
     what is drawn, ``finish`` before the run ends. ``command``: the child (tests give others)."""
 
     def __init__(self, command: list[str] | None = None, max_pending: int = MAX_PENDING):
-        self.command = command or [sys.executable, "-m", "common.train.render"]
+        self.command = command or [sys.executable, "-c", CHILD, str(ROOT)]
         self.max_pending, self.next_id, self.in_flight = max_pending, 0, 0
         self.jobs, self.done, self.ready = queue.Queue(), queue.Queue(), []
         self.generation = 0  # bumped when pending jobs are dropped: the thread throws their results away
@@ -245,11 +254,8 @@ class Renderer:
             if self.fallback is not None:
                 raise OSError(self.fallback)
             if self.proc is None:
-                env = {
-                    **os.environ,
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                }
-                self.proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+                pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+                self.proc = subprocess.Popen(self.command, **pipes, env=child_env())
             proc = self.proc
         specs, blobs = pack_arrays(arrays)
         send(proc.stdin.fileno(), {**job, "id": job_id, "arrays": specs}, blobs)
@@ -261,6 +267,16 @@ class Renderer:
             raise ValueError(f"the drawing process answered job {meta.get('id')} for job {job_id}")
         pictures = {name: (png, h, w) for (name, h, w), png in zip(meta.get("pictures", []), pngs)}
         return Drawn(job_id, pictures, meta.get("error"))
+
+
+def child_env() -> dict:
+    """This process's environment for the child, less PYTHONPATH's empty entries: Python reads each as the current
+    folder, and the child imports nothing from the folder the run is launched from."""
+    env = dict(os.environ)
+    kept = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
+    return env
 
 
 _SHARED: Renderer | None = None
