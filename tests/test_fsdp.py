@@ -6,8 +6,11 @@ checkpoint refused; and each FSDP answer the recipes cannot honour refused befor
 
 from __future__ import annotations
 
+import io
 import json
+import pathlib
 import pickle
+import re
 import shutil
 import subprocess
 
@@ -143,6 +146,37 @@ class Payload:
         return (shutil.rmtree, ("/nonexistent-target",))
 
 
+class Touch:
+    """Pickled, it creates ``path`` when it is loaded: code that ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+# an optimizer's param group as torch.optim keeps it (SGD's and AdamW's fields): torch.distributed.checkpoint stores
+# each value as a byte item of a .distcp file (param_groups.0.lr, ...), pickled
+OPTIMIZER_GROUP = {
+    "lr": 0.1,
+    "initial_lr": 0.1,
+    "momentum": 0.9,
+    "dampening": 0,
+    "weight_decay": 1e-4,
+    "nesterov": False,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "params": ["0"],
+}
+
+
 def sharded_checkpoint(folder):
     """A checkpoint folder as Accelerate's FSDP2 save_state lays it out: torch.distributed.checkpoint's files (written
     here by one process) in pytorch_model_fsdp_0/ and optimizer_0/."""
@@ -152,7 +186,8 @@ def sharded_checkpoint(folder):
         {"conv.weight": torch.randn(8, 3, 3, 3), "fc.bias": torch.randn(5)},
         checkpoint_id=folder / "pytorch_model_fsdp_0",
     )
-    dcp.save({"state": {"0": {"momentum_buffer": torch.randn(5)}}}, checkpoint_id=folder / "optimizer_0")
+    optimizer = {"state": {"0": {"momentum_buffer": torch.randn(5)}}, "param_groups": [OPTIMIZER_GROUP]}
+    dcp.save(optimizer, checkpoint_id=folder / "optimizer_0")  # the group's values: byte items, pickled
     return folder
 
 
@@ -188,6 +223,54 @@ def test_a_crafted_or_damaged_sharded_checkpoint_is_refused_before_torch_reads_i
     shard = sorted((cut / "pytorch_model_fsdp_0").glob("*.distcp"))[0]
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(ckpt.DamagedCheckpoint, match="shorter than its index says"):
+        ckpt.verify_files(cut)
+
+
+def test_a_sharded_optimizer_value_that_would_run_code_is_refused_before_torch_unpickles_it(tmp_path):
+    """torch.distributed.checkpoint unpickles each byte item of a .distcp file (an optimizer's lr, betas, ...) without
+    weights_only: one crafted item would run code on every rank. Each is read first with weights_only, as torch
+    reads it (its bytes at the index's offset and length): the resume is refused, naming the file, and nothing ran."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from common.errors import RecipeError
+    from common.train import checkpoint as ckpt
+
+    crafted = sharded_checkpoint(tmp_path / "crafted")
+    folder = crafted / "optimizer_0"
+    index = folder / ".metadata"
+    meta = pickle.loads(index.read_bytes())
+    fqn = "param_groups.0.lr"
+    assert isinstance(meta.state_dict_metadata[fqn], BytesStorageMetadata)
+    [item] = [info for key, info in meta.storage_data.items() if key.fqn == fqn]
+    shard = folder / item.relative_path
+    marker = tmp_path / "the-code-ran"
+    payload = io.BytesIO()
+    torch.save(Touch(marker), payload)  # as torch writes a byte item, with the payload in it
+    item.offset, item.length = shard.stat().st_size, len(payload.getvalue())  # appended, the index saying so
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    index.write_bytes(pickle.dumps(meta))
+
+    with pytest.raises(RecipeError, match=re.escape(str(shard))) as refused:
+        ckpt.verify_files(crafted)
+    assert fqn in str(refused.value) and "not an allowed global" in str(refused.value), refused.value
+    assert "nothing was loaded" in str(refused.value) and "\n" not in str(refused.value)
+    assert not marker.exists()
+
+    # what the check stands in front of: torch's own read of the folder runs the payload
+    state = {"state": {"0": {"momentum_buffer": torch.zeros(5)}}, "param_groups": [dict(OPTIMIZER_GROUP)]}
+    dcp.load(state, checkpoint_id=folder, no_dist=True)
+    assert marker.exists()
+
+    # a byte item cut short (its index says fewer bytes than torch wrote) cannot be read: damage, not a refusal
+    cut = sharded_checkpoint(tmp_path / "cut")
+    index = cut / "optimizer_0" / ".metadata"
+    meta = pickle.loads(index.read_bytes())
+    [item] = [info for key, info in meta.storage_data.items() if key.fqn == "param_groups.0.betas"]
+    item.length //= 2
+    index.write_bytes(pickle.dumps(meta))
+    with pytest.raises(ckpt.DamagedCheckpoint, match="param_groups.0.betas"):
         ckpt.verify_files(cut)
 
 

@@ -16,6 +16,7 @@ trainer_state.json, never parsed from folder names.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -176,12 +177,18 @@ class DamagedCheckpoint(Exception):
 
 
 def verify_files(path: Path) -> None:
-    """Before Accelerate loads ``path``: raise DamagedCheckpoint if a file cannot be read whole (a safetensors
-    file shorter than its header says, a truncated pickle), and refuse (RecipeError) a checkpoint whose pickles
-    hold anything beyond tensors and numpy arrays (loading those could run code; a checkpoint written here
-    holds none) or that holds custom_checkpoint_*.pkl files, which Accelerate would unpickle without
-    ``weights_only``. Every pickle is opened with ``weights_only``, so nothing runs. Every rank reaches the
-    same verdict (the files are shared), so every rank takes the same way on."""
+    """Before Accelerate loads ``path``, read what it would read: every ``*.safetensors`` file whole; every
+    ``*.pkl``, ``*.bin`` and ``*.pt`` file with Accelerate's ``load`` (``weights_only``, numpy arrays allowed); every
+    folder (FSDP2's sharded model and optimizer) with ``verify_sharded``: its ``.metadata`` index with an unpickler
+    that knows only an index's records, and every byte item of its .distcp files (the values torch unpickles
+    without ``weights_only``) with ``torch.load(weights_only=True)``; the tensors of a .distcp file are not
+    unpickled (torch loads them with ``weights_only``), only checked to lie within their file. No pickle is opened
+    in a way that could run code. Raises DamagedCheckpoint if a file cannot be read whole (a safetensors file
+    shorter than its header says, a truncated pickle or .distcp file) and refuses (RecipeError) a checkpoint
+    holding pickled data beyond plain data (tensors, numpy arrays, numbers, strings and their containers: loading
+    it could run code; a checkpoint written here holds none), an index naming a file outside its folder, or
+    custom_checkpoint_*.pkl files, which Accelerate would unpickle without ``weights_only``. Every rank reaches
+    the same verdict (the files are shared), so every rank takes the same way on."""
     from accelerate.utils.other import load
     from safetensors import safe_open
 
@@ -247,9 +254,18 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 def verify_sharded(folder: Path) -> list[str]:
-    """A folder of torch.distributed.checkpoint files (FSDP2's model or optimizer): its index read with only the
-    records it may hold (anything else: returned, as not plain data) and every file it names long enough for the
-    bytes it is said to hold (else DamagedCheckpoint)."""
+    """A folder of torch.distributed.checkpoint files (FSDP2's model or optimizer), read before torch reads it. Its
+    ``.metadata`` index: with an unpickler that knows only the records an index holds (anything else: returned, as
+    not plain data). Every file the index names: long enough for the bytes it is said to hold (else
+    DamagedCheckpoint). Every byte item (an index entry of BytesStorageMetadata, an optimizer's ``param_groups.0.lr``,
+    betas, flags and parameter names: torch unpickles these without ``weights_only``): its bytes read as torch's
+    FileSystemReader reads them (offset and length in its .distcp file, then its transforms) and opened with
+    ``torch.load(weights_only=True)``; one that needs anything beyond plain data (numbers, strings, None, tuples,
+    lists, dicts, tensors) is returned, one that cannot be read is DamagedCheckpoint. The tensor items are not
+    unpickled here: torch itself loads them with ``weights_only``. Returns what is not plain data, [] if nothing."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     index = folder / ".metadata"
     if not index.is_file():
         raise DamagedCheckpoint(f"{folder} has no .metadata index (an interrupted write)")
@@ -262,14 +278,73 @@ def verify_sharded(folder: Path) -> list[str]:
         raise DamagedCheckpoint(f"{index} is damaged ({str(err)[:160]})") from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError) as err:
         raise DamagedCheckpoint(f"{index} is damaged ({type(err).__name__}: {str(err)[:160]})") from None
-    for item in (getattr(meta, "storage_data", None) or {}).values():
+    storage = getattr(meta, "storage_data", None) or {}
+    described = getattr(meta, "state_dict_metadata", None) or {}
+    if not isinstance(storage, dict) or not isinstance(described, dict):
+        raise DamagedCheckpoint(f"{index} is damaged (not the index of a sharded checkpoint)")
+    for item in storage.values():
+        if not isinstance(item, _StorageInfo):
+            raise DamagedCheckpoint(f"{index} is damaged (it places an item with {type(item).__name__})")
         name = str(item.relative_path)
         if Path(name).name != name or name in ("", ".", ".."):
             return [f"{index} (it names {name!r}, a file outside its folder)"]
         f = folder / name
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (item.offset, item.length)):
+            raise DamagedCheckpoint(f"{index} is damaged (it places an item of {name} at {item.offset!r})")
         if not f.is_file() or f.stat().st_size < item.offset + item.length:
             raise DamagedCheckpoint(f"{f} is damaged (shorter than its index says, or missing)")
-    return []
+
+    # what torch reads as bytes: the entries its planner loads with torch.load(weights_only=False)
+    byte_items = {fqn for fqn, what in described.items() if isinstance(what, BytesStorageMetadata)}
+    bad = []
+    for key, item in storage.items():
+        fqn = getattr(key, "fqn", None)
+        if fqn not in byte_items:
+            continue
+        f = folder / str(item.relative_path)
+        data = _byte_item(f, item)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            if "Weights only load failed" not in str(err):
+                raise DamagedCheckpoint(f"{f} is damaged (its item {fqn}: {str(err).splitlines()[0][:160]})") from None
+            bad.append(f"{f} (its item {fqn}: {_weights_only_reason(err)})")
+        except Exception as err:  # noqa: BLE001 - torch.load raises what its reader meets; weights_only ran nothing
+            reason = str(err).splitlines()[0][:160] if str(err) else ""
+            raise DamagedCheckpoint(f"{f} is damaged (its item {fqn}: {type(err).__name__}: {reason})") from None
+    return bad
+
+
+def _byte_item(f: Path, item) -> bytes:
+    """One byte item's bytes, as torch's FileSystemReader.read_data reads a BYTE_IO item: ``item.length`` bytes at
+    ``item.offset`` of its file, through the stream transforms the index names for it (``transform_descriptors`` of
+    a newer torch, ZStandard); a torch without them reads the bytes as they are, and so does this."""
+    try:
+        with open(f, "rb") as handle:
+            handle.seek(item.offset)
+            data = handle.read(item.length)
+    except OSError as err:
+        raise DamagedCheckpoint(f"{f} is damaged ({type(err).__name__}: {err})") from None
+    if len(data) != item.length:
+        raise DamagedCheckpoint(f"{f} is damaged (shorter than its index says, or missing)")
+    descriptors = getattr(item, "transform_descriptors", None)
+    if not descriptors:
+        return data
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+    except ImportError:  # a torch that predates transforms ignores the field
+        return data
+    try:
+        return _StorageReaderTransforms().transform_load_stream(None, descriptors, io.BytesIO(data)).read(-1)
+    except Exception as err:  # noqa: BLE001 - an unknown transform, or bytes it cannot undo
+        raise DamagedCheckpoint(f"{f} is damaged ({type(err).__name__}: {str(err)[:160]})") from None
+
+
+def _weights_only_reason(err: Exception) -> str:
+    """The line of torch's weights_only refusal that says what the pickle needs (``Unsupported global: GLOBAL
+    builtins.getattr was not an allowed global by default``), without torch's advice to load it anyway."""
+    found = re.search(r"unsupported[^\n]*?(?=\. Please|\.?\n|\.?$)", str(err), re.IGNORECASE)
+    return (found.group(0) if found else str(err).splitlines()[0])[:160]
 
 
 # --- model files (best/, final/) -----------------------------------------------------------------
