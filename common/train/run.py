@@ -354,9 +354,8 @@ class TrainingRun:
         self.loop.pending = False
         if self.checks.batch_tracked():
             if self.accelerator.sync_gradients:
-                updated = self.checks.step_taken(
-                    True
-                )  # the fp16 skip check, once per step (the loop may not have asked)
+                # the fp16 skip check, once per step (the loop may not have asked)
+                updated = self.checks.step_taken(True)
                 self.checks.refuse_left_before_update(self.recipe_file)
                 self._end_step(updated)
             self._evaluate_if_due()  # at --eval-every-steps
