@@ -1,7 +1,7 @@
-"""Weight averaging, two ways a recipe picks from, each a class whose ``step()``/``update()`` the loop calls under
-``if run.step_taken():`` (so a step fp16 loss scaling skipped moves neither) and whose state goes into every
-checkpoint as safetensors through Accelerate's save/load hooks (tensors only: loading a checkpoint someone sent you
-runs no pickle).
+"""Weight averaging, two ways a recipe picks from, each a class whose ``step()``/``update()`` the loop calls after
+``if not run.updated(): continue`` (so an update fp16 loss scaling skipped moves neither) and whose state goes into
+every checkpoint as safetensors through Accelerate's save/load hooks (tensors only: loading a checkpoint someone sent
+you runs no pickle).
 
 ``EMA``: an exponential moving average of the weights, evaluated and saved instead of them
 (the arithmetic and checkpoint file of ``torch.optim.swa_utils.AveragedModel``).

@@ -77,6 +77,7 @@ RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: 
     "output_dir",
     "resume_from",
     "checkpoint_every",
+    "checkpoint_every_s",
     "keep_checkpoints",
     "log_every",
     "progress_every_s",
@@ -167,7 +168,12 @@ class CommonConfig:
     # --- checkpoint ---
     output_dir: str = knob("", "run directory ('' = runs/<recipe>-<timestamp>)")
     resume_from: str = knob("", "'latest' (newest complete checkpoint in --output-dir) or a checkpoint path")
-    checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = epoch ends only)")
+    checkpoint_every_s: float = knob(
+        300.0,
+        "checkpoint once this many seconds have passed since the last checkpoint (0 = off); a run also checkpoints "
+        "at a stop request and at its end",
+    )
+    checkpoint_every: int = knob(0, "also checkpoint every N optimizer steps (0 = off)")
     keep_checkpoints: int = knob(3, "complete checkpoints to keep (the newest one is never deleted)")
     monitor: str = knob(
         "eval/accuracy", "metric that decides the best model kept in best/", choices=list(MONITOR_MODES)

@@ -41,6 +41,10 @@ def check(cfg) -> None:
     need(cfg.log_every >= 1, f"--log-every must be at least 1 (got {cfg.log_every}).")
     need(cfg.eval_every >= 1, f"--eval-every must be at least 1 (got {cfg.eval_every}).")
     need(cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (got {cfg.checkpoint_every}).")
+    need(
+        cfg.checkpoint_every_s >= 0,
+        f"--checkpoint-every-s must be >= 0 (got {cfg.checkpoint_every_s}); 0 turns it off.",
+    )
     need(cfg.max_steps >= 0, f"--max-steps must be >= 0 (got {cfg.max_steps}).")
     need(
         0 <= cfg.target_accuracy <= 1,

@@ -110,32 +110,38 @@ def train(cfg: Config, run: TrainingRun) -> None:
         run.load_weights(model)
         return run.report_eval_only(data, validate(final_loader))
 
-    # --- train: the loop is yours to change; the run counts, logs, checkpoints and evaluates (docs/loop.md) ---
-    run.start(
-        model,
-        optimizer,
-        scheduler,
-        train_loader,
-        data,
-        transform,  # fresh, or resumed exactly
-        evaluate=lambda: validate(val_loader),  # called when due; best/ and checkpoints follow
-    )
-    for epoch in run.epochs():  # each epoch's end (also after a `break`): its evaluation, its line, a checkpoint
+    # --- train: the loop is yours; each line says when, each run.<call> says how (docs/loop.md) ---
+    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
+    for epoch in range(run.epoch, cfg.epochs):
         model.train()
-        for images, labels in run.batches(train_loader):  # after each batch: log, checkpoint, stop, eval when due
+        for images, labels in run.batches(train_loader, epoch):  # this epoch's shuffle; a resumed one skips ahead
             with accelerator.accumulate(model):
                 logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.step(loss)  # loss sums, the NaN/stop guard: one all-reduce, no sync
+                run.track(loss)  # loss sums, the NaN/stop guard: one all-reduce, no sync
                 if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if run.step_taken():  # the weights were updated: not a --grad-accum micro-batch, nor an fp16 skip
-                scheduler.step()
+            if not run.updated():  # a --grad-accum micro-batch, or an update fp16 loss scaling skipped
+                continue
+            scheduler.step()
+            if run.step % cfg.log_every == 0:
+                run.log()  # the mean loss since the last log, LR, throughput: one sync
+            if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0:
+                run.evaluate(validate, val_loader)  # scalars, pictures, best/
+            if run.stop_requested():  # a signal or a lost launcher, on any rank: checkpoint, exit 75
+                run.preempt()
+            if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)
+                run.checkpoint()
+        if run.max_steps_reached:  # this launch ends here: run.finish evaluates and saves
+            break
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+            run.evaluate(validate, val_loader)  # not twice for the same weights
+        run.end_epoch()  # the epoch's line
 
-    run.finish(validate(final_loader))  # final/ weights, summary.json, --target-accuracy check
+    run.finish(validate, final_loader)  # a checkpoint, the final evaluation, final/, summary.json, target check
 
 
 if __name__ == "__main__":

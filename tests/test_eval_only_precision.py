@@ -26,8 +26,6 @@ def test_eval_only_names_a_precision_other_than_the_runs(tmp_path, env, mnist_li
                 1,
                 "--batch-size",
                 32,
-                "--max-steps",
-                2,
                 "--output-dir",
                 run,
             ],

@@ -166,7 +166,7 @@ def test_copy_recipe_copies_the_photo_recipe(tmp_path, capsys):
 
     assert copy_recipe.main(["finetune_folder", str(tmp_path / "my_photos.py")]) == 0
     text = (tmp_path / "my_photos.py").read_text()
-    assert 'RECIPE = "my_photos"' in text and "run.batches(train_loader)" in text
+    assert 'RECIPE = "my_photos"' in text and "run.batches(train_loader, epoch)" in text
     shutil.rmtree(tmp_path)
 
 

@@ -337,12 +337,12 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
     victim = sorted((root / "ant").glob("*.jpg"))[0]
     copy = copy_recipe("finetune_folder", tmp_path / "breaks.py")
     text = copy.read_text()
-    anchor = "            if run.step_taken():"
+    anchor = "            scheduler.step()"
     assert text.count(anchor) == 1
     copy.write_text(
         text.replace(
             anchor,
-            f"            if run.global_step == 1:\n"
+            f"            if run.step == 1:\n"
             f"                open({str(victim)!r}, 'wb').write(b'not a photo any more')\n"
             f"{anchor}",
         )
@@ -360,6 +360,8 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
             3,
             "--workers",
             1,
+            "--checkpoint-every",
+            1,
             "--output-dir",
             tmp_path / "run",
         ],
@@ -372,7 +374,7 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
         and "put the original back and resume" in paragraph
         and "DataLoader worker" in paragraph
     )
-    assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # epoch 1's end, before the worker met it
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # kept: the steps before the worker met it
 
 
 def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):

@@ -40,10 +40,11 @@ from common.train.sharding import share_buffers
 
 
 class Checkpointer:
-    """Owns the position: ``epoch`` (0-based, the one running), ``batch`` (batches of it consumed, or the one
-    running inside the loop's body), ``global_step`` (optimizer steps taken), ``start_batch`` (where a resumed epoch
-    starts) and ``saved_step`` (the step of the newest checkpoint written or resumed); the run's length
-    (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a resume compares."""
+    """Owns the position: ``epoch`` (0-based, the one running), ``batch`` (batches of it handed out to the loop, the
+    one in the loop's body included), ``global_step`` (optimizer updates taken), ``start_batch`` (where a resumed
+    epoch starts) and the newest checkpoint written or resumed (``saved_step``, ``saved``: its position, and
+    ``saved_path``); the run's length (``steps_per_epoch``, ``total_steps``); and the data fingerprint every
+    checkpoint records and a resume compares."""
 
     def __init__(
         self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int, data, epoch_sides=None
@@ -56,7 +57,8 @@ class Checkpointer:
         self.data, self.data_fingerprint = data, data_fingerprint(data)
         self.files_fingerprint = files_fingerprint(data)  # which file is at each row (None for a table dataset)
         self.epoch = self.batch = self.start_batch = self.global_step = 0
-        self.saved_step = None
+        self.in_hand = 0  # 1 from handing a batch out until the loop trains on it (run.track)
+        self.saved_step = self.saved = self.saved_path = None
         compile_neutral_checkpoints(accelerator)
 
     @property
@@ -64,36 +66,50 @@ class Checkpointer:
         """Every optimizer step of the run (--epochs, or --max-steps) taken."""
         return self.global_step >= self.total_steps
 
+    def last_step(self) -> bool:
+        """The run's last step (of its --epochs) is taken."""
+        return self.global_step >= self.steps_per_epoch * self.cfg.epochs
+
     def mid_epoch(self) -> bool:
-        """The batch running is not the epoch's last."""
-        return self.batch + 1 < self.batches_per_epoch
+        """Batches of this epoch are left."""
+        return self.batch < self.batches_per_epoch
+
+    def trained(self) -> int:
+        """Batches of this epoch the loop has trained on or gone past: those handed out, less the one in its hands
+        that it has not trained on yet (a checkpoint or a `return` at the top of the body leaves it to the resume)."""
+        return self.batch - self.in_hand
+
+    def position(self) -> tuple[int, int, int]:
+        return self.epoch, self.trained(), self.global_step
 
     # --- moving the position: only through these ---------------------------------------------------
 
-    def begin_epoch(self) -> None:
-        """An epoch's body starts: at the resumed batch in a resumed epoch (augmentation draws are seeded by it)."""
-        self.batch = self.start_batch
-
-    def begin_batches(self) -> int:
-        """The epoch's batch loop starts: at the resumed batch in a resumed epoch, else at 0. Returns it."""
-        first, self.start_batch = self.start_batch, 0
-        self.batch = first
+    def enter_epoch(self, epoch: int) -> int:
+        """The loop starts epoch ``epoch``'s batches: at the resumed batch in the resumed epoch, else at 0. Returns
+        it."""
+        first = self.start_batch if epoch == self.epoch else 0
+        self.epoch, self.batch, self.start_batch, self.in_hand = epoch, first, 0, 0
         return first
 
-    def batch_done(self) -> None:
-        """The loop went past the batch running (trained on it, or skipped it)."""
-        self.batch += 1
+    def handed_out(self) -> None:
+        """The loop was handed the next batch of the epoch (the one before it is behind the loop: trained on, or
+        skipped by a `continue`)."""
+        self.batch, self.in_hand = self.batch + 1, 1
+
+    def training_on_it(self) -> None:
+        """The loop trains on the batch in its hands (run.track)."""
+        self.in_hand = 0
 
     def step_done(self) -> None:
-        """An optimizer step was taken."""
+        """An optimizer update was taken."""
         self.global_step += 1
 
     def end_epoch(self, counted: bool) -> None:
         """The epoch ended; ``counted``: it ended as an epoch (all its batches, or as the loop chose), not cut by
-        --max-steps or a stop, so the next one begins."""
+        --max-steps, so the next one begins."""
         if counted:
             self.epoch += 1
-            self.batch = 0
+            self.batch = self.in_hand = 0
 
     # --- resume or fresh start -------------------------------------------------------------------
 
@@ -117,6 +133,9 @@ class Checkpointer:
             if listing is not None:
                 write_atomic(self.run_dir / DATA_FILES, listing)
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
+        self.batch = self.start_batch
+        if self.resume_path is not None:
+            self.saved, self.saved_path = self.position(), self.resume_path
         return state
 
     def _resume_newest_readable(self, model, optimizer, scheduler) -> dict:
@@ -222,15 +241,13 @@ class Checkpointer:
         every = self.cfg.checkpoint_every
         return bool(every and self.global_step % every == 0)
 
-    def save(
-        self, model, best, skipped_steps: int, batches_in_epoch: int | None = None, epoch: int | None = None
-    ) -> Path:
-        """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): by default
-        after the batch running (``batch + 1`` batches of ``epoch`` consumed)."""
+    def save(self, model, best, skipped_steps: int) -> Path:
+        """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): ``batch``
+        batches of ``epoch`` trained or gone past (``trained``)."""
         share_buffers(self.accelerator, model)  # FSDP2: one model's BatchNorm statistics on every process
         state = {
-            "epoch": self.epoch if epoch is None else epoch,
-            "batches_in_epoch": self.batch + 1 if batches_in_epoch is None else batches_in_epoch,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.trained(),
             "global_step": self.global_step,
             "best": best,
             "skipped_steps": skipped_steps,
@@ -239,7 +256,7 @@ class Checkpointer:
             **checkpoint_meta(self.cfg, self.accelerator, model),
         }
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
-        self.saved_step = self.global_step
+        self.saved_step, self.saved, self.saved_path = self.global_step, self.position(), path
         return path
 
 

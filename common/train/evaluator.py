@@ -1,11 +1,7 @@
-"""When a run evaluates, and what it does with a result: the one place that decides "evaluate now", the
-validation scalars and images, best/ (the weights with the best --monitor value) and the epoch's line.
-
-Inside the batch loop an evaluation is due at every --eval-every-steps step; after it, at the end of every
---eval-every epochs, the last epoch, and where --max-steps stops. The same weights are never evaluated twice
-(an --eval-every-steps step that ends an epoch is the epoch's evaluation). An evaluation due on a
---checkpoint-every step runs before that checkpoint is written, so the checkpoint holds its result and a resumed
-run never loses it (nor keeps a worse model in best/).
+"""What a run does with an evaluation the loop made: the validation scalars and images, best/ (the weights with
+the best --monitor value) and the epoch's line. *When* to evaluate is the recipe's loop's: a line after the step
+(every --eval-every-steps steps) and after the epoch (every --eval-every epochs and the last); ``evaluation_due`` is
+that rule as the recipes write it, which the progress line's ETA also counts with.
 
 What an evaluation costs the loop besides its forward passes is kept small: its pictures are drawn in a child
 process (``common.train.tracking.MetricsLog.images``), and best/ is written by a thread from a copy of the weights
@@ -23,27 +19,23 @@ from common.console import say
 from common.train import checkpoint as ckpt
 
 
-def evaluation_due(cfg, step: int | None = None, epochs_done: int | None = None, last: bool = False) -> bool:
-    """The one rule for when an evaluation is due, asked by the run and by the ETA: after optimizer step ``step``,
-    at every --eval-every-steps step; at the end of epoch ``epochs_done`` (1-based), every --eval-every epochs and
-    the last epoch; and at the run's last step (``last``: --max-steps stops it)."""
+def evaluation_due(cfg, step: int | None = None, epochs_done: int | None = None) -> bool:
+    """The recipes' evaluation rule, for the ETA: after optimizer step ``step``, at every --eval-every-steps step;
+    at the end of epoch ``epochs_done`` (1-based), every --eval-every epochs and the last epoch."""
     if step is not None:
         return bool(cfg.eval_every_steps) and step % cfg.eval_every_steps == 0
-    return last or epochs_done % max(1, cfg.eval_every) == 0 or epochs_done == cfg.epochs
+    return epochs_done % max(1, cfg.eval_every) == 0 or epochs_done == cfg.epochs
 
 
 class Evaluator:
-    """Owns the evaluation schedule, the best --monitor value and best/, and the epoch's evaluation result.
-    ``evaluate``: the recipe's function returning validation metrics (``common.train.metrics.evaluate``); ``model``: the
-    module scored and saved (the trained model, or an EMA copy); ``card``: model.json's fields for best/ and final/."""
+    """Owns the best --monitor value and best/, and the epoch's evaluation result. ``model``: the module scored and
+    saved (the trained model, or an EMA copy); ``card``: model.json's fields for best/ and final/."""
 
-    def __init__(self, cfg, accelerator, evaluate, model, data, log, card: dict, run_dir, best):
-        self.cfg, self.accelerator, self.evaluate, self.model = cfg, accelerator, evaluate, model
+    def __init__(self, cfg, accelerator, model, data, log, card: dict, run_dir, best):
+        self.cfg, self.accelerator, self.model = cfg, accelerator, model
         self.data, self.log, self.card, self.run_dir, self._best = data, log, card, run_dir, best
         self.writing = None  # a best/ being written in the background (BestWrite)
         self.failed = None  # ... that failed: raised at the next evaluation or at the end
-        self.now = False  # an --eval-every-steps evaluation is due at this step (set by at_step)
-        self.checkpoint_after = False  # ... and --checkpoint-every fell on it too: checkpoint after the result
         self.evaluated_step = None  # the step whose weights were evaluated last
         self.epoch_result = None  # the epoch's evaluation, for the epoch line
         self.seconds = None  # how long the last evaluation took
@@ -75,25 +67,10 @@ class Evaluator:
         if failed is not None:
             raise failed
 
-    def at_step(self, step: int, checkpoint_now: bool, mid_epoch: bool) -> bool:
-        """After an optimizer step: is an --eval-every-steps evaluation due? True when the step's checkpoint must
-        wait for it."""
-        self.now = evaluation_due(self.cfg, step=step) and self.data.val is not None  # else nothing to evaluate
-        self.checkpoint_after = self.now and checkpoint_now and mid_epoch
-        return self.checkpoint_after
-
-    def due(self, step: int, in_epoch: bool, epoch_end_due) -> bool:
-        """Inside the batch loop, at an --eval-every-steps step; after it, when ``epoch_end_due()``. Never twice for
-        the same weights."""
-        if self.data.val is None or self.evaluated_step == step:
-            return False
-        return self.now if in_epoch else epoch_end_due()
-
-    def run(self, step: int, epoch: int, mid_epoch: bool) -> bool:
-        """Evaluate, log the result and keep the model in best/ when --monitor improved. True when this step's
-        checkpoint was waiting for the result (the caller writes it now)."""
+    def record(self, metrics: dict, step: int, epoch: int, mid_epoch: bool) -> None:
+        """An evaluation of the validation split, made now by the loop: logged, and the model kept in best/ when
+        --monitor improved (written by a thread from a copy of the weights taken now)."""
         self.raise_failed()
-        metrics = self.evaluate()
         cfg = self.cfg
         self.seconds = metrics.get("seconds") if metrics else None
         self.log_result("eval", metrics, self.data.val, step)
@@ -106,16 +83,13 @@ class Evaluator:
             if self.accelerator.is_main_process:  # (save_model_dir writes on the main process only)
                 self.writing = BestWrite(self.accelerator, weights, self.run_dir / "best", card, best)
             self._best = value
-        if self.now and mid_epoch:  # mid-epoch: its own line, not the epoch's
+        if mid_epoch:  # mid-epoch: its own line, not the epoch's
             say(
                 f"eval at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
                 f"({metrics['count']} images)"
             )
         else:
             self.epoch_result = metrics
-        self.now = False
-        checkpoint_after, self.checkpoint_after = self.checkpoint_after, False
-        return checkpoint_after
 
     def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> bytes | None:
         """Scalars to metrics.jsonl and the trackers, pictures to TensorBoard (in the background); for the final

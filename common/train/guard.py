@@ -1,9 +1,10 @@
 """The per-step checks that keep every rank in agreement, without making the host wait for the device.
 
 ``StepGuard``: each micro-step's loss is added on the device. Once per optimizer step, before
-``optimizer.step()``, one all-reduce of four numbers (loss sum, loss count, non-finite count, stop
-requests) tells every rank whether any rank saw a non-finite loss or has a stop request. Nothing reads
-that result at once:
+``optimizer.step()``, one all-reduce of five numbers (loss sum, loss count, non-finite count, stop
+requests, checkpoint requests) tells every rank whether any rank saw a non-finite loss, has a stop request or has
+reached its checkpoint time (--checkpoint-every-s: ranks' clocks differ, so the ranks agree through this sum).
+Nothing reads that result at once:
 
 - **the update is masked on the device**: a fused optimizer (SGD/AdamW ``fused=True``, on a GPU and on a
   CPU) takes a ``found_inf`` flag, as GradScaler uses it, and skips the step when it is 1. The guard sets
@@ -12,7 +13,7 @@ that result at once:
 - **the host reads the flags one step late**: they are copied to host memory asynchronously (pinned,
   ``non_blocking``, an event) and read at the next optimizer step, by which time the device has long
   finished them. A non-finite loss then stops every rank (weights as before the bad step), and a stop
-  request makes every rank checkpoint at the same step. At steps that write or log anything (log,
+  or checkpoint request is seen by every rank at the same step. At steps that write or log anything (log,
   checkpoint, evaluation, the end) the flags of that very step are read first, so nothing is ever
   written after a non-finite loss.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.errors import NonFiniteLoss, RecipeError
+from common.errors import NonFiniteLoss
 from common.train.checkpoint import complete_checkpoints, step_of
 
 MAX_CONSECUTIVE_SKIPS = 25  # 25 halvings take the loss scale from 65536 below 0.002
@@ -46,6 +47,7 @@ class Flags:
     step: int  # the optimizer step they belong to
     nonfinite: bool  # a non-finite loss on some rank
     stop: bool  # a stop request on some rank
+    checkpoint: bool = False  # some rank reached its --checkpoint-every-s time
 
 
 class StepGuard:
@@ -53,7 +55,8 @@ class StepGuard:
         self.accelerator = accelerator
         device = accelerator.device
         self.fp16 = accelerator.mixed_precision == "fp16"
-        self.sums = torch.zeros(4, device=device)  # loss sum, loss count, non-finite count, stop requests
+        # loss sum, loss count, non-finite count, stop and checkpoint requests
+        self.sums = torch.zeros(5, device=device)
         self.window = torch.zeros(2, device=device)  # loss sum and count since the last log step
         self.epoch = torch.zeros(2, device=device)  # ... since the epoch began
         inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside Accelerate's wrapper
@@ -65,7 +68,7 @@ class StepGuard:
             self.found_inf = torch.zeros((), device=device)  # 0-dim, as GradScaler makes it
             inner.found_inf = self.found_inf  # read by the fused kernel at every step() (torch's GradScaler API)
         cuda = device.type == "cuda"
-        self.host = torch.zeros(4, pin_memory=cuda)
+        self.host = torch.zeros(5, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
         self.pending: int | None = None  # the step whose flags are on their way to self.host
 
@@ -78,11 +81,12 @@ class StepGuard:
             self.sums[0] += d
             self.sums[1] += 1
 
-    def check(self, stop_requested: bool, step: int) -> Flags | None:
+    def check(self, stop_requested: bool, step: int, checkpoint_wanted: bool = False) -> Flags | None:
         """Before ``optimizer.step()`` of ``step``: one all-reduce, the device-side mask, and the flags of
         the step before (read now, late) or, without masking, of this one (read now, a sync)."""
         earlier = self.collect()
-        self.sums[3].fill_(1.0 if stop_requested else 0.0)  # a fill, not a copy from the host: no sync
+        self.sums[3].fill_(1.0 if stop_requested else 0.0)  # fills, not copies from the host: no sync
+        self.sums[4].fill_(1.0 if checkpoint_wanted else 0.0)
         if self.accelerator.num_processes > 1:
             reduced = self.accelerator.reduce(self.sums, "sum")
         else:
@@ -99,7 +103,11 @@ class StepGuard:
         if self.late:
             return earlier
         now = self.collect()  # nothing can skip this update on the device: decide before it
-        return now if earlier is None else Flags(step, earlier.nonfinite or now.nonfinite, earlier.stop or now.stop)
+        if earlier is None:
+            return now
+        return Flags(
+            step, earlier.nonfinite or now.nonfinite, earlier.stop or now.stop, earlier.checkpoint or now.checkpoint
+        )
 
     def collect(self) -> Flags | None:
         """The flags in flight, if any, read from host memory."""
@@ -107,10 +115,10 @@ class StepGuard:
             return None
         if self.event is not None:
             self.event.synchronize()  # recorded a step ago: long done
-        loss_sum, _, nonfinite, stops = self.host.numpy().tolist()  # host memory, not the device
+        loss_sum, _, nonfinite, stops, checkpoints = self.host.numpy().tolist()  # host memory, not the device
         step, self.pending = self.pending, None
         bad = nonfinite > 0 if self.fp16 else not math.isfinite(loss_sum)
-        return Flags(step, bad, stops > 0)
+        return Flags(step, bad, stops > 0, checkpoints > 0)
 
     @staticmethod
     def read(sums: torch.Tensor) -> tuple[float, float]:
@@ -146,73 +154,22 @@ class LossScaleWatch:
 
 class StepChecks:
     """The run's side of the guard: the flags acted on when they arrive (a non-finite loss ends the run naming
-    the checkpoint to resume; a stop request is kept for the next step boundary), fp16 skips counted, and what
-    the loop did with the batch it was given (run.step called, the optimizer stepped, the update taken)."""
+    the checkpoint to resume; a stop or checkpoint request is kept for the loop to ask about), and fp16 skips
+    counted."""
 
     def __init__(self, accelerator, optimizer, run_dir, skipped_before: int = 0):
         self.guard, self.scale_watch = StepGuard(accelerator, optimizer), LossScaleWatch(accelerator.scaler)
         self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
-        self.skipped_before, self.stopping = skipped_before, False
-        self.tracked = False  # this batch's loss was tracked (the loop called run.step)
-        self.stepped = False  # ... and the optimizer's step ran
-        self.taken = None  # ... and updated the weights (decided once per batch: reading the fp16 scale)
-        self.left_before_update = False  # ... or the loop left it between run.step and optimizer.step
-        self.hook = None
-
-    def watch_updates(self, optimizer) -> None:
-        """Stop at once, before the update, when the loop steps ``optimizer`` without run.step(loss) first: nothing
-        would be logged, checkpointed or guarded. (A batch with neither is a batch the loop skipped.)"""
-
-        def before_update(opt, args, kwargs):
-            if not self.tracked:
-                raise RecipeError(
-                    "The recipe's loop did not call run.step(loss) before optimizer.step(): nothing "
-                    "would be logged, checkpointed or guarded (a NaN loss or a stop signal would go "
-                    "unseen). Call run.step(loss) between accelerator.backward(loss) and "
-                    "optimizer.step()."
-                )
-            self.stepped = True
-
-        self.hook = getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(before_update)
+        self.skipped_before, self.stopping, self.checkpoint_wanted = skipped_before, False, False
 
     def track(self, loss: torch.Tensor) -> None:
         """A micro-step's loss into the step's sums, on the device (no sync)."""
         self.guard.track(loss)
-        self.tracked = True
 
-    def batch_tracked(self) -> bool:
-        """Whether this batch's loss was tracked (run.step was called for it)."""
-        return self.tracked
-
-    def step_taken(self, sync_gradients: bool) -> bool:
-        """Whether this batch's optimizer step updated the weights: an optimizer step (not a --grad-accum
-        micro-batch) after run.step, not skipped by fp16 loss scaling. Decided once per batch (reading the fp16
-        scale is a sync and counts a skip)."""
-        if self.taken is None:
-            step = sync_gradients and self.tracked
-            scaled = step and self.scale_watch.step_taken()  # False: fp16 loss scaling skipped this step
-            # fp16 without a fused optimizer: GradScaler skips the optimizer's step() itself (no hook call)
-            self.taken = scaled and (self.stepped or self.fp16)
-            # run.step ran, then the loop went on without optimizer.step() (a `continue`, `break` or `return` between
-            # them), and no loss scaler skipped it: no update happened (close_batch refuses it)
-            self.left_before_update = step and not self.stepped and (scaled or not self.fp16)
-        return self.taken
-
-    def refuse_left_before_update(self, recipe_file: str) -> None:
-        """After the loop's body: a batch whose loss was tracked by run.step but whose optimizer.step() never ran
-        is refused, since nothing updated while its loss, gradients and the LR schedule would count it."""
-        if self.left_before_update:
-            raise RecipeError(
-                f"The loop in {recipe_file} went on after run.step(loss) without calling optimizer.step() (a "
-                "`continue`, `break` or `return` between the two): the batch's loss was counted and its gradients "
-                "were left in place for the next update, but no update happened, so the step count and the LR "
-                "schedule would no longer match the weights. To skip a batch, `continue` before run.step(loss) "
-                "(before accelerator.backward); to end an epoch early, `break` after optimizer.step()."
-            )
-
-    def next_batch(self) -> None:
-        """The loop is past this batch; the next starts untracked."""
-        self.tracked, self.stepped, self.taken, self.left_before_update = False, False, None, False
+    def update_taken(self) -> bool:
+        """After an optimizer step: False when fp16 loss scaling skipped its update (reads the scale: a sync, fp16
+        only; counts the skip)."""
+        return self.scale_watch.step_taken()
 
     def window_loss(self) -> tuple[float, float]:
         """(loss sum, count) since the last log step, then zeroed (a sync)."""
@@ -222,14 +179,9 @@ class StepChecks:
         """(loss sum, count) of the epoch, then zeroed (a sync)."""
         return self.guard.read(self.guard.epoch)
 
-    def close(self) -> None:
-        if self.hook is not None:
-            self.hook.remove()
-            self.hook = None
-
-    def check(self, stop_requested: bool, step: int, epoch: int) -> None:
+    def check(self, stop_requested: bool, step: int, epoch: int, checkpoint_wanted: bool = False) -> None:
         """Before ``optimizer.step()``: the all-reduce, no sync; acts on the previous step's flags."""
-        self.act_on(self.guard.check(stop_requested, step), epoch)
+        self.act_on(self.guard.check(stop_requested, step, checkpoint_wanted), epoch)
 
     def settle(self, epoch: int) -> None:
         """Read this step's flags now (a sync): before anything is logged, evaluated or written."""
@@ -241,6 +193,7 @@ class StepChecks:
         if flags.nonfinite and not self.fp16:  # with fp16 the loss scaler skips the step instead
             raise NonFiniteLoss(nonfinite_advice(self.run_dir, flags.step, epoch))
         self.stopping = self.stopping or flags.stop
+        self.checkpoint_wanted = self.checkpoint_wanted or flags.checkpoint
 
     @property
     def skipped(self) -> int:

@@ -1,47 +1,58 @@
-"""``TrainingRun``: the bookkeeping of a training run, so that a recipe's loop holds only the training math.
+"""``TrainingRun``: the *how* of a training run's bookkeeping, called by the recipe's loop, which says *when*.
 
 A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
 
     def train(cfg, run):                          # called by TrainingRun(cfg, RECIPE).execute(train)
         data = run.load_data()
         ...build loaders, model, optimizer; accelerator.prepare(...); scheduler...
-        run.start(model, optimizer, scheduler, train_loader, data, transform,   # fresh or resumed
-                  evaluate=lambda: validate(val_loader))                          # called when due
-        for epoch in run.epochs():                 # each epoch's end: evaluation, epoch line, checkpoint
-            for images, labels in run.batches(train_loader):   # after each batch: log, checkpoint, stop,
-                with accelerator.accumulate(model):            # --eval-every-steps evaluation
+        run.start(model, optimizer, scheduler, train_loader, data, transform)   # fresh, or resumed exactly
+        for epoch in range(run.epoch, cfg.epochs):
+            model.train()
+            for images, labels in run.batches(train_loader, epoch):  # this epoch's shuffle, resumed mid-epoch
+                with accelerator.accumulate(model):
                     ...forward, loss...
                     accelerator.backward(loss)
-                    run.step(loss)                 # loss sums, the guard's all-reduce; no sync
-                    ...clipping...
+                    run.track(loss)                # loss sums, the guard's all-reduce; no sync
                     optimizer.step(); optimizer.zero_grad()
-                if run.step_taken():               # an update, not a micro-batch or an fp16 skip
-                    scheduler.step()               # ...and weight averages (EMA, Lookahead)
-        run.finish(validate(final_loader))         # final/ weights, summary.json, target check
+                if not run.updated():              # a micro-batch, or an update fp16 loss scaling skipped
+                    continue
+                scheduler.step()
+                if run.step % cfg.log_every == 0:
+                    run.log()
+                if run.stop_requested():           # a signal or a lost launcher, on any rank
+                    run.preempt()                  # checkpoint, exit 75
+                if run.checkpoint_due():           # --checkpoint-every-s seconds (or --checkpoint-every steps)
+                    run.checkpoint()
+            if run.max_steps_reached:
+                break
+            run.evaluate(validate, val_loader)     # every --eval-every epochs and the last
+            run.end_epoch()                        # the epoch's line
+        run.finish(validate, final_loader)         # a checkpoint, final evaluation, final/, summary.json
 
-The loop's calls, and what follows each batch and each epoch (``break``, ``continue`` and ``return`` included), are
-this class's too; where the loop is lives in ``common.train.loop.LoopState``. The run assembles parts that each own
-their state:
+Every call is a line the loop may move, repeat or delete: a deleted evaluation or checkpoint does not happen, and
+``break``, ``continue`` and ``return`` are plain Python. Nothing runs after the loop's body: ``run.batches`` counts a
+batch when it hands it out, and ``run.updated`` counts the update. The run assembles parts that each own their state:
 ``common.train.rundir.RunDir`` (the folder, its lock, what it resumes), ``common.train.checkpointer.Checkpointer`` (the
-position: epoch, batch, step; checkpoints and resuming), ``common.train.evaluator.Evaluator`` (when to evaluate, best/),
-``common.train.guard.StepChecks`` (loss sums, the NaN/stop guard), ``common.train.summary.Summary`` (summary.json from
-values), ``common.train.tracking`` (trackers, progress, throughput). It prints through ``common.console.say``, the one
-way anything prints from the main process.
+position: epoch, batch, step; checkpoints and resuming), ``common.train.evaluator.Evaluator`` (an evaluation's record,
+best/), ``common.train.guard.StepChecks`` (loss sums, the NaN/stop guard), ``common.train.summary.Summary``
+(summary.json from values), ``common.train.tracking`` (trackers, progress, throughput). It prints through
+``common.console.say``, the one way anything prints from the main process.
 
-What each call promises:
+What the calls promise:
 
 - **Exact resume.** ``start`` loads the newest complete checkpoint (or the one named) into everything
-  prepared, restores the epoch and batch position, and ``batches`` skips what was already consumed;
+  prepared and restores the epoch, batch and step; ``batches`` skips what the resumed epoch trained;
   ``augment_generator`` seeds augmentation from (seed, epoch, batch, rank), so a resumed run draws
   what the uninterrupted one drew. Learning rate, weight decay and momentum given on the resuming
   command line are applied (and printed); a checkpoint of another model or global batch is refused.
-- **Every rank agrees, and the host never waits for the device between log steps.** ``step``
+- **Every rank agrees, and the host never waits for the device between log steps.** ``track``
   does one small all-reduce per optimizer step carrying (loss sum, any non-finite loss?, any stop
-  request?) and reads it one step late (``common.train.guard``): a NaN/inf loss on any rank is masked out of
-  the update on the device and stops every rank at the next step, before anything is written; a signal
-  or a lost launcher on any rank makes every rank checkpoint at the same step and exit 75.
-- **fp16 skipped steps are detected from the loss scale** (a fused optimizer hides them from
-  ``optimizer_step_was_skipped``); they don't advance the schedule; too many in a row stop the run.
+  request?, any rank past its checkpoint time?) and reads it one step late (``common.train.guard``): a NaN/inf
+  loss on any rank is masked out of the update on the device and stops every rank at the next step, before anything
+  is written; ``stop_requested`` and ``checkpoint_due`` answer alike on every rank.
+- **fp16 skipped updates are detected from the loss scale** (a fused optimizer hides them from
+  ``optimizer_step_was_skipped``): ``updated`` is False, so the schedule does not move and the step is not
+  counted; too many in a row stop the run.
 - **Crash-safe, one writer**: checkpoints through ``common.train.checkpoint``; the run directory is locked
   for the run's life (``common.train.rundir``).
 - **How it ended** is written to ``summary.json`` (``status``) for every ending after the start:
@@ -73,9 +84,8 @@ from common.train import checkpoint as ckpt
 from common.train.accelerator import launcher_answers, make_accelerator, startup_line
 from common.train.checkpointer import Checkpointer
 from common.train.eval_only import EvalOnly
-from common.train.evaluator import Evaluator, evaluation_due
+from common.train.evaluator import Evaluator
 from common.train.guard import StepChecks, unclipped_grad_norm
-from common.train.loop import LoopState
 from common.train.profiler import StepProfiler
 from common.train.rundir import RunDir, storage_error
 from common.train.sharding import describe as describe_sharding
@@ -112,6 +122,62 @@ def watching(before_update=None, after_step=None):
             WATCHERS[key].remove(fn)
 
 
+class EpochBatches:
+    """One epoch of the training loader, as ``run.batches(loader, epoch)`` hands it to the loop: the loader's shuffle
+    for this epoch (``set_epoch``: the same on every rank), the batches a resumed epoch already trained skipped
+    (Accelerate's ``skip_first_batches``), and no batch past --max-steps. Each batch is counted when it is handed out
+    (the position a checkpoint records) and the time waited for it measured; nothing runs after the loop's body."""
+
+    def __init__(self, run, loader, epoch: int):
+        self.run, self.loader, self.epoch, self.it = run, loader, epoch, None
+        self.ended = False  # handed out its last batch, or left by the loop
+        self.stopped_by_max_steps = False
+
+    def __iter__(self):
+        run, c = self.run, self.run.ckpt
+        if self.it is not None:
+            return self
+        first = c.enter_epoch(self.epoch)
+        self.loader.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
+        if hasattr(self.loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
+            self.loader.dataset.set_epoch(self.epoch)
+        run.progress.begin_epoch()
+        total = len(self.loader)
+        if run.cfg.max_steps:  # the bar's total and ETA respect --max-steps
+            total = min(total, first + max(0, run.cfg.max_steps - c.global_step) * run.cfg.grad_accum)
+        self.batches = run.accelerator.skip_first_batches(self.loader, first) if first else self.loader
+        self.it = iter(run.progress.wrap(self.batches, self.epoch, first, total))
+        return self
+
+    def __next__(self):
+        run, c = self.run, self.run.ckpt
+        if self.ended:
+            raise StopIteration
+        if c.done:  # --max-steps (or the run's last step): no batch past it
+            self.stopped_by_max_steps = c.mid_epoch()
+            self.close()
+            raise StopIteration
+        t_wait = time.perf_counter()
+        try:
+            images, labels = next(self.it)
+        except StopIteration:
+            self.close()
+            raise
+        run.meter.add(labels.shape[0] * run.accelerator.num_processes, time.perf_counter() - t_wait)
+        c.handed_out()
+        return images, labels
+
+    def close(self) -> None:
+        """No more batches from this epoch: the bar closed, and a loader left part-way taken off Accelerate's list of
+        active loaders (gather_for_metrics and --grad-accum read the newest one)."""
+        if self.ended:
+            return
+        self.ended = True
+        self.run.progress.close_bar()
+        with contextlib.suppress(AttributeError, ValueError):
+            getattr(self, "batches", self.loader).end()
+
+
 class TrainingRun:
     def __init__(self, cfg, recipe: str):
         self.cfg, self.recipe, self.recipe_file, self.status = cfg, recipe, None, "running"
@@ -120,8 +186,9 @@ class TrainingRun:
         self.data = self.model = self.optimizer = self.scheduler = self.train_loader = None
         # the parts start() assembles; ckpt (the position) is set once a resume (if any) has succeeded: from then
         # on the run has started, and every ending is recorded in summary.json
-        self.ckpt = self.evaluator = self.checks = self.log = self.progress = self.profiler = self.meter = None
-        self.loop = LoopState()  # where the recipe's loop is
+        self.ckpt = self.evaluator = self.checks = self.log_file = self.progress = self.profiler = self.meter = None
+        self.open_batches = None  # the epoch the loop is in (EpochBatches)
+        self.finished, self.ended_early, self.last_checkpoint_t = False, "", time.time()
         self.eval_only = None
 
     # --- start and end ---------------------------------------------------------------------------
@@ -147,7 +214,7 @@ class TrainingRun:
                 for note in notes:
                     say(f"NOTE: {note}")
             train(self.cfg, self)
-            if self.ckpt is not None and not self.loop.finished:
+            if self.ckpt is not None and not self.finished:
                 self._unfinished()
         except (RecipeError, Preempted) as caught:
             err, self.status = self._checked(caught), caught.status
@@ -183,15 +250,17 @@ class TrainingRun:
             self.summary.write_ending(self.status, err, self._position(), started=self.ckpt is not None)
         if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
             report(err)  # for the main one to say it (common.errors.report)
-        # signal handlers and the launcher watch; a --profile trace; the hook on the optimizer
-        for part in (self.stop, self.profiler, self.checks):
+        # signal handlers and the launcher watch; a --profile trace
+        for part in (self.stop, self.profiler):
             if part is not None:
                 part.close()
         if self.progress is not None:
             self.progress.close_bar()
-        if self.log is not None and err is not None:
+        if self.open_batches is not None:
+            self.open_batches.close()
+        if self.log_file is not None and err is not None:
             with contextlib.suppress(OSError):  # a full disk: the trackers' files stay as they were
-                self.log.close()
+                self.log_file.close()
         if self.dir is not None:
             self.dir.release(started=self.ckpt is not None)  # a folder this start made and left empty goes too
         if self.accelerator is not None and err is None:  # every rank got here: all together (MetricsLog.close: why)
@@ -208,303 +277,178 @@ class TrainingRun:
     def _position(self) -> dict:
         """summary.json's record of how far the run got (an update the loop applied just before an error counts)."""
         c = self.ckpt
-        applied = int(self.loop.pending and self.checks is not None and self.checks.stepped)
         position = {
             "best": {self.cfg.monitor: self.best},
             "epochs_completed": c.epoch if c else 0,
-            "global_step": c.global_step + applied if c else 0,
+            "global_step": c.global_step if c else 0,
             "skipped_steps": self.checks.skipped if self.checks else 0,
         }
-        if self.loop.ended_early:
-            position["ended_early"] = self.loop.ended_early
+        if self.ended_early:
+            position["ended_early"] = self.ended_early
         return position
 
     def _unfinished(self) -> None:
-        """train() returned without run.finish(): the batch it was in is closed and the position checkpointed (as a
-        stop would leave it, so a resume continues exactly), then the run ends saying so."""
-        c, loop = self.ckpt, self.loop
-        if loop.phase == "batches" and loop.pending and self.checks.tracked:
-            self._close_batch()
-        self.checks.settle(c.epoch)
+        """train() returned without run.finish(): the position is checkpointed (a resume continues exactly), then
+        the run ends saying so."""
+        c = self.ckpt
         where = f"{self.dir.path / 'checkpoints'}"
-        if c.saved_step != c.global_step:
-            where = str(self._save(batches_in_epoch=c.batch))
-        loop.phase = None
+        if c.saved != c.position():
+            where = str(self.checkpoint())
         raise Unfinished(
             f"train() returned without calling run.finish(...) at optimizer step {c.global_step} "
             f"(epoch {c.epoch + 1}): no final evaluation and no final/ weights. The position is "
             f"checkpointed ({where}): rerun with --resume-from latest to continue. To end a run early, "
-            "`break` out of `for epoch in run.epochs():` instead; run.finish(...) then evaluates and "
-            "saves it."
+            "`break` out of the epoch loop instead; run.finish(...) then evaluates and saves it."
         )
 
-    # --- the loop's calls, and what follows each batch and each epoch ---------------------------------------
+    # --- the loop's calls: each says how; the recipe's loop says when ------------------------------------------
 
-    def epochs(self):
-        """Epoch numbers from the resumed one to --epochs; stops early at --max-steps. After each epoch's body: its
-        evaluation when due, its line and a checkpoint (also when the body left its batch loop early)."""
-        c = self.ckpt
-        self._close_open_epoch()  # an earlier epoch loop left by `break`
-        self.progress.begin(c.global_step)
-        # A run stopped on an epoch's last step resumes into that epoch with no batches left: its evaluation
-        # and epoch end still run (also when that was the run's last step).
-        while c.epoch < self.cfg.epochs and (not c.done or c.start_batch == c.batches_per_epoch):
-            self.loop.begin_epoch()
-            c.begin_epoch()
-            self.train_loader.set_epoch(c.epoch)  # a new shuffle every epoch, the same on every rank
-            if hasattr(self.train_loader.dataset, "set_epoch"):  # Accelerate tells the sampler only
-                self.train_loader.dataset.set_epoch(c.epoch)
-            self.progress.begin_epoch()
-            yield c.epoch
-            self._end_epoch()
-        self._leave_epochs()
-
-    def batches(self, loader):
-        """This epoch's batches, resuming mid-epoch where the checkpoint left off. After each batch's body: logging,
-        checkpoints, stopping and an --eval-every-steps evaluation when due. Leaving it early (``break``) ends the
-        epoch after the batches trained; a batch the body skips (``continue`` before ``run.step``) is no step."""
-        loop = self.loop
-        if loop.phase not in ("epoch", "batches"):
-            raise RecipeError(
-                "run.batches() was called outside `for epoch in run.epochs():`: run.epochs() sets each "
-                "epoch's shuffle and resume position, so every epoch would repeat the first one's data "
-                "order. Loop over run.epochs() and call run.batches() inside it."
-            )
-        if loop.batches_begun:
-            raise RecipeError(
-                "run.batches() was called a second time in one epoch: an epoch is one pass over the "
-                "training data (the position, the shuffle and a resume count its batches once). Loop "
-                "over run.batches(train_loader) once per epoch; to train longer, raise --epochs."
-            )
-        c, cfg = self.ckpt, self.cfg
-        first = c.begin_batches()
-        total = len(loader)
-        if cfg.max_steps:  # the bar's total and ETA respect --max-steps
-            total = min(total, first + (cfg.max_steps - c.global_step) * cfg.grad_accum)
-        batches = self.accelerator.skip_first_batches(loader, first) if first else loader
-        this_pass = loop.begin_batches(first, batches)
-        t_wait = time.perf_counter()
-        for images, labels in self.progress.wrap(batches, c.epoch, first, total):
-            self.meter.add(labels.shape[0] * self.accelerator.num_processes, time.perf_counter() - t_wait)
-            loop.pending = True
-            yield images, labels
-            if loop.pass_id != this_pass:
-                raise RecipeError(
-                    "A batch loop that was left (its epoch has ended since) was resumed: keep no "
-                    "reference to run.batches(...) past its loop; call it once per epoch inside "
-                    "`for epoch in run.epochs():`."
-                )
-            self._close_batch()
-            if c.done:
-                break
-            t_wait = time.perf_counter()
-        loop.end_batches()
-        self.progress.close_bar()
+    def batches(self, loader, epoch: int) -> EpochBatches:
+        """Epoch ``epoch``'s batches of ``loader`` (the training loader): its shuffle set (the same on every rank), the
+        batches a resumed epoch already trained skipped, and none handed out past --max-steps. Counts the batches as it
+        hands them out (the position a checkpoint records); nothing runs after the loop's body."""
+        if self.open_batches is not None:
+            self.open_batches.close()  # an epoch the loop left by `break`
+        self.open_batches = EpochBatches(self, loader, epoch)
+        return self.open_batches
 
     @property
     def batch(self) -> int:
-        """The batch of the epoch the loop is in (0-based; a resumed epoch continues its count, where enumerate()
-        restarts at 0): ``if run.batch == k: break`` ends every epoch after k batches, resumed or not."""
+        """The number of the batch in the loop's hands (1-based; batches of this epoch handed out so far, those of a
+        resumed epoch trained before the resume included, where enumerate() restarts at 0): ``if run.batch == k:
+        break`` at the end of the body ends every epoch after k batches, resumed or not."""
         return self.ckpt.batch
 
-    def step(self, loss: torch.Tensor) -> None:
-        """After ``accelerator.backward(loss)``, before ``optimizer.step()``: the loss added to the step's sums and,
-        at an optimizer step (``accelerator.sync_gradients``), the guard's one small all-reduce (``_guard_step``).
-        No device sync. A batch whose body never calls it is a skipped batch: no step, nothing logged."""
-        if self.loop.phase != "batches":
-            raise RecipeError(
-                "run.step(loss) was called outside `for ... in run.batches(train_loader):`: the run "
-                "counts, logs and checkpoints the batches that loop hands out. Iterate over "
-                "run.batches(train_loader) inside `for epoch in run.epochs():`."
-            )
+    def track(self, loss: torch.Tensor) -> None:
+        """After ``accelerator.backward(loss)``, before ``optimizer.step()``: the loss added to the step's sums and, at
+        an optimizer step (``accelerator.sync_gradients``), the guard's one small all-reduce (``common.train.guard``):
+        a non-finite loss on any rank is masked out of this update and stops every rank at the next step; stop and
+        checkpoint requests are agreed on. No device sync."""
         self.checks.track(loss)
+        self.ckpt.training_on_it()
         if self.accelerator.sync_gradients:
-            self._guard_step()
+            for watch in WATCHERS["before_update"]:
+                watch(self)
+            step = self.ckpt.global_step + 1
+            if step % self.cfg.log_every == 0 or step >= self.ckpt.total_steps:  # two passes over the gradients
+                self.meter.add_grad_norm(unclipped_grad_norm(self.accelerator, self.model))
+            every_s = self.cfg.checkpoint_every_s
+            wanted = bool(every_s) and time.time() - self.last_checkpoint_t >= every_s
+            self.checks.check(bool(self.stop), step, self.ckpt.epoch, wanted)
+            self.meter.lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
 
-    def step_taken(self) -> bool:
-        """After ``optimizer.step()``: True when it updated the weights; False on a --grad-accum micro-batch, a
-        batch the loop skipped, and a step fp16 loss scaling skipped. The loop steps the scheduler and the weight
-        averages under it, so a skipped update moves neither."""
-        return self.checks.step_taken(self.accelerator.sync_gradients)
-
-    def augment_generator(self) -> torch.Generator:
-        """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
-        return batch_generator(
-            self.cfg.seed, self.ckpt.epoch, self.ckpt.batch, self.accelerator.process_index, self.accelerator.device
-        )
-
-    def _guard_step(self, grad_norm=None) -> None:
-        """Once per optimizer step, before it: one small all-reduce, no sync (``common.train.guard``). A non-finite loss
-        on any rank is masked out of this update and stops every rank at the next step; a stop request is honoured
-        at a step boundary every rank agrees on. The gradient norm (before any clipping the loop does after
-        ``run.step``) is measured at log steps only (two passes over the gradients)."""
-        for watch in WATCHERS["before_update"]:
-            watch(self)
-        step = self.ckpt.global_step + 1
-        if grad_norm is None and (step % self.cfg.log_every == 0 or step >= self.ckpt.total_steps):
-            grad_norm = unclipped_grad_norm(self.accelerator, self.model)
-        if grad_norm is not None:
-            self.meter.add_grad_norm(grad_norm)
-        self.checks.check(bool(self.stop), step, self.ckpt.epoch)
-        self.meter.lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
-
-    def _close_batch(self) -> None:
-        """The loop is past the batch it was given: its step counted, logged, checkpointed and evaluated when due
-        (``_end_step``), or, when the body never called run.step (``continue``), counted as skipped."""
-        self.loop.pending = False
-        if self.checks.batch_tracked():
-            if self.accelerator.sync_gradients:
-                # the fp16 skip check, once per step (the loop may not have asked)
-                updated = self.checks.step_taken(True)
-                self.checks.refuse_left_before_update(self.recipe_file)
-                self._end_step(updated)
-            self._evaluate_if_due()  # at --eval-every-steps
-        else:
-            self.loop.skipped += 1
-        self.checks.next_batch()
-        self.ckpt.batch_done()
-
-    def _end_step(self, updated: bool = True) -> None:
-        """After each optimizer step: log, progress, checkpoint, stop (the evaluator says whether to evaluate). An
-        update fp16 loss scaling skipped (``updated`` False) is no step: the step count, --max-steps, logging,
-        checkpoints and evaluations count updates (summary.json's skipped_steps counts the others); only a stop
-        request is honoured."""
-        c, cfg = self.ckpt, self.cfg
-        log_now = checkpoint_now = eval_first = False
-        if updated:
-            c.step_done()
-            if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
-                self.summary.first_step_at = time.time()
-            self.profiler.step()
-            log_now = c.global_step % cfg.log_every == 0 or c.done
-            checkpoint_now = c.due()
-            # An evaluation due at this step goes first (its checkpoint is written after the result), so the
-            # checkpoint holds its result; at an epoch's last step the epoch's end checkpoints after its evaluation.
-            eval_first = self.evaluator.at_step(c.global_step, checkpoint_now, c.mid_epoch())
-        if log_now or checkpoint_now or self.evaluator.now or self.checks.stopping:
-            self.checks.settle(c.epoch)
-        if log_now:
-            self._log_window()
-        if self.checks.stopping:
-            path = self._save()
-            if self.stop.error is not None:  # this process's data check failed (other ranks stop as preempted)
-                raise self.stop.error
-            raise Preempted(
-                f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
-                f"{c.global_step}: checkpoint written to {path}. Rerun the same command with "
-                f"--output-dir {self.dir.path} --resume-from latest to continue."
-            )
-        if checkpoint_now and c.mid_epoch() and not eval_first:
-            self._save()
-        if not updated:
-            return
+    def updated(self) -> bool:
+        """After ``optimizer.step()``: True when this batch's step updated the weights, and then counted
+        (``run.step`` moves on); False on a --grad-accum micro-batch and on an update fp16 loss scaling skipped
+        (counted in summary.json's skipped_steps). The lines under it run once per update."""
+        if not self.accelerator.sync_gradients:
+            return False
+        if not self.checks.update_taken():  # a sync, fp16 only
+            return False
+        self.ckpt.step_done()
+        if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
+            self.summary.first_step_at = time.time()
+        self.profiler.step()
         for watch in WATCHERS["after_step"]:
             watch(self)
+        return True
 
-    def _save(self, **position) -> Path:
-        return self.ckpt.save(self.model, self.best, self.checks.skipped, **position)
+    @property
+    def step(self) -> int:
+        """Optimizer updates taken (fp16 skips and --grad-accum micro-batches are none)."""
+        return self.ckpt.global_step
 
-    def _log_window(self) -> None:
+    def log(self) -> None:
+        """The training loss (mean since the last log), LR, throughput and gradient norm, to metrics.jsonl, the
+        trackers and the progress line. Reads the step's flags first: nothing is logged after a non-finite loss."""
+        self.checks.settle(self.ckpt.epoch)
         loss_sum, count = self.checks.window_loss()
         if not count:
             return
         values = {"train/loss": loss_sum / count, "train/lr": self.meter.lr, **self.meter.read_and_reset()}
-        self.log.log(values, step=self.ckpt.global_step)
+        self.log_file.log(values, step=self.ckpt.global_step)
         self.progress.update(
             self.ckpt.global_step, self.ckpt.epoch, values["train/loss"], values["train/samples_per_sec"]
         )
 
-    def _evaluate_if_due(self) -> None:
-        """Evaluate when ``common.train.evaluator.evaluation_due`` says so: inside the batch loop at every
-        --eval-every-steps step; after it at every --eval-every epochs, the last epoch and where --max-steps stops.
-        Never twice for the same weights. A checkpoint that waited for the result is written after it."""
+    def evaluate(self, validate, loader) -> None:
+        """Evaluate now: ``validate(loader)`` (the recipe's; ``loader`` None when there is no validation split), its
+        scalars and pictures recorded, and best/ kept when --monitor improved. Weights already evaluated at this step
+        (an --eval-every-steps step that ends an epoch) are not evaluated again."""
         c = self.ckpt
-
-        def epoch_end_due():
-            self.checks.settle(c.epoch)  # a sync, once per epoch
-            return evaluation_due(self.cfg, epochs_done=c.epoch + 1, last=c.done)
-
-        if self.evaluator.due(c.global_step, self.loop.phase == "batches", epoch_end_due):
-            if self.evaluator.run(c.global_step, c.epoch, c.mid_epoch()):
-                self._save()
-            self.progress.note_eval(self.evaluator.seconds)
-
-    def _leave_batches(self) -> None:
-        """The loop left run.batches() before its end (``break``): the batch it was in is finished if its body got
-        as far as run.step (a ``break`` after the step), and the epoch ends after the batches the loop went past."""
-        loop = self.loop
-        if loop.pending:
-            if self.checks.tracked:
-                self._close_batch()
-            else:  # left at the top of its body: not trained on, not counted
-                loop.pending = False
-                self.checks.next_batch()
-        # A prepared loader left mid-iteration never reaches its own end(), which takes it off Accelerate's list of
-        # active loaders (gather_for_metrics and --grad-accum read the newest one): take it off now.
-        with contextlib.suppress(AttributeError, ValueError):
-            loop.loader.end()
-        loop.end_batches(left_at=self.ckpt.batch)
-        self.progress.close_bar()
-
-    def _end_epoch(self) -> None:
-        """Its evaluation when due, its line, and a checkpoint at its end (or where --max-steps stopped it)."""
-        c, loop = self.ckpt, self.loop
-        if loop.phase == "batches":
-            self._leave_batches()
-        if not loop.batches_begun:
-            raise RecipeError(
-                f"Epoch {c.epoch + 1}'s body ended without looping over run.batches(train_loader): the "
-                "run counts, logs and checkpoints the batches that loop hands out. Inside `for epoch in "
-                "run.epochs():`, iterate `for images, labels in run.batches(train_loader):`."
-            )
-        self.checks.settle(c.epoch)
-        if loop.skipped and loop.skipped == c.batch - loop.first:
-            raise RecipeError(
-                f"The loop went past all {loop.skipped} batches of epoch {c.epoch + 1} without "
-                "calling run.step(loss) (every batch skipped): nothing trained. Call run.step(loss) "
-                "after accelerator.backward(loss) for each batch that trains."
-            )
-        self._evaluate_if_due()
-        full = c.batch == c.batches_per_epoch
-        ended_by_loop = not full and loop.left_at is not None
-        line = f"epoch {c.epoch + 1}/{self.cfg.epochs}"
-        if ended_by_loop:
-            line += f", ended by the loop after {c.batch} of {c.batches_per_epoch} batches"
-        elif not full:  # --max-steps (or a stop) ended it part-way: not an epoch's figures
-            line += f", stopped at batch {c.batch}/{c.batches_per_epoch} (--max-steps)"
-        if loop.skipped:
-            line += f" ({loop.skipped} skipped by the loop)"
-        loss_sum, count = self.checks.epoch_loss()
-        if count:
-            line += f": train loss {loss_sum / count:.4f}"
-        else:
-            line += ":"
-        say(f"{line}{self.evaluator.epoch_line()} | {self.progress.epoch_seconds():.1f} s")
-        c.end_epoch(counted=full or ended_by_loop)
-        loop.end_epoch()
-        if c.saved_step != c.global_step:  # an epoch end right after a --checkpoint-every save: same state
-            self._save(batches_in_epoch=c.batch)
-
-    def _close_open_epoch(self) -> None:
-        """An epoch the loop left open (a ``break`` out of run.epochs()) ends as if its body had run to its end;
-        one left before its batch loop began trained nothing and is dropped."""
-        loop = self.loop
-        if loop.phase == "batches" or (loop.phase == "epoch" and loop.batches_begun):
-            self._end_epoch()
-        loop.phase = "epochs" if loop.phase is not None else None
-
-    def _leave_epochs(self) -> None:
-        """The epoch loop is over (done, or left by a ``break``): the final evaluation follows; the last checkpoint
-        holds everything trained, so a stop request ends it at once."""
-        c, loop = self.ckpt, self.loop
-        if loop.phase is None:
+        if loader is None or self.evaluator.evaluated_step == c.global_step:
             return
-        self._close_open_epoch()
-        loop.phase = None
-        if c.epoch < self.cfg.epochs and not c.done:
-            loop.ended_early = f"the loop left run.epochs() after epoch {c.epoch} of {self.cfg.epochs}"
-            say(f"NOTE: {loop.ended_early}; the run ends there (final evaluation, final/, summary.json).")
-        self.stop.interruptible("running the final evaluation")
+        self.checks.settle(c.epoch)  # nothing is evaluated or recorded after a non-finite loss
+        metrics = validate(loader)  # a stop request meanwhile is acted on at the next step (checkpoint, exit 75)
+        in_epoch = self.open_batches is not None and not self.open_batches.ended
+        self.evaluator.record(metrics, c.global_step, c.epoch, in_epoch and c.mid_epoch())
+        self.progress.note_eval(self.evaluator.seconds)
+
+    def stop_requested(self) -> bool:
+        """A stop request (a signal, a lost launcher, a failed photo check) on any rank, agreed by every rank at the
+        same step (read with the guard's flags: no sync of its own)."""
+        return self.checks.stopping
+
+    def preempt(self) -> None:
+        """Checkpoint here, then end the run: exit 75, and the same command with --resume-from latest continues."""
+        self.checks.settle(self.ckpt.epoch)
+        path = self.checkpoint()
+        if self.stop.error is not None:  # this process's data check failed (other ranks stop as preempted)
+            raise self.stop.error
+        raise Preempted(
+            f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
+            f"{self.ckpt.global_step}: checkpoint written to {path}. Rerun the same command with "
+            f"--output-dir {self.dir.path} --resume-from latest to continue."
+        )
+
+    def checkpoint_due(self) -> bool:
+        """Every --checkpoint-every steps, and once --checkpoint-every-s seconds have passed since the last checkpoint
+        (on any rank: agreed through the guard, so every rank writes at the same step)."""
+        every = self.cfg.checkpoint_every
+        due = bool(every) and self.ckpt.global_step % every == 0
+        return due or self.checks.checkpoint_wanted
+
+    def checkpoint(self) -> Path:
+        """A crash-safe checkpoint of everything prepared and the position, written by every rank together
+        (``common.train.checkpoint``); the best value with it is that of the evaluations recorded so far."""
+        self.checks.settle(self.ckpt.epoch)  # nothing is written after a non-finite loss
+        if self.ckpt.saved == self.ckpt.position():  # nothing trained since: that one
+            return self.ckpt.saved_path
+        path = self.ckpt.save(self.model, self.best, self.checks.skipped)
+        self.checks.checkpoint_wanted, self.last_checkpoint_t = False, time.time()
+        return path
+
+    def end_epoch(self) -> None:
+        """The epoch's line (its training loss, its evaluation, its time); the position moves to the next epoch's
+        start, unless --max-steps stopped this one part-way."""
+        c = self.ckpt
+        batches, self.open_batches = self.open_batches, None
+        if batches is not None:
+            batches.close()
+        self.checks.settle(c.epoch)
+        done, full = c.trained(), c.trained() == c.batches_per_epoch
+        cut = not full and batches is not None and batches.stopped_by_max_steps
+        line = f"epoch {c.epoch + 1}/{self.cfg.epochs}"
+        if not full:
+            how = "stopped by --max-steps" if cut else "ended by the loop"
+            line += f", {how} after {done} of {c.batches_per_epoch} batches"
+        loss_sum, count = self.checks.epoch_loss()
+        line += f": train loss {loss_sum / count:.4f}" if count else ":"
+        say(f"{line}{self.evaluator.epoch_line()} | {self.progress.epoch_seconds():.1f} s")
+        if not cut:
+            c.end_epoch(counted=True)
+
+    @property
+    def max_steps_reached(self) -> bool:
+        """--max-steps stopped this epoch's batches part-way (or before its first): this launch ends here (run.finish
+        checkpoints, evaluates and saves; a resume with a higher --max-steps, or none, continues)."""
+        return self.open_batches is not None and self.open_batches.stopped_by_max_steps
+
+    def augment_generator(self) -> torch.Generator:
+        """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
+        return batch_generator(
+            self.cfg.seed, self.ckpt.epoch, self.ckpt.batch - 1, self.accelerator.process_index, self.accelerator.device
+        )
 
     # --- data ------------------------------------------------------------------------------------
 
@@ -569,11 +513,10 @@ class TrainingRun:
 
     # --- resume or fresh start -------------------------------------------------------------------
 
-    def start(self, model, optimizer, scheduler, train_loader, data, transform, *, evaluate, scored=None) -> None:
-        """Fresh, or resumed exactly from the newest complete checkpoint. ``evaluate``: a function returning the
-        validation metrics (``common.train.metrics.evaluate``), called by the run when an evaluation is due (at
-        --eval-every-steps, at the epoch ends --eval-every chooses, at the last); ``scored``: the module evaluated and
-        saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
+    def start(self, model, optimizer, scheduler, train_loader, data, transform, *, scored=None) -> None:
+        """Fresh, or resumed exactly from the newest complete checkpoint: everything prepared loaded, and the position
+        (``run.epoch``, ``run.step``; ``run.batches`` skips what a resumed epoch trained). ``scored``: the module
+        evaluated and saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
         cfg, acc = self.cfg, self.accelerator
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
         self.data = data
@@ -584,13 +527,14 @@ class TrainingRun:
         unwrapped = acc.unwrap_model(model, keep_torch_compile=False)
         card = ckpt.model_card(self.recipe, self.recipe_file, unwrapped, data, transform, cfg)
         resumed = position.global_step if position.resume_path is not None else None
-        self.log = MetricsLog(acc, self.dir.path, resumed, self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg)))
+        self.log_file = MetricsLog(
+            acc, self.dir.path, resumed, self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg))
+        )
         self.evaluator = Evaluator(
-            cfg, acc, evaluate, model if scored is None else scored, data, self.log, card, self.dir.path, state["best"]
+            cfg, acc, model if scored is None else scored, data, self.log_file, card, self.dir.path, state["best"]
         )
         # the guard (common.train.guard)
         self.checks = StepChecks(acc, optimizer, self.dir.path, state["skipped_steps"])
-        self.checks.watch_updates(optimizer)  # optimizer.step() without run.step(loss) stops at once
         zero_momentum_before_first_step(optimizer)  # a fused SGD's skipped first step keeps no garbage momentum
         self.profiler = StepProfiler(acc, cfg.profile, self.dir.path)
         self.progress = Progress(acc, cfg, position.total_steps)
@@ -602,7 +546,8 @@ class TrainingRun:
             f"run dir: {self.dir.path}  model: {card['model']} {params:,} params  data: {data.source} "
             + " ".join(f"{k}={len(v) if v else 0}" for k, v in sizes.items())
         )
-        self.summary.train_start = time.time()
+        self.progress.begin(position.global_step)
+        self.summary.train_start = self.last_checkpoint_t = time.time()
         # "running" first: a start killed outright (OOM, node loss) leaves its own status, not an earlier start's
         self.summary.write(self.status, self._position())
 
@@ -613,7 +558,7 @@ class TrainingRun:
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken."""
+        """Optimizer updates taken (``run.step``)."""
         return self.ckpt.global_step
 
     @property
@@ -623,21 +568,37 @@ class TrainingRun:
 
     # --- the end ---------------------------------------------------------------------------------
 
-    def finish(self, metrics: dict | None) -> None:
-        """Final evaluation result (test split, else validation), final/ weights, hparams, summary.json,
-        curves.png and confusion_matrix.png, and the --target-accuracy check."""
-        self._leave_epochs()  # a `break` out of run.epochs(): its last epoch ends first
-        self.loop.finished = True
+    def finish(self, validate, loader) -> None:
+        """The end of the run: a checkpoint of where it is (unless the newest one is), then the final evaluation
+        (``validate(loader)``: the test split, else validation), final/ weights, hparams, summary.json, curves.png and
+        confusion_matrix.png, and the --target-accuracy check. A stop request by then ends the run after the
+        checkpoint (exit 75: the same command evaluates and saves); one during the final evaluation ends it at once
+        (the checkpoint holds everything trained)."""
+        c = self.ckpt
+        self.finished = True
+        if self.open_batches is not None:  # the loop left the epoch without run.end_epoch(): where it is, it stays
+            self.open_batches.close()
+            self.open_batches = None
+        self.checks.settle(c.epoch)
+        self.log()  # a partial window (e.g. --max-steps below --log-every) is logged too
+        self.checkpoint()
+        if self.stop_requested():
+            self.preempt()
+        if not c.last_step() and not (self.cfg.max_steps and c.global_step >= self.cfg.max_steps):
+            self.ended_early = (
+                f"the loop ended the run at step {c.global_step} of {c.steps_per_epoch * self.cfg.epochs}"
+            )
+            say(f"NOTE: {self.ended_early} (final evaluation, final/, summary.json).")
+        self.stop.interruptible("running the final evaluation")
+        metrics = validate(loader)
         self.stop.interruptible(None)  # final/ and summary.json are written whole
-        self.checks.settle(self.ckpt.epoch)
-        self._log_window()  # a partial window (e.g. --max-steps below --log-every) is logged too
-        split, final, confusion = self.evaluator.final(metrics, self.ckpt.global_step, self.ckpt.epoch)
-        self.log.hparams(
+        split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epoch)
+        self.log_file.hparams(
             sanitize_for_hparams(dataclasses.asdict(self.cfg)),
             {k: v for k, v in final.items() if not k.endswith("/count")},
         )
-        self.log.close()
-        curves = self.log.curves()
+        self.log_file.close()
+        curves = self.log_file.curves()
         self.status = self.summary.finish(self.cfg, self._position(), split, final, confusion, curves)
 
     # --- --eval-only (common.train.eval_only) -------------------------------------------------------------
