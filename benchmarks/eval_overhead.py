@@ -7,9 +7,9 @@ Each row runs in its own process on one source tree: `after` on this working tre
 cdf4853, the last revision that drew on the main process), extracted with `git archive`. Both build the recipe's own
 model and evaluation (``common.train.metrics.evaluate``, its eval batch, TTA and memory format) over synthetic images
 the size of the recipe's validation split (10 classes; the untrained model gets most wrong, so the grid is full),
-with a real Accelerator, TensorBoard writer, ``MetricsLog`` and ``Evaluator``, and time ``Evaluator.run`` --evals
-times after --warmup: `forward` is the evaluation's own time (its ``seconds``), `held` the rest of the call, `held +
-best/ wait` adds the wait of the checkpoint that follows an epoch-end evaluation (it records the best value, so it
+with a real Accelerator, TensorBoard writer, ``MetricsLog`` and ``Evaluator``, and time an evaluation with its
+record --evals times after --warmup: `forward` is the evaluation's own time (its ``seconds``), `held` the rest of the
+call, `held + best/ wait` adds the wait of a checkpoint that follows the evaluation (it records the best value, so it
 waits for best/). Every evaluation improves on the best (best/ is written each time, as while accuracy climbs).
 Between evaluations --gap-s seconds pass, standing in for the training between them (the child draws meanwhile).
 At the end the `after` row times the wait for pictures still being drawn and counts the images in the event file
@@ -83,23 +83,28 @@ def worker(args) -> dict:
     split = SimpleNamespace(images_at=lambda idx: images[idx])
     data = SimpleNamespace(val=split, test=None, class_names=CLASSES)
     tta = getattr(cfg, "tta", 0)
-    evaluator = Evaluator(
-        cfg,
-        accelerator,
-        lambda: evaluate(accelerator, model, loader, transform, len(CLASSES), tta=tta),
-        model,
-        data,
-        log,
-        {"recipe": args.recipe},
-        run_dir,
-        None,
-    )
+
+    def evaluate_now():
+        return evaluate(accelerator, model, loader, transform, len(CLASSES), tta=tta)
+
+    if hasattr(Evaluator, "record"):  # the loop evaluates and the evaluator records (run.evaluate)
+        evaluator = Evaluator(cfg, accelerator, model, data, log, {"recipe": args.recipe}, run_dir, None)
+
+        def evaluate_once(step, epoch):
+            evaluator.record(evaluate_now(), step, epoch)
+
+    else:  # an older tree (--before-rev): the evaluator called the evaluation itself
+        evaluator = Evaluator(cfg, accelerator, evaluate_now, model, data, log, {"recipe": args.recipe}, run_dir, None)
+
+        def evaluate_once(step, epoch):
+            evaluator.run(step=step, epoch=epoch, mid_epoch=False)
+
     rows = []
     for i in range(args.warmup + args.evals):
         evaluator.best = None  # every evaluation writes best/
         time.sleep(args.gap_s)  # the training between two evaluations
         t0 = time.perf_counter()
-        evaluator.run(step=10 * (i + 1), epoch=i, mid_epoch=False)
+        evaluate_once(10 * (i + 1), i)
         t1 = time.perf_counter()
         evaluator.best  # noqa: B018 - what the epoch-end checkpoint reads next (it waits for best/)
         t2 = time.perf_counter()

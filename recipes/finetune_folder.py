@@ -271,8 +271,9 @@ def train(cfg: Config, run: TrainingRun) -> None:
                 run.preempt()
             if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)
                 run.checkpoint()
-        if run.max_steps_reached:  # this launch ends here: run.finish evaluates and saves
-            break
+        if run.max_steps_reached:  # --max-steps ends this launch part-way through the epoch
+            run.evaluate(validate, val_loader)
+            break  # run.finish checkpoints, evaluates the final split and saves
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             run.evaluate(validate, val_loader)  # not twice for the same weights
         run.end_epoch()  # the epoch's line

@@ -37,7 +37,7 @@ class Evaluator:
         self.writing = None  # a best/ being written in the background (BestWrite)
         self.failed = None  # ... that failed: raised at the next evaluation or at the end
         self.evaluated_step = None  # the step whose weights were evaluated last
-        self.epoch_result = None  # the epoch's evaluation, for the epoch line
+        self.epoch_result = None  # (step, metrics) of the last evaluation, for the epoch's line or its own
         self.seconds = None  # how long the last evaluation took
 
     @property
@@ -67,9 +67,11 @@ class Evaluator:
         if failed is not None:
             raise failed
 
-    def record(self, metrics: dict, step: int, epoch: int, mid_epoch: bool) -> None:
+    def record(self, metrics: dict, step: int, epoch: int) -> None:
         """An evaluation of the validation split, made now by the loop: logged, and the model kept in best/ when
-        --monitor improved (written by a thread from a copy of the weights taken now)."""
+        --monitor improved (written by a thread from a copy of the weights taken now). Its line is the epoch's when
+        the epoch ends next (``epoch_line``), else its own, said when the loop takes its next batch (``say_pending``):
+        the loop may evaluate anywhere, and only what it does next tells which it was."""
         self.raise_failed()
         cfg = self.cfg
         self.seconds = metrics.get("seconds") if metrics else None
@@ -83,13 +85,14 @@ class Evaluator:
             if self.accelerator.is_main_process:  # (save_model_dir writes on the main process only)
                 self.writing = BestWrite(self.accelerator, weights, self.run_dir / "best", card, best)
             self._best = value
-        if mid_epoch:  # mid-epoch: its own line, not the epoch's
-            say(
-                f"eval at step {step}: loss {metrics['loss']:.4f} accuracy {metrics['accuracy']:.4f} "
-                f"({metrics['count']} images)"
-            )
-        else:
-            self.epoch_result = metrics
+        self.say_pending()  # an earlier one at another step, not followed by a batch (the loop moved on otherwise)
+        self.epoch_result = (step, metrics)
+
+    def say_pending(self) -> None:
+        """The line of an evaluation the loop made mid-epoch (it took another batch after it)."""
+        if self.epoch_result is not None:
+            (step, m), self.epoch_result = self.epoch_result, None
+            say(f"eval at step {step}: loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)")
 
     def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> bytes | None:
         """Scalars to metrics.jsonl and the trackers, pictures to TensorBoard (in the background); for the final
@@ -107,8 +110,11 @@ class Evaluator:
 
     def epoch_line(self) -> str:
         """The epoch's evaluation for its line ('' when the epoch was not evaluated); the next epoch starts empty."""
-        m, self.epoch_result = self.epoch_result, None
-        return "" if m is None else f" | eval loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)"
+        result, self.epoch_result = self.epoch_result, None
+        if result is None:
+            return ""
+        m = result[1]
+        return f" | eval loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)"
 
     def final(self, metrics: dict | None, step: int, epochs_completed: int):
         """The final evaluation (test split, else validation) logged, and final/ written: (split, scalars, confusion

@@ -23,7 +23,8 @@ A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
                     run.preempt()                  # checkpoint, exit 75
                 if run.checkpoint_due():           # --checkpoint-every-s seconds (or --checkpoint-every steps)
                     run.checkpoint()
-            if run.max_steps_reached:
+            if run.max_steps_reached:              # --max-steps ends this launch part-way
+                run.evaluate(validate, val_loader)
                 break
             run.evaluate(validate, val_loader)     # every --eval-every epochs and the last
             run.end_epoch()                        # the epoch's line
@@ -164,6 +165,7 @@ class EpochBatches:
             self.close()
             raise
         run.meter.add(labels.shape[0] * run.accelerator.num_processes, time.perf_counter() - t_wait)
+        run.evaluator.say_pending()  # an evaluation the loop made in the epoch gets its own line
         c.handed_out()
         return images, labels
 
@@ -380,8 +382,7 @@ class TrainingRun:
             return
         self.checks.settle(c.epoch)  # nothing is evaluated or recorded after a non-finite loss
         metrics = validate(loader)  # a stop request meanwhile is acted on at the next step (checkpoint, exit 75)
-        in_epoch = self.open_batches is not None and not self.open_batches.ended
-        self.evaluator.record(metrics, c.global_step, c.epoch, in_epoch and c.mid_epoch())
+        self.evaluator.record(metrics, c.global_step, c.epoch)
         self.progress.note_eval(self.evaluator.seconds)
 
     def stop_requested(self) -> bool:
@@ -576,6 +577,7 @@ class TrainingRun:
         (the checkpoint holds everything trained)."""
         c = self.ckpt
         self.finished = True
+        self.evaluator.say_pending()
         if self.open_batches is not None:  # the loop left the epoch without run.end_epoch(): where it is, it stays
             self.open_batches.close()
             self.open_batches = None
