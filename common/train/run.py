@@ -413,10 +413,11 @@ class TrainingRun:
         """A crash-safe checkpoint of everything prepared and the position, written by every rank together
         (``common.train.checkpoint``); the best value with it is that of the evaluations recorded so far."""
         self.checks.settle(self.ckpt.epoch)  # nothing is written after a non-finite loss
+        self.checks.checkpoint_wanted = False
         if self.ckpt.saved == self.ckpt.position():  # nothing trained since: that one
             return self.ckpt.saved_path
         path = self.ckpt.save(self.model, self.best, self.checks.skipped)
-        self.checks.checkpoint_wanted, self.last_checkpoint_t = False, time.time()
+        self.last_checkpoint_t = time.time()
         return path
 
     def end_epoch(self) -> None:
