@@ -100,7 +100,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
 
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)
-    # Accelerator and run directory, then train(cfg, run); how it ended -> exit code, error paragraph, summary.json
+    # In this order: the launcher's answers and a resume's own settings complete cfg; then the Accelerator and the run
+    # directory are built from it and train(cfg, run) runs; how it ended -> exit code, error paragraph, summary.json.
     return TrainingRun(cfg, RECIPE).execute(train)
 
 
