@@ -331,6 +331,20 @@ def test_checkpoints_follow_wall_time(tmp_path, env, mnist_like, monkeypatch):
     assert checkpoint_steps(often) == list(range(1, 19))
 
 
+def test_two_processes_agree_on_the_time_to_checkpoint(tmp_path, env, awkward):
+    """2 gloo processes, --checkpoint-every-s 0.3: each rank's clock passes the interval at its own moment, and the
+    guard's all-reduce makes every rank write at the same step (a rank writing alone would wait in save_state's
+    collectives until --timeout-s): the run completes with checkpoints in the middle and at its end."""
+    run = tmp_path / "run"
+    flags = ["--dataset", awkward, "--epochs", 4, "--batch-size", 16, *SMALL["fashion_mnist_mlp"], "--timeout-s", 60]
+    flags += ["--checkpoint-every-s", 0.3, "--keep-checkpoints", 100, "--output-dir", run]
+    proc = check_ok(launch("fashion_mnist_mlp", flags, env, nproc=2))
+    assert "processes=2" in proc.stdout
+    s = summary(run)
+    assert s["status"] == "completed" and checkpoint_steps(run)[-1] == s["global_step"], s
+    assert len(checkpoint_steps(run)) >= 2, checkpoint_steps(run)
+
+
 # --- what follows a step -------------------------------------------------------------------------------------
 PRINT_NORM = (
     "                norm = torch.linalg.vector_norm(\n"
