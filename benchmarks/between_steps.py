@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trees import extract, import_recipe_of
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
 DATASETS = {
@@ -45,21 +47,13 @@ DATASETS = {
 
 def worker(args) -> dict:
     """One run of ``args.recipe`` on ``args.tree``'s library, timed from outside the recipe."""
-    sys.path.insert(0, str(args.tree))
-    import importlib.util
-
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    import common
+    module = import_recipe_of(args.tree, args.recipe)
     from common.train import checkpoint as ckpt
 
-    assert Path(common.__file__).resolve().is_relative_to(Path(args.tree).resolve()), common.__file__
     torch.set_num_threads(args.threads)
-    spec = importlib.util.spec_from_file_location("bench_recipe", Path(args.tree) / "recipes" / f"{args.recipe}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
 
     steps, evals, saves = [], [], []
     register_optimizer_step_post_hook(lambda *a: steps.append(time.perf_counter()))
@@ -110,18 +104,6 @@ def worker(args) -> dict:
     }
 
 
-def extract(rev: str, dest: Path) -> Path:
-    """``common``, ``recipes`` and ``accelerate_recipes.py`` as they were at ``rev``."""
-    dest.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, "common", "recipes", "accelerate_recipes.py"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
-
-
 def row(tree: Path, recipe: str, work: Path, args, name: str) -> dict:
     out, run_dir = work / f"{name}-{recipe}.json", Path(tempfile.mkdtemp(dir=work, prefix=f"run-{name}-{recipe}-"))
     cmd = [sys.executable, __file__, "--worker", str(tree), "--recipe", recipe, "--run-dir", str(run_dir)]
@@ -133,14 +115,6 @@ def row(tree: Path, recipe: str, work: Path, args, name: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{name} {recipe}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        return "?"
-    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def main(argv=None) -> int:
@@ -180,9 +154,12 @@ def main(argv=None) -> int:
                     f"{result['final_evaluation_s']:.1f} s, end {result['end_s']:.1f} s)",
                     flush=True,
                 )
-    meta = {"cpu_flags": cpu_flags(), "threads": args.threads, "epochs": args.epochs or "defaults"}
-    meta["before_rev"] = args.before_rev
-    print(f"machine: lscpu flags {meta['cpu_flags']}; {args.threads} threads, 1 process; epochs {meta['epochs']}")
+    from machine import machine_info  # imports this tree's common: the parent only, never a worker
+
+    cpu = machine_info("cpu")
+    meta = {"machine": cpu, "threads": args.threads, "epochs": args.epochs or "defaults", "before_rev": args.before_rev}
+    flags = " ".join(cpu["cpu_flags"])
+    print(f"machine: lscpu flags {flags}; {args.threads} threads, 1 process; epochs {meta['epochs']}")
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return 0

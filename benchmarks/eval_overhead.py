@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from trees import extract, import_recipe_of
+
 REPO = Path(__file__).resolve().parents[1]
 VAL_IMAGES = {"fashion_mnist_mlp": 6000, "mnist_convnet": 6000, "cifar_cnn": 5000}  # 10% of each training set
 SHAPES = {"fashion_mnist_mlp": (1, 28, 28), "mnist_convnet": (1, 28, 28), "cifar_cnn": (3, 32, 32)}
@@ -46,27 +48,21 @@ CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "hors
 
 
 def worker(args) -> dict:
-    """Time Evaluator.run on ``args.tree``'s library (imported from there, not from this repository)."""
-    sys.path.insert(0, str(args.tree))
-    import importlib.util
+    """Time an evaluation with its record on ``args.tree``'s library (imported from there, not from this
+    repository)."""
     from types import SimpleNamespace
 
     import torch
     from accelerate import Accelerator
 
-    import common
+    module = import_recipe_of(args.tree, args.recipe)
     from common.config import parse_config
     from common.data.augment import BatchTransform, channel_stats
     from common.train.evaluator import Evaluator
     from common.train.metrics import evaluate
     from common.train.tracking import MetricsLog, log_with
 
-    assert Path(common.__file__).resolve().is_relative_to(Path(args.tree).resolve()), common.__file__
     torch.set_num_threads(args.threads)
-    spec = importlib.util.spec_from_file_location("bench_recipe", Path(args.tree) / "recipes" / f"{args.recipe}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
     cfg = parse_config(module.Config, [])
     images, labels = torch.load(args.data)
     run_dir = Path(args.run_dir)
@@ -195,18 +191,6 @@ def contention(seconds: float) -> dict:
 
 
 # --- the study ----------------------------------------------------------------------------------------------------
-
-
-def extract(rev: str, dest: Path) -> Path:
-    """``common``, ``recipes`` and ``accelerate_recipes.py`` as they were at ``rev``."""
-    dest.mkdir(parents=True)
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, "common", "recipes", "accelerate_recipes.py"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
 
 
 def row(tree: Path, recipe: str, data: Path, work: Path, args, name: str) -> dict:

@@ -226,7 +226,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
     def two_ctrl_c(run):
-        if run.global_step == 1:
+        if run.step == 1:
             os.kill(os.getpid(), signal.SIGINT)
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -510,7 +510,7 @@ def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp
     check_ok(run_in_process("fashion_mnist_mlp", [*base, "--output-dir", full], env))
 
     def stop_on_the_last_step(run):
-        if run.global_step + 1 == run.ckpt.total_steps:
+        if run.step + 1 == run.ckpt.total_steps:
             run.stop.reason = "a test's stop request"
 
     with watching(before_update=stop_on_the_last_step):

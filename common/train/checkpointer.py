@@ -42,9 +42,9 @@ from common.train.sharding import share_buffers
 class Checkpointer:
     """Owns the position: ``epoch`` (0-based, the one running), ``batch`` (batches of it handed out to the loop, the
     one in the loop's body included), ``global_step`` (optimizer updates taken), ``start_batch`` (where a resumed
-    epoch starts) and the newest checkpoint written or resumed (``saved_step``, ``saved``: its position, and
-    ``saved_path``); the run's length (``steps_per_epoch``, ``total_steps``); and the data fingerprint every
-    checkpoint records and a resume compares."""
+    epoch starts) and the newest checkpoint written or resumed (``saved``: its position, and ``saved_path``); the
+    run's length (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a
+    resume compares."""
 
     def __init__(
         self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int, data, epoch_sides=None
@@ -58,7 +58,7 @@ class Checkpointer:
         self.files_fingerprint = files_fingerprint(data)  # which file is at each row (None for a table dataset)
         self.epoch = self.batch = self.start_batch = self.global_step = 0
         self.in_hand = 0  # 1 from handing a batch out until the loop trains on it (run.track)
-        self.saved_step = self.saved = self.saved_path = None
+        self.saved = self.saved_path = None
         compile_neutral_checkpoints(accelerator)
 
     @property
@@ -104,12 +104,10 @@ class Checkpointer:
         """An optimizer update was taken."""
         self.global_step += 1
 
-    def end_epoch(self, counted: bool) -> None:
-        """The epoch ended; ``counted``: it ended as an epoch (all its batches, or as the loop chose), not cut by
-        --max-steps, so the next one begins."""
-        if counted:
-            self.epoch += 1
-            self.batch = self.in_hand = 0
+    def end_epoch(self) -> None:
+        """The epoch ended (all its batches, or as the loop chose): the next one begins."""
+        self.epoch += 1
+        self.batch = self.in_hand = 0
 
     # --- resume or fresh start -------------------------------------------------------------------
 
@@ -122,7 +120,6 @@ class Checkpointer:
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
         if self.resume_path is not None:
             state = self._resume_newest_readable(model, optimizer, scheduler)
-            self.saved_step = state["global_step"]
         elif self.cfg.resume_from == "latest":
             say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
         if self.accelerator.is_main_process and (
@@ -256,7 +253,7 @@ class Checkpointer:
             **checkpoint_meta(self.cfg, self.accelerator, model),
         }
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
-        self.saved_step, self.saved, self.saved_path = self.global_step, self.position(), path
+        self.saved, self.saved_path = self.position(), path
         return path
 
 

@@ -293,9 +293,7 @@ class TrainingRun:
         """train() returned without run.finish(): the position is checkpointed (a resume continues exactly), then
         the run ends saying so."""
         c = self.ckpt
-        where = f"{self.dir.path / 'checkpoints'}"
-        if c.saved != c.position():
-            where = str(self.checkpoint())
+        where = self.checkpoint()  # the newest one, when it is where the run is
         raise Unfinished(
             f"train() returned without calling run.finish(...) at optimizer step {c.global_step} "
             f"(epoch {c.epoch + 1}): no final evaluation and no final/ weights. The position is "
@@ -438,7 +436,7 @@ class TrainingRun:
         line += f": train loss {loss_sum / count:.4f}" if count else ":"
         say(f"{line}{self.evaluator.epoch_line()} | {self.progress.epoch_seconds():.1f} s")
         if not cut:
-            c.end_epoch(counted=True)
+            c.end_epoch()
 
     @property
     def max_steps_reached(self) -> bool:
@@ -559,11 +557,6 @@ class TrainingRun:
         return self.ckpt.epoch
 
     @property
-    def global_step(self) -> int:
-        """Optimizer updates taken (``run.step``)."""
-        return self.ckpt.global_step
-
-    @property
     def best(self):
         """The best --monitor value so far (kept in best/ and in every checkpoint)."""
         return self.evaluator.best if self.evaluator is not None else None
@@ -582,8 +575,7 @@ class TrainingRun:
         if self.open_batches is not None:  # the loop left the epoch without run.end_epoch(): where it is, it stays
             self.open_batches.close()
             self.open_batches = None
-        self.checks.settle(c.epoch)
-        self.log()  # a partial window (e.g. --max-steps below --log-every) is logged too
+        self.log()  # a partial window (e.g. --max-steps below --log-every) is logged too (its flags read first)
         self.checkpoint()
         if self.stop_requested():
             self.preempt()
