@@ -127,7 +127,7 @@ CACHES = {  # environment variable -> folder under the work dir: where each cach
     "XDG_CONFIG_HOME": "xdg-config",
 }
 # what the rehearsal's Python leaves out of this one's packages: what the GPU machine lacks
-LEFT_OUT = ("datasets", "common", "recipes", "accelerate_recipes.py", "__pycache__")
+LEFT_OUT = ("datasets", "common", "recipes", "__pycache__")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "aten::item")
 
 

@@ -13,10 +13,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def extract(rev: str, dest: Path) -> Path:
-    """``common``, ``recipes`` and ``accelerate_recipes.py`` as they were at ``rev``."""
+    """``common``, ``recipes`` and (in revisions that have it) ``accelerate_recipes.py`` as they were at ``rev``."""
     dest.mkdir(parents=True)
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "--name-only", rev, "accelerate_recipes.py"], capture_output=True, text=True
+    )
+    paths = ["common", "recipes"] + listed.stdout.split()
     archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, "common", "recipes", "accelerate_recipes.py"],
+        ["git", "-C", str(REPO), "archive", rev, *paths],
         capture_output=True,
         check=True,
     ).stdout

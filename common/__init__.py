@@ -1,7 +1,7 @@
 """The recipes' library, in floors that import only downward: the ground floor (errors, console, files, config), the
 techniques a recipe picks (models, vision, optimizers, schedules, averaging), ``data/`` (datasets, pixels, the decoded
-cache, photos, augmentation), ``train/`` (the run and the parts it owns) and ``tools/`` (predict, export,
-copy_recipe, and the launch helpers the tests and benchmarks use)."""
+cache, photos, augmentation), ``train/`` (the run and the parts it owns) and ``tools/`` (predict, export, and
+recipe_files: a recipe file as a module)."""
 
 import sys
 

@@ -1,6 +1,22 @@
 """The names the recipes use: the library's public surface. A recipe, and a copy of one, imports from here; every
-other module of common/ is internal and may change between versions (CHANGELOG.md says when, UPGRADING.md how to
-follow). Each name's own docstring says what it does."""
+other module of common/ is internal and may change between versions (CHANGELOG.md says when). Each name's own
+docstring says what it does."""
+
+import sys
+from pathlib import Path
+
+# A folder named `common` of your own beside a recipe (or in the folder you launch from) is imported instead of this
+# package, and with the editable install the library's modules would then load under it: half of each. Said first,
+# before anything runs.
+_found = sys.modules["common"]
+if Path(getattr(_found, "__file__", None) or ".").resolve().parent != Path(__file__).resolve().parent:
+    sys.stderr.write(
+        f"error: `import common` found {list(getattr(_found, '__path__', ['?']))[0]}, a package of your own, instead "
+        f"of this repository's training library in {Path(__file__).resolve().parent}. Python looks in the recipe's "
+        "folder (and the current one) first, so a folder named `common` there hides the library. Rename your package "
+        "(e.g. my_common), or move the recipe to a folder without one.\n"
+    )
+    raise SystemExit(2)
 
 from common import vision
 from common.averaging import EMA, Lookahead

@@ -252,12 +252,30 @@ def described(cls, name: str) -> dict:
     return {}
 
 
+# --help's sections: a recipe's own settings first, then CommonConfig's, each section from its first field on
+SECTIONS = {
+    "dataset": "data",
+    "epochs": "training",
+    "eval_every": "evaluation",
+    "output_dir": "checkpoints and resuming",
+    "log_every": "logging",
+}
+
+
 def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
     parser = _Parser(description=description, formatter_class=_HelpFormatter, allow_abbrev=False)
     hints = typing.get_type_hints(cls)
+    common = [f.name for f in dataclasses.fields(CommonConfig)]
+    own = parser.add_argument_group("settings of this recipe (its Config)")
+    groups, section = {}, None
+    for name in common:
+        section = SECTIONS.get(name, section)
+        groups[name] = section
+    sections = {title: parser.add_argument_group(f"{title} (every recipe)") for title in dict.fromkeys(groups.values())}
     for f in dataclasses.fields(cls):
         typ, meta = hints[f.name], described(cls, f.name)
         flag = "--" + f.name.replace("_", "-")
+        group = sections[groups[f.name]] if f.name in groups else own
         if f.name in cls.not_read:
             names = {flag, "--" + f.name, "--no-" + f.name.replace("_", "-"), "--no_" + f.name}
             parser.add_argument(
@@ -280,14 +298,14 @@ def build_parser(cls, description: str = "") -> argparse.ArgumentParser:
         if typ is bool:
             # --flag turns it on, --flag false / --no-flag turn it off.
             kwargs.update(type=_parse_bool, nargs="?", const=True, metavar="BOOL")
-            parser.add_argument(flag, **kwargs)
+            group.add_argument(flag, **kwargs)
             negatives = ["--no-" + f.name.replace("_", "-")] + (["--no_" + f.name] if alias else [])
-            parser.add_argument(*negatives, dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            group.add_argument(*negatives, dest=f.name, action="store_false", help=argparse.SUPPRESS)
         else:
             kwargs.update(type=typ, metavar=typ.__name__.upper())
-            parser.add_argument(flag, **kwargs)
+            group.add_argument(flag, **kwargs)
         if alias:
-            parser.add_argument(alias, **{**kwargs, "help": argparse.SUPPRESS})
+            group.add_argument(alias, **{**kwargs, "help": argparse.SUPPRESS})
     parser.add_argument(
         "--config",
         metavar="FILE",

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
 
-import accelerate_recipes  # noqa: F401  (first: says so if a package of yours named common hides the library)
 from common.api import (
     BatchTransform,
     CommonConfig,
@@ -40,8 +39,6 @@ from common.api import (
     parse_config,
     parse_floats,
 )
-
-RECIPE = "mnist_convnet"
 
 
 @dataclass
@@ -95,10 +92,13 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
 
 
 def main(argv=None) -> int:
-    cfg = parse_config(Config, argv, __doc__)
-    # In this order: the launcher's answers and a resume's own settings complete cfg; then the Accelerator and the run
-    # directory are built from it and train(cfg, run) runs; how it ended -> exit code, error paragraph, summary.json.
-    return TrainingRun(cfg, RECIPE).execute(train)
+    cfg = parse_config(Config, argv, __doc__)  # the command line (and --config FILE)
+    with TrainingRun(cfg, __file__) as run:  # runs/<this file's name>-<time>; how it ends: run.exit_code, summary.json
+        run.take_launcher_answers()  # accelerate launch's --mixed_precision and --gradient_accumulation_steps
+        run.take_resumed_settings()  # --resume-from: the run's own settings for every flag not given here
+        run.build()  # only now, from the settings as complete: the Accelerator, then the run directory
+        train(cfg, run)
+    return run.exit_code
 
 
 def train(cfg: Config, run: TrainingRun) -> None:

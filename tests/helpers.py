@@ -123,6 +123,14 @@ class InProcessResult:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
+def copy_recipe(recipe: str, dest: Path) -> Path:
+    """``cp recipes/<recipe>.py dest``: how a user starts a recipe of their own (nothing is rewritten)."""
+    import shutil
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy(REPO / "recipes" / f"{recipe}.py", dest))
+
+
 def import_recipe(recipe):
     """The recipe file imported as a module (once per file); recipes run nothing at import."""
     return launching.import_recipe(recipe, prefix="_test_recipe")

@@ -1,5 +1,5 @@
 """The user's path to their own data, end to end: a folder of class sub-folders with images that are not
-CIFAR- or MNIST-sized, `python -m common.tools.copy_recipe`, then the copy trained from outside the
+CIFAR- or MNIST-sized, `cp recipes/<recipe>.py`, then the copy trained from outside the
 repository with only --dataset and run-length flags (main() of the copy in this process, cwd outside the
 repository; the printed `accelerate launch <copy>` of a copy from outside the repository, without PYTHONPATH, is run
 for real by tests/test_user_commands.py::test_copied_recipe_with_its_own_model_is_served_by_every_tool).
@@ -11,9 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from common.tools.copy_recipe import main as copy_recipe
-
-from helpers import check_ok, run_in_process
+from helpers import REPO, check_ok, copy_recipe, run_in_process
 
 SHAPES = ("circle", "square", "triangle")
 SIZE = 20  # neither 28 (MNIST) nor 32 (CIFAR)
@@ -48,12 +46,7 @@ def draw_shapes(root: Path, n_per_class: int, mode: str, seed: int) -> Path:
 def copy_and_train(tmp_path: Path, env: dict, recipe: str, mode: str, run_flags: list, capsys) -> tuple[Path, Path]:
     data = draw_shapes(tmp_path / "my_shapes", 30, mode, seed=1)
     dest = tmp_path / "my_recipe.py"
-    assert copy_recipe([recipe, str(dest)]) == 0
-    out = capsys.readouterr().out
-    # the copy lies outside the repository: do what the printed next steps say
-    assert f"accelerate launch {dest} --dataset /path/to/image_folder" in out, out
-    assert f"photo.png --recipe {dest}" in out
-    assert "PYTHONPATH" not in out  # common is installed: the copy imports it from anywhere
+    copy_recipe(recipe, dest)  # cp: the copy lies outside the repository and imports the installed common
     run = tmp_path / "runs" / "shapes"
     args = ["--dataset", str(data), *map(str, run_flags), "--output-dir", str(run)]
     check_ok(run_in_process(dest, args, env, cwd=tmp_path))
@@ -102,3 +95,24 @@ def test_cifar_cnn_copy_on_20x20_rgb_shapes(tmp_path, env, capsys, monkeypatch):
 def test_mnist_convnet_copy_on_20x20_grayscale_shapes(tmp_path, env, capsys):
     data, run = copy_and_train(tmp_path, env, "mnist_convnet", "L", ["--epochs", 5, "--batch-size", 16], capsys)
     check_trained(run, channels=1)
+
+
+def test_a_package_named_common_beside_a_copy_stops_it_at_its_first_import(tmp_path, env):
+    """docs/data.md: a folder `common/` of the user's beside a copy hides the library (Python looks in the script's
+    folder first, and the editable install would load the library's modules under it); the copy stops at its first
+    import in one paragraph naming both folders, before anything runs, and the user's package is left as it was."""
+    import subprocess
+    import sys
+
+    copy = copy_recipe("mnist_convnet", tmp_path / "mine" / "my_digits.py")
+    own = tmp_path / "mine" / "common"
+    own.mkdir()
+    (own / "__init__.py").write_text("VALUE = 1\n")
+    proc = subprocess.run(
+        [sys.executable, str(copy), "--help"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"`import common` found {own}, a package of your own" in proc.stderr and str(REPO / "common") in proc.stderr
+    assert (own / "__init__.py").read_text() == "VALUE = 1\n" and sorted(p.name for p in own.iterdir()) == [
+        "__init__.py"
+    ]

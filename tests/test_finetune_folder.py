@@ -6,7 +6,6 @@ resumes exactly (also with decoding moved into a worker process), predicts and e
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from safetensors.torch import load_file
 from common import vision
 from common.errors import ConfigError
 
-from helpers import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
+from helpers import check_ok, copy_recipe, read_jsonl, run_in_process, stopped_at, write_photo_folder
 
 
 def test_trains_on_photos_of_any_size_and_mode_at_1_and_2_processes(reference_run):
@@ -161,15 +160,6 @@ def test_a_changed_batch_scales_the_lr_linearly(tmp_path, photos_like, env):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == pytest.approx(0.025)
 
 
-def test_copy_recipe_copies_the_photo_recipe(tmp_path, capsys):
-    from common.tools import copy_recipe
-
-    assert copy_recipe.main(["finetune_folder", str(tmp_path / "my_photos.py")]) == 0
-    text = (tmp_path / "my_photos.py").read_text()
-    assert 'RECIPE = "my_photos"' in text and "run.batches(train_loader, epoch)" in text
-    shutil.rmtree(tmp_path)
-
-
 def test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved(tmp_path, photos_like, env):
     """torchvision's MixUp/CutMix and torch's AveragedModel through the recipe: the weights saved in final/ are the
     average's (not the live model's), and it is in the checkpoint (a resume restores it)."""
@@ -303,8 +293,6 @@ def test_progressive_resizing_grows_the_crops_and_a_resume_draws_the_same_pixels
     each batch's side shows 16, then 32, then 48 px), evaluation stays at --image-size, and a run stopped inside the
     second epoch and resumed with a worker process instead of none, and without the two size flags (the run's own
     are taken from the checkpoint), trains on the same pixels (same losses, same weights bit for bit)."""
-    from common.tools.copy_recipe import copy_recipe
-
     copy = copy_recipe("finetune_folder", tmp_path / "my_photos.py")
     loop = "            with accelerator.accumulate(model):\n"
     text = copy.read_text()

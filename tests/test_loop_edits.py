@@ -1,6 +1,6 @@
 """The loop a user copies stays right when they edit it: every *when* is a line of it, so a `break`, a `continue`, a
 `return`, a deleted line or an added one is plain Python. Each test edits a copied recipe's text as a user would
-(``common.tools.copy_recipe``, then a string replaced in the copy), runs the copy, and reads what the run left:
+(``cp``, then a string replaced in the copy), runs the copy, and reads what the run left:
 steps, epochs, evaluations, the LR trace in metrics.jsonl, checkpoints and summary.json.
 
 Runs: 1 process (``main()`` in this process), --batch-size 32: mnist_like holds 288 training images after the 10%
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from common.schedules import lr_multiplier
 
-from helpers import SMALL, check_ok, launch, read_jsonl, run_in_process
+from helpers import SMALL, check_ok, copy_recipe, launch, read_jsonl, run_in_process
 
 RECIPES = {
     "fashion_mnist_mlp": "mnist_like",
@@ -41,10 +41,8 @@ EPOCH_EVAL = (
 
 
 def edited(tmp_path: Path, recipe: str, *edits, name: str = "") -> Path:
-    """A copy of ``recipe`` (as `python -m common.tools.copy_recipe` makes it) with each (old, new) applied once;
+    """A copy of ``recipe`` (as `cp recipes/<recipe>.py` makes it) with each (old, new) applied once;
     ``name``: the copy's file name (one per edited text: a test process imports each file once)."""
-    from common.tools.copy_recipe import copy_recipe
-
     copy = copy_recipe(recipe, tmp_path / (name or f"my_{recipe}.py"))
     text = copy.read_text()
     for old, new in edits:
@@ -311,6 +309,25 @@ def test_a_deleted_line_no_longer_happens_and_an_added_one_does(tmp_path, env, m
     assert checkpoint_steps(run) == [18]
     assert [step for step, _ in rows(run, "eval/accuracy")] == [4, 8, 12, 16]
     assert summary(run)["status"] == "completed"
+
+
+def test_main_says_the_order_and_building_before_the_settings_are_complete_is_refused(tmp_path, env, mnist_like):
+    """main's lines are the order: with `run.take_resumed_settings()` deleted, a resume would build the Accelerator
+    from this command line's seed and accumulation, not the run's own; run.build() refuses in one paragraph (exit
+    2) before anything is built or written. The copy's run folder takes the copy's file name."""
+    line = "        run.take_resumed_settings()  # --resume-from: the run's own settings for every flag not given here"
+    copy = edited(tmp_path, "fashion_mnist_mlp", (line + "\n", ""), name="no_resume_line.py")
+    run = tmp_path / "run"
+    proc = run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run), env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "run.build() ran before run.take_launcher_answers() and run.take_resumed_settings()" in proc.stderr
+    assert not run.exists()
+    whole = copy_recipe("fashion_mnist_mlp", tmp_path / "my_digits.py")
+    small = ["--dataset", mnist_like, "--max-steps", 2, "--batch-size", 32, *SMALL["fashion_mnist_mlp"]]
+    check_ok(run_in_process(whole, small, env, cwd=tmp_path))
+    [folder] = (tmp_path / "runs").iterdir()
+    assert folder.name.startswith("my_digits-") and summary(folder)["status"] == "completed"
+    assert json.loads((folder / "final" / "model.json").read_text())["recipe"] == "my_digits"
 
 
 def test_checkpoints_follow_wall_time(tmp_path, env, mnist_like, monkeypatch):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from common import vision
 from common.errors import ConfigError
 
-from helpers import check_ok, read_jsonl, run_in_process, stopped_at, write_photo_folder
+from helpers import check_ok, copy_recipe, read_jsonl, run_in_process, stopped_at, write_photo_folder
 
 
 def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it(tmp_path):
@@ -331,8 +331,6 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
     """Every photo is decoded whole before training; one that changes during the run (here: overwritten after the
     first step) is met by a DataLoader worker, whose error carried the worker's 12-line traceback as its message.
     Now one paragraph naming the file and what works (put it back, resume), exit 2, the last checkpoint kept."""
-    from common.tools.copy_recipe import copy_recipe
-
     root = write_photo_folder(tmp_path / "d" / "train", 8)
     victim = sorted((root / "ant").glob("*.jpg"))[0]
     copy = copy_recipe("finetune_folder", tmp_path / "breaks.py")

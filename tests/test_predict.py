@@ -27,7 +27,7 @@ from helpers import REPO, import_recipe
 
 STUB_ACCELERATOR = SimpleNamespace(is_main_process=True, unwrap_model=lambda m, keep_torch_compile=True: m)
 
-# A recipe of the user's own (as common.tools.copy_recipe starts one), defining a model class that
+# A recipe of the user's own (a copy of one, edited), defining a model class that
 # common.models does not have: predict must build it from this file.
 OWN_RECIPE = """
 from dataclasses import dataclass
@@ -36,9 +36,6 @@ import torch
 from torch import nn
 
 from common.config import CommonConfig, knob
-
-RECIPE = "my_tiny_net"
-
 
 class TinyNet(nn.Module):
     def __init__(self, in_shape, num_classes, hidden):
@@ -371,3 +368,23 @@ def test_model_and_argument_errors_exit_2(tmp_path, capsys, case):
     assert main([str(a) for a in args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err
+
+
+def test_a_copy_named_like_a_recipe_is_not_taken_for_the_recipe(tmp_path):
+    """`cp recipes/fashion_mnist_mlp.py ~/work/fashion_mnist_mlp.py`, edited: its runs' model.json names the recipe
+    "fashion_mnist_mlp" and the copy's file. Without --recipe, predict imports neither the copy (a run folder is
+    data) nor the repository's recipe of that name (which may build another model); the same run trained from a
+    repository's recipes/ folder on another machine (another clone's path) rebuilds from this repository's."""
+    from common.errors import RecipeError
+    from common.tools.predict import load_recipe
+
+    run_dir, card, _ = make_model_dir(tmp_path, "MLP")
+    copy = tmp_path / "work" / "fashion_mnist_mlp.py"
+    for recorded in (copy, Path("/home/someone/work/fashion_mnist_mlp.py")):
+        with pytest.raises(RecipeError, match="--recipe path/to/that_recipe.py"):
+            load_recipe({**card, "recipe_file": str(recorded)})
+    other_clone = "/home/someone/accelerate-recipes/recipes/fashion_mnist_mlp.py"
+    assert Path(load_recipe({**card, "recipe_file": other_clone}).__file__) == REPO / "recipes" / "fashion_mnist_mlp.py"
+    copy.parent.mkdir()
+    copy.write_text((REPO / "recipes" / "fashion_mnist_mlp.py").read_text())
+    assert Path(load_recipe({**card, "recipe_file": str(copy)}, recipe_file=copy).__file__) == copy

@@ -4,6 +4,7 @@ after space is freed the same command resumes. Real filesystems: tmpfs mounts (r
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -46,7 +47,9 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
 
     def save_then_fill(*args, **kwargs):  # after the first complete checkpoint, the disk fills up
         nonlocal filler
-        path = real_save(*args, **kwargs)
+        path, completion = real_save(*args, **kwargs)
+        if completion is not None:
+            completion.wait()
         if filler is None:
             filler = path.parents[2] / "filler"
             with open(filler, "wb") as f:
@@ -56,7 +59,7 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
                         f.flush()
                 except OSError:
                     pass
-        return path
+        return path, None
 
     with tmpfs(tmp_path / "disk", "20m") as disk:
         run = disk / "run"
@@ -88,6 +91,39 @@ def test_a_disk_that_fills_up_during_training_keeps_the_last_checkpoint_and_resu
         again = check_ok(run_in_process("fashion_mnist_mlp", args, env))
         assert "resumed from" in again.stdout and "step 3" in again.stdout
         assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_checkpoint_whose_completion_fails_in_its_thread_ends_the_run_as_a_full_disk(
+    tmp_path, env, mnist_like, monkeypatch
+):
+    """The fsync, rename and COMPLETE of a checkpoint run in a thread while training goes on; when that thread meets
+    a full disk, the run ends at the next point that waits for it (the next checkpoint, here) with the full-disk
+    paragraph, exit 1, summary.json's storage_error, and the checkpoint before it complete and resumable."""
+    import common.train.checkpoint as ckpt
+
+    real_complete, calls = ckpt._complete, []
+
+    def complete_then_full(*args):
+        calls.append(args[-2].name)  # the final folder's name
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_complete(*args)
+
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 3]
+    args += ["--output-dir", run, "--resume-from", "latest"]
+    monkeypatch.setattr(ckpt, "_complete", complete_then_full)
+    proc = run_in_process("fashion_mnist_mlp", args, env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert f"The filesystem of the run directory {run} is full" in paragraph
+    assert "step-00000003, is intact" in paragraph, paragraph
+    assert calls == ["step-00000003", "step-00000006"]  # the run ended at the third checkpoint, waiting for the second
+    assert json.loads((run / "summary.json").read_text())["status"] == "storage_error"
+    assert [p.name for p in ckpt.complete_checkpoints(run)] == ["step-00000003"]
+    monkeypatch.setattr(ckpt, "_complete", real_complete)
+    again = check_ok(run_in_process("fashion_mnist_mlp", args, env))
+    assert "resumed from" in again.stdout and "step 3" in again.stdout
 
 
 def test_a_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monkeypatch):

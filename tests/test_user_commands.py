@@ -5,11 +5,9 @@ export and --eval-only serve without any change to common/."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import textwrap
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from helpers import (
     ACCELERATE,
     REPO,
     check_ok,
+    copy_recipe,
     read_jsonl,
     recipe_env,
     run_in_process,
@@ -271,13 +270,11 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monk
     from accelerate.commands.config.default import write_basic_config  # what `accelerate config default` runs
 
     from common.tools import export, predict
-    from common.tools.copy_recipe import main as copy_recipe  # its CLI: tests/test_copy_recipe.py
 
     env = recipe_env(tmp_path)
     data = write_image_folder(tmp_path / "shapes", n_per_class=16, shape=(1, 20, 20))
     dest = tmp_path / "elsewhere" / "my_digits.py"
-    with redirect_stdout(io.StringIO()):
-        assert copy_recipe(["mnist_convnet", str(dest)]) == 0
+    copy_recipe("mnist_convnet", dest)  # cp
     text = dest.read_text()
     start, end = text.index("def build_model("), text.index("def build_optimizer(")
     dest.write_text(text[:start] + textwrap.dedent(NEW_MODEL).lstrip() + "\n\n" + text[end:])
@@ -287,7 +284,7 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monk
     # Accelerate's default config, where `accelerate launch` looks for it (under HF_HOME)
     default_config = Path(env["HF_HOME"]) / "accelerate" / "default_config.yaml"
     write_basic_config(save_location=str(default_config))
-    # trained as copy_recipe prints it: `accelerate launch <copy>` from a folder outside the repository,
+    # trained as README says: `accelerate launch <copy>` from a folder outside the repository,
     # no --config_file, no PYTHONPATH (common is installed, the copy imports it from anywhere)
     launch_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     trained = check_ok(
@@ -320,7 +317,7 @@ def test_copied_recipe_with_its_own_model_is_served_by_every_tool(tmp_path, monk
     # the tools' main() in this process (their command lines run in tests/test_predict.py and test_export.py)
     monkeypatch.chdir(workdir)
     capsys.readouterr()
-    # the copy defines the model: the user names it (--recipe), as copy_recipe's next steps say
+    # the copy defines the model: the user names it (--recipe), as docs/data.md says
     assert predict.main([str(run), str(data / "cat"), "--format", "json", "--recipe", str(dest)]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 16 and results[0]["predictions"][0]["label"] in ("cat", "dog", "frog")

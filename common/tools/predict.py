@@ -29,7 +29,7 @@ import io
 import json
 import sys
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 
@@ -45,11 +45,21 @@ from common.train.metrics import tta_logits
 # --- model ---------------------------------------------------------------------------------------
 
 
+def repository_recipe(recorded, name: str) -> bool:
+    """Whether the file model.json records is a repository's ``recipes/<name>.py`` (this clone's or another's, on
+    another machine), not a copy of it elsewhere that may define another model under the same name."""
+    if not recorded:
+        return True  # written before model.json named the file
+    recorded = PurePath(str(recorded))
+    return recorded.name == f"{name}.py" and recorded.parent.name == "recipes"
+
+
 def load_recipe(card: dict, recipe_file=None):
     """Import the recipe that trained the model, as a module. A run folder is data, not code: without
     ``recipe_file`` (--recipe, the user's explicit word) only the repository's own ``recipes/<name>.py`` is
-    imported, where the name model.json gives is a bare recipe name. Anything else model.json points at is
-    refused with the path and the flag that trusts it."""
+    imported, where the name model.json gives is a bare recipe name and the file it records is a ``recipes/``
+    file (a copy named like a recipe is not the recipe). Anything else model.json points at is refused with the
+    path and the flag that trusts it."""
     import re
 
     recipes_dir = Path(__file__).resolve().parents[2] / "recipes"
@@ -58,7 +68,11 @@ def load_recipe(card: dict, recipe_file=None):
         path = Path(recipe_file).expanduser()
         if not path.is_file():
             raise RecipeError(f"--recipe {recipe_file} is not a file. Pass the recipe file the run was trained with.")
-    elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and (recipes_dir / f"{name}.py").is_file():
+    elif (
+        re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
+        and (recipes_dir / f"{name}.py").is_file()
+        and repository_recipe(card.get("recipe_file"), name)
+    ):
         path = recipes_dir / f"{name}.py"
     else:
         raise RecipeError(

@@ -7,21 +7,23 @@ Layout of a run directory::
                                        + trainer_state.json + COMPLETE
     <run>/best/ and <run>/final/       model.safetensors + model.json (recipe, config, classes, preprocessing)
 
-Order of a save: write into ``.tmp-step-N`` -> barrier -> rename to ``step-N`` -> write COMPLETE ->
-prune. A folder without COMPLETE is never loaded, never counted and never kept as "latest"; pruning
-runs only after the new checkpoint is complete, so the last good checkpoint always survives. Every
-rank takes the same branches (a save never returns early on one rank). Resume state is read from
-trainer_state.json, never parsed from folder names.
+Order of a save: write into ``.tmp-step-N`` -> barrier -> fsync -> rename to ``step-N`` -> write COMPLETE ->
+prune (the steps after the barrier run on the main process, in a thread while training goes on when asked). A folder
+without COMPLETE is never loaded, never counted and never kept as "latest"; pruning runs only after the new
+checkpoint is complete, so the last good checkpoint always survives. Every rank takes the same branches (a save never
+returns early on one rank). Resume state is read from trainer_state.json, never parsed from folder names.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import pickle
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -113,9 +115,12 @@ def find_latest(run_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
-    """Write a checkpoint on all ranks (every rank must call this), return its final path. A complete
-    folder of the same step (from an abandoned continuation of this run) is replaced, never kept."""
+def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int, background: bool = False):
+    """Write a checkpoint on all ranks (every rank must call this); returns (its final path, the completion or None).
+    The ranks write their files together (``save_state``); then the main process makes them durable, renames the
+    folder, marks it COMPLETE and prunes: at once, or with ``background`` in a thread (``Completion``, returned on the
+    main process), so that training goes on meanwhile; wait for it before the next save and before the run ends. A
+    complete folder of the same step (from an abandoned continuation of this run) is replaced, never kept."""
     root = Path(run_dir) / "checkpoints"
     name = f"step-{state['global_step']:08d}"
     final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
@@ -125,26 +130,56 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
+    completion = None
     if accelerator.is_main_process:
-        for f in tmp.glob("*.safetensors"):
-            follow_umask(f)
-        for f in sorted(tmp.rglob("*")):  # every rank's files on disk (FSDP2's in folders) before the folder is
-            if f.is_file():  # renamed and marked complete
-                _fsync_file(f)
-        for sub in (d for d in tmp.iterdir() if d.is_dir()):
-            _fsync_dir(sub)
-        _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _fsync_write(final / MARKER, "ok\n")
-        _fsync_dir(final)
-        shutil.rmtree(old, ignore_errors=True)
-        prune(run_dir, keep)
+        work = functools.partial(_complete, run_dir, state, keep, tmp, final, old)
+        completion = Completion(work) if background else work()
     accelerator.wait_for_everyone()
-    return final
+    return final, completion
+
+
+def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old: Path) -> None:
+    """The main process's part of a save, after every rank's files are written: fsync them, rename, COMPLETE, prune."""
+    for f in tmp.glob("*.safetensors"):
+        follow_umask(f)
+    for f in sorted(tmp.rglob("*")):  # every rank's files on disk (FSDP2's in folders) before the folder is
+        if f.is_file():  # renamed and marked complete
+            _fsync_file(f)
+    for sub in (d for d in tmp.iterdir() if d.is_dir()):
+        _fsync_dir(sub)
+    _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    _fsync_write(final / MARKER, "ok\n")
+    _fsync_dir(final)
+    shutil.rmtree(old, ignore_errors=True)
+    prune(run_dir, keep)
+
+
+class Completion:
+    """The main process's part of a checkpoint (fsync, rename, COMPLETE, prune) on a thread of its own. ``wait``
+    returns once the checkpoint is complete on disk, or raises what stopped it (a full disk: the folder stays
+    ``.tmp-step-N``, never loaded, and the checkpoint before it is kept)."""
+
+    def __init__(self, work):
+        self.error = None
+        self.thread = threading.Thread(target=self._run, args=(work,), name="checkpoint-completion")
+        self.thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as err:  # raised in the main thread by wait()
+            self.error = err
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
 
 
 def prune(run_dir: Path, keep: int) -> None:

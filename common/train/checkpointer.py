@@ -59,6 +59,7 @@ class Checkpointer:
         self.epoch = self.batch = self.start_batch = self.global_step = 0
         self.in_hand = 0  # 1 from handing a batch out until the loop trains on it (run.track)
         self.saved = self.saved_path = None
+        self.completing = None  # the newest checkpoint's completion, running in a thread (common.train.checkpoint)
         compile_neutral_checkpoints(accelerator)
 
     @property
@@ -240,7 +241,8 @@ class Checkpointer:
 
     def save(self, model, best, skipped_steps: int) -> Path:
         """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): ``batch``
-        batches of ``epoch`` trained or gone past (``trained``)."""
+        batches of ``epoch`` trained or gone past (``trained``). Returns once every rank's files are written; the
+        main process completes it in a thread (``wait_written``)."""
         share_buffers(self.accelerator, model)  # FSDP2: one model's BatchNorm statistics on every process
         state = {
             "epoch": self.epoch,
@@ -252,9 +254,19 @@ class Checkpointer:
             "files_fingerprint": self.files_fingerprint,
             **checkpoint_meta(self.cfg, self.accelerator, model),
         }
-        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints)
+        self.wait_written()  # one write at a time
+        path, self.completing = ckpt.save_checkpoint(
+            self.accelerator, self.run_dir, state, self.cfg.keep_checkpoints, background=True
+        )
         self.saved, self.saved_path = self.position(), path
         return path
+
+    def wait_written(self) -> None:
+        """The newest checkpoint complete on disk (its files made durable, the folder renamed and marked COMPLETE),
+        which the main process finishes in a thread while training goes on; raises what stopped it."""
+        completing, self.completing = self.completing, None
+        if completing is not None:
+            completing.wait()
 
 
 # --- what a resume refuses, takes and applies ----------------------------------------------------------

@@ -67,7 +67,6 @@ import atexit
 import contextlib
 import dataclasses
 import gc
-import inspect
 import time
 from pathlib import Path
 
@@ -181,56 +180,92 @@ class EpochBatches:
 
 
 class TrainingRun:
-    def __init__(self, cfg, recipe: str):
-        self.cfg, self.recipe, self.recipe_file, self.status = cfg, recipe, None, "running"
+    """One launch of a recipe: ``with TrainingRun(cfg, __file__) as run:`` in the recipe's ``main``, which then says in
+    order what completes the settings and what is built from them (recipes/mnist_convnet.py). Leaving the ``with``
+    block turns how the run ended into ``run.exit_code``, a one-paragraph message and summary.json's ``status``."""
+
+    def __init__(self, cfg, recipe_file):
+        path = Path(recipe_file).resolve()
+        # the run folder is runs/<the recipe file's name>-<time>; model.json names the file for predict and export
+        self.cfg, self.recipe, self.recipe_file, self.status = cfg, path.stem, str(path), "running"
         self.accelerator, self.stop, self.dir, self.note = None, None, None, ""
-        self.summary = Summary(recipe, None)  # the clock starts now; the accelerator comes with execute()
+        self.summary = Summary(self.recipe, None)  # the clock starts now; the accelerator comes with build()
         self.data = self.model = self.optimizer = self.scheduler = self.train_loader = None
         # the parts start() assembles; ckpt (the position) is set once a resume (if any) has succeeded: from then
         # on the run has started, and every ending is recorded in summary.json
         self.ckpt = self.evaluator = self.checks = self.log_file = self.progress = self.profiler = self.meter = None
         self.open_batches = None  # the epoch the loop is in (EpochBatches)
         self.finished, self.ended_early, self.last_checkpoint_t = False, "", time.time()
-        self.eval_only = None
+        self.eval_only, self.exit_code = None, None
+        self.launch = self.resume = self.notes = None  # what take_launcher_answers and take_resumed_settings found
 
-    # --- start and end ---------------------------------------------------------------------------
+    # --- the settings, then what is built from them (the recipe's main calls these in this order) ----------------
 
-    def execute(self, train) -> int:
-        """Set up (Accelerator, signals, the run directory and its lock), call ``train(cfg, run)``, and
-        turn how it ended into an exit code, a one-paragraph message and summary.json's ``status``."""
-        err = None
-        self.recipe_file = str(Path(inspect.getfile(train)).resolve())  # model.json names it for the tools
-        try:
-            # In this order: what the launcher asks (its accumulation counts as given on the command line), then a
-            # resume's settings (the run's own), then everything built from them, the Accelerator first.
-            launch = launcher_answers(self.cfg)
-            resume, notes = RunDir.adopt_run_settings(self.cfg)
-            self.accelerator, self.note = make_accelerator(self.cfg, launch)
-            self.summary.accelerator = self.accelerator
-            self.stop = StopFlag()
-            if self.cfg.eval_only:
-                self.eval_only = EvalOnly(self.cfg)
-            else:
-                self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator, planned=resume)
-                self.summary.path = self.dir.path
-                for note in notes:
-                    say(f"NOTE: {note}")
-            train(self.cfg, self)
-            if self.ckpt is not None and not self.finished:
+    def __enter__(self):
+        return self
+
+    def take_launcher_answers(self) -> None:
+        """What ``accelerate launch`` (or ``accelerate config``) asked: its --mixed_precision, and its
+        --gradient_accumulation_steps, which counts as given on the command line."""
+        self.launch = launcher_answers(self.cfg)
+
+    def take_resumed_settings(self) -> None:
+        """--resume-from: every setting this command line leaves out becomes the run's own (read from its newest
+        complete checkpoint, or the one named), except this launch's own (``common.config.RESUME_LAUNCH_OWN``).
+        A fresh run (no checkpoint yet) keeps the command line's."""
+        self.resume, self.notes = RunDir.adopt_run_settings(self.cfg)
+
+    def build(self) -> None:
+        """From the settings as they now are: the Accelerator, the stop flag (signals, a vanished launcher), then
+        the run directory and its lock (or, with --eval-only, the run whose weights are scored)."""
+        if self.launch is None or self.notes is None:
+            raise RecipeError(
+                "run.build() ran before run.take_launcher_answers() and run.take_resumed_settings(): the "
+                "Accelerator would be built from settings a launcher or a resume is about to change (a resumed "
+                "run would train with this command line's seed and accumulation, not its own). Call those two "
+                "first, in the recipe's main, as recipes/mnist_convnet.py does."
+            )
+        self.accelerator, self.note = make_accelerator(self.cfg, self.launch)
+        self.summary.accelerator = self.accelerator
+        self.stop = StopFlag()
+        if self.cfg.eval_only:
+            self.eval_only = EvalOnly(self.cfg)
+            return
+        self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator, planned=self.resume)
+        self.summary.path = self.dir.path
+        for note in self.notes:
+            say(f"NOTE: {note}")
+
+    def __exit__(self, kind, caught, traceback) -> bool:
+        """How the run ended -> ``exit_code``, the one-paragraph message, summary.json. A bug or an interrupt is
+        recorded ("crashed") and raised with its traceback; every other ending is handled here."""
+        arrived = caught  # what left the with block; what this method meets itself is raised from here
+        try:  # the newest checkpoint complete on disk before the run ends, however it ends
+            if self.ckpt is not None:
+                self.ckpt.wait_written()
+        except BaseException as failed:
+            caught = caught or failed
+        if caught is None and self.ckpt is not None and not self.finished:
+            try:
                 self._unfinished()
-        except (RecipeError, Preempted) as caught:
+            except BaseException as unfinished:
+                caught = unfinished
+        err, handled = None, True
+        if isinstance(caught, (RecipeError, Preempted)):
             err, self.status = self._checked(caught), caught.status
             if isinstance(caught, Preempted):
                 say(str(caught))
-        except BaseException as caught:
+        elif caught is not None:
             storage = storage_error(caught, self.dir.path if self.dir else None)  # a full or read-only disk
-            if storage is None:  # a bug or an interrupt: recorded, then raised with its traceback
-                err, self.status = caught, "crashed"
-                raise
-            err, self.status = storage, storage.status
-        finally:
-            self._close(err)
-        return EXIT_CODES[self.status]
+            if storage is None:
+                err, self.status, handled = caught, "crashed", False
+            else:
+                err, self.status = storage, storage.status
+        self._close(err)
+        self.exit_code = EXIT_CODES[self.status]
+        if not handled and caught is not arrived:
+            raise caught
+        return handled
 
     def _checked(self, err):
         """A damaged photo met before the photo check running beside training got to it: the check's own error,
@@ -294,6 +329,7 @@ class TrainingRun:
         the run ends saying so."""
         c = self.ckpt
         where = self.checkpoint()  # the newest one, when it is where the run is
+        self.ckpt.wait_written()
         raise Unfinished(
             f"train() returned without calling run.finish(...) at optimizer step {c.global_step} "
             f"(epoch {c.epoch + 1}): no final evaluation and no final/ weights. The position is "
@@ -409,7 +445,9 @@ class TrainingRun:
 
     def checkpoint(self) -> Path:
         """A crash-safe checkpoint of everything prepared and the position, written by every rank together
-        (``common.train.checkpoint``); the best value with it is that of the evaluations recorded so far."""
+        (``common.train.checkpoint``); the best value with it is that of the evaluations recorded so far. It returns
+        once the files are written; the main process makes them durable and marks the folder complete in a thread
+        while training goes on (the next checkpoint, the end of the run and a stop wait for it)."""
         self.checks.settle(self.ckpt.epoch)  # nothing is written after a non-finite loss
         self.checks.checkpoint_wanted = False
         if self.ckpt.saved == self.ckpt.position():  # nothing trained since: that one
@@ -585,8 +623,9 @@ class TrainingRun:
             )
             say(f"NOTE: {self.ended_early} (final evaluation, final/, summary.json).")
         self.stop.interruptible("running the final evaluation")
-        metrics = validate(loader)
+        metrics = validate(loader)  # while the main process completes the checkpoint in a thread
         self.stop.interruptible(None)  # final/ and summary.json are written whole
+        self.ckpt.wait_written()
         split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epoch)
         self.log_file.hparams(
             sanitize_for_hparams(dataclasses.asdict(self.cfg)),
