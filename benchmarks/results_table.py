@@ -154,10 +154,48 @@ def _machines(rows: list[dict]) -> list[str]:
     ]
 
 
+README_HEADER = (
+    "| recipe, setting | validation accuracy | wall, launch to exit | beside it, same machine and split | machine |"
+)
+README_SEPARATOR = "|---|---|---|---|---|"
+
+
+def _median(values: list) -> str:
+    ordered = sorted(values)
+    middle = (
+        ordered[len(ordered) // 2]
+        if len(ordered) % 2
+        else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    )
+    return _number(round(middle, 1))
+
+
+def _readme_line(row: dict) -> str:
+    """README's row: the mean over the seeds with their spread, the median wall time, the baseline's median."""
+    acc = row["accuracy_pct"]
+    accuracy = f"**{mean_pct(acc)}%**" + (
+        f" ({len(acc)} seeds: {min(_pct(acc))}-{max(_pct(acc))}%)" if len(acc) > 1 else f" ({_seeds(row['seeds'])})"
+    )
+    if row.get("wall_s"):
+        walls = row["wall_s"]
+        wall = f"{_median(walls)} s median of {len(walls)}" if len(walls) > 1 else f"{_number(walls[0])} s"
+        wall += "\\*" if any(row.get("shared_machine") or []) else ""
+    else:
+        wall = _wall(row)
+    b = row.get("baseline")
+    beside = f"{b['short']}: {_median(b['wall_s'])} s" if b else ""
+    machine = f"{row['machine']['name']}: 2 processes, {row['machine']['precision']}"
+    return "| " + " | ".join([_setting(row), accuracy, wall, beside, machine]) + " |"
+
+
 def render(results_dir: Path = RESULTS, readme: bool = True) -> str:
-    """The markdown between the markers: the table (README's rows, or every row), its footnote and its machines."""
+    """The markdown between the markers: the table (README's rows, compact, or every row), its footnote and its
+    machines."""
     rows = [r for r in load(results_dir) if r["readme"] or not readme]
-    lines = [HEADER, SEPARATOR, *(_line(r) for r in rows), ""]
+    if readme:
+        lines = [README_HEADER, README_SEPARATOR, *(_readme_line(r) for r in rows), ""]
+    else:
+        lines = [HEADER, SEPARATOR, *(_line(r) for r in rows), ""]
     shared = any(
         any(r.get("shared_machine") or []) or any((r.get("baseline") or {}).get("shared_machine") or []) for r in rows
     )

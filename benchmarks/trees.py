@@ -1,5 +1,5 @@
 """Another revision of this repository beside the working tree, for the before/after studies
-(``eval_overhead.py``, ``between_steps.py``): its library and recipes extracted with ``git archive``, and, in a
+(``between_steps.py``): its library and recipes extracted with ``git archive``, and, in a
 worker process of its own, that tree's ``common`` and a recipe of it imported (this module imports no ``common``)."""
 
 from __future__ import annotations

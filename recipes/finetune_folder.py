@@ -267,7 +267,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
             if run.step % cfg.log_every == 0:
                 run.log()  # the mean loss since the last log, LR, throughput: one sync
             if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0:
-                run.evaluate(validate, val_loader)  # scalars, pictures, best/
+                run.evaluate(validate, val_loader)  # scalars, best/; pictures=True draws its pictures
             if run.stop_requested():  # a signal or a lost launcher, on any rank: checkpoint, exit 75
                 run.preempt()
             if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)

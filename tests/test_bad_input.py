@@ -91,7 +91,7 @@ def test_technique_flag_of_another_recipe_names_it(tmp_path, env, mnist_like):
     proc = run_recipe(
         "fashion_mnist_mlp", ["--dataset", mnist_like, "--output-dir", tmp_path / "r", "--flip"], env, tmp_path
     )
-    assert_clear_error(proc, "unrecognized arguments: --flip", "cifar_cnn", "does not use that technique")
+    assert_clear_error(proc, "unrecognized arguments: --flip", "--flip is a knob of cifar_cnn, not of this recipe")
 
 
 def test_missing_dataset_path(tmp_path, env):

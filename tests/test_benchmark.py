@@ -1,4 +1,4 @@
-"""The throughput studies (benchmarks/throughput.py, data_path.py, scaling.py), memory.py and eval_overhead.py: each
+"""The throughput studies (benchmarks/throughput.py, data_path.py, scaling.py), memory.py: each
 runs end to end with --tiny (or small settings) on the recipe's own code and writes a complete report; bad input is
 one paragraph and exit 2. No timing is asserted: the numbers are whatever this machine gives."""
 
@@ -144,25 +144,6 @@ def test_memory_measures_both_modes_on_a_local_dataset(tmp_path):
     assert "machine: " in proc.stdout and "100 train images" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith(("copy ", "mmap "))]
     assert [row[:3] for row in rows if len(row) == 9] == [["copy", "1", "0"], ["mmap", "1", "0"]]
-
-
-def test_eval_overhead_times_an_evaluations_bookkeeping_against_its_forward_passes(tmp_path):
-    """benchmarks/eval_overhead.py, small: the recipe's evaluation with the run's MetricsLog and Evaluator, every
-    picture in TensorBoard by the end, the ratios printed and judged, the small-op loop measured."""
-    out_json = tmp_path / "eval_overhead.json"
-    cmd = [sys.executable, "benchmarks/eval_overhead.py", "--recipes", "mnist_convnet", "--evals", "2"]
-    cmd += ["--warmup", "0", "--gap-s", "0", "--val-images", "300", "--contention-s", "0.2", "--before-rev", "none"]
-    proc = subprocess.run(
-        [*cmd, "--out-json", str(out_json)], cwd=str(REPO), capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\nOUT:\n{proc.stdout[-4000:]}\nERR:\n{proc.stderr[-6000:]}"
-    report = json.loads(out_json.read_text())
-    row = report["rows"]["after/mnist_convnet"]
-    assert row["val_images"] == 300 and len(row["evaluations"]) == 2 and row["median_forward_s"] > 0
-    assert row["images_in_tensorboard"] == {"eval/confusion_matrix": 2, "eval/misclassified": 2}
-    assert set(report["ratios"]) == {"after_mnist_convnet", "thread", "child"} and "machine: " in proc.stdout
-    for ratio in report["ratios"].values():
-        assert math.isfinite(ratio["value"]) and ratio["label"] in proc.stdout
 
 
 @pytest.mark.integration

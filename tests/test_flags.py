@@ -1,5 +1,5 @@
-"""The command line a recipe offers: flags of the scripts users come from (torchvision's classification reference
-script, Accelerate's cv_example) are answered with this recipe's name for them, in one paragraph."""
+"""The command line a recipe offers: a flag it lacks is answered in one paragraph with its closest flags and the
+recipe that has it; other scripts' flags are a table in docs/flags.md; --help lists what the recipe reads."""
 
 from __future__ import annotations
 
@@ -17,86 +17,49 @@ def refused(recipe, args, env, tmp_path) -> str:
 
 
 @pytest.mark.parametrize(
-    "args,answers",
+    "recipe,args,answers",
     [
+        ("finetune_folder", ["--epoch", "3"], ["--epoch: did you mean --epochs?"]),
+        ("mnist_convnet", ["--batchsize", "8"], ["--batchsize: did you mean --batch-size"]),
         (
-            ["--data-path", "x", "-j", "4", "-b", "32"],  # data and loader; short flags too
-            ["--data-path -> --dataset", "-j -> --workers", "-b -> --batch-size (the GLOBAL batch", "-b is per GPU"],
+            "cifar_cnn",
+            ["--weight_decays", "1e-4", "--lable-smoothing=0.1"],
+            ["did you mean --weight-decay", "--lable-smoothing: did you mean --label-smoothing?"],
         ),
         (
-            [  # the schedule and optimizer
-                "--lr-warmup-epochs",
-                "2",
-                "--lr-warmup-decay",
-                "0.01",
-                "--lr-scheduler",
-                "cosineannealinglr",
-                "--wd",
-                "1e-4",
-                "--lr-min",
-                "0",
-                "--clip-grad-norm",
-                "1",
-            ],
-            [
-                "--lr-warmup-epochs -> --warmup-fraction",
-                "--lr-warmup-decay -> --warmup-start",
-                "--lr-scheduler -> --schedule",
-                "--wd -> --weight-decay",
-                "--lr-min -> --final-lr",
-                "--clip-grad-norm -> --max-grad-norm",
-            ],
+            "mnist_convnet",
+            ["--mixup", "0.2", "--workers", "4"],
+            ["--mixup is a knob of finetune_folder, not of this recipe", "--workers is a knob of finetune_folder"],
         ),
-        (
-            [  # augmentation, EMA
-                "--mixup-alpha",
-                "0.2",
-                "--cutmix-alpha=1.0",
-                "--model-ema",
-                "--train-crop-size",
-                "176",
-            ],
-            [
-                "--mixup-alpha -> --mixup",
-                "--cutmix-alpha -> --cutmix",
-                "--model-ema -> --ema-decay",
-                "--train-crop-size -> --image-size",
-            ],
-        ),
-        (
-            ["--resume", "ckpt.pth", "--test-only", "--print-freq", "10"],  # checkpoints and evaluation
-            ["--resume -> --resume-from", "--test-only -> --eval-only --checkpoint", "--print-freq -> --log-every"],
-        ),
-        (
-            ["--amp", "--cpu", "--world-size", "2", "--device", "cuda"],  # the launcher's
-            [
-                "--amp -> a launcher setting here: `accelerate launch --mixed_precision bf16",
-                "--cpu -> a launcher setting here: `accelerate launch --cpu",
-                "--world-size -> a launcher setting here: `accelerate launch --num_processes N",
-                "--device -> a launcher setting here",
-            ],
-        ),
-        (
-            ["--data_dir", "x", "--project_dir", "runs", "--num_epochs", "3"],  # Accelerate's cv_example
-            ["--data_dir -> --dataset", "--project_dir -> --output-dir", "--num_epochs -> --epochs"],
-        ),
+        ("finetune_folder", ["--data-path", "x", "-j", "4"], []),
     ],
 )
-def test_flags_of_torchvisions_reference_script_and_cv_example_get_this_recipes_name(args, answers, tmp_path, env):
-    paragraph = refused("finetune_folder", args, env, tmp_path)
-    for answer in answers:
+def test_a_flag_the_recipe_lacks_gets_its_closest_flags_and_the_recipe_that_has_it(
+    recipe, args, answers, tmp_path, env
+):
+    """One paragraph: argparse's "unrecognized arguments", the closest flags by spelling, the recipe whose knob it
+    is, and where other scripts' flags are given their names here (docs/flags.md)."""
+    paragraph = refused(recipe, args, env, tmp_path)
+    for answer in [*answers, "their names here: docs/flags.md"]:
         assert answer in paragraph, paragraph
 
 
-def test_a_flag_whose_counterpart_is_another_recipes_says_so(tmp_path, env):
-    """mnist_convnet keeps its decoded data in memory: it has no loader workers and no MixUp."""
-    paragraph = refused("mnist_convnet", ["-j", "4", "--mixup-alpha", "0.2", "--data-path", "x"], env, tmp_path)
-    for answer in (
-        "-j -> none in this recipe (--workers is finetune_folder's)",
-        "--mixup-alpha -> none in this recipe (--mixup is finetune_folder's)",
-        "--data-path -> --dataset",
-    ):
-        assert answer in paragraph, paragraph
+def test_the_flags_page_names_only_flags_a_recipe_has():
+    """docs/flags.md: every flag its 'here' column names is a flag of a recipe (or the launcher's)."""
+    import dataclasses
+    import re
+
+    from helpers import REPO, import_recipe
+
+    have = {
+        "--" + f.name.replace("_", "-")
+        for recipe in ("fashion_mnist_mlp", "mnist_convnet", "cifar_cnn", "finetune_folder")
+        for f in dataclasses.fields(import_recipe(recipe).Config)
+    }
+    rows = re.findall(r"^\| `[^`]+` \| (.*) \|$", (REPO / "docs" / "flags.md").read_text(), re.M)
+    assert len(rows) >= 40
+    named = {flag for row in rows if not row.startswith("the launcher's") for flag in re.findall(r"`(--[a-z-]+)", row)}
+    assert named and named <= have, named - have
 
 
 # What each recipe leaves unread of the settings every recipe has: the three others read them all (common.data.decoded's

@@ -103,3 +103,28 @@ def test_the_launchers_spellings_of_the_same_answers(tmp_path, mnist_like):
         launcher_refused = words == "fp8" and "FP8 is not available on this machine" in proc.stderr
         assert launcher_refused or (errors and words in errors[0]), (launch_args, proc.stderr[-3000:])
         assert not data_read(out), launch_args
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_said_once_in_the_startup_line(tmp_path, mnist_like, monkeypatch):
+    """The CPU configs ask for bf16; a CPU without AMX or AVX512-BF16 trains fp32 and says so once, in the startup
+    line (precision=no, "no native bf16"), with no Python warning and its file path; --eval-only says it in one NOTE
+    line of its own."""
+    import warnings
+
+    import common.train.accelerator as accelerator_module
+
+    monkeypatch.setattr(accelerator_module, "cpu_bf16_support", lambda: "")
+    env = {**recipe_env(tmp_path), "ACCELERATE_MIXED_PRECISION": "bf16"}
+    run = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        proc = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, *MLP, "--output-dir", run], env)
+    assert proc.returncode == 0, proc.stderr
+    said = (proc.stdout + proc.stderr).count("has no native bf16")
+    [startup] = [line for line in proc.stdout.splitlines() if line.startswith("startup:")]
+    assert said == 1 and "precision=no" in startup and "no native bf16 (no AMX or AVX512-BF16)" in startup, startup
+    assert "emulated" not in startup and "(cpu x" in startup and "threads, no native bf16)" in startup
+    assert not [w for w in caught if "bf16" in str(w.message)] and "UserWarning" not in proc.stderr
+    scored = run_in_process("fashion_mnist_mlp", ["--dataset", mnist_like, "--eval-only", "--checkpoint", run], env)
+    assert scored.returncode == 0, scored.stderr
+    assert [line for line in scored.stdout.splitlines() if "has no native bf16" in line][0].startswith("NOTE: ")

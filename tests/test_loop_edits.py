@@ -330,6 +330,29 @@ def test_main_says_the_order_and_building_before_the_settings_are_complete_is_re
     assert json.loads((folder / "final" / "model.json").read_text())["recipe"] == "my_digits"
 
 
+@pytest.mark.parametrize("recipe", ["fashion_mnist_mlp", "finetune_folder"])
+def test_without_a_test_split_the_last_validation_is_the_final_evaluation(recipe, tmp_path, env, mnist_like):
+    """A dataset without a test split: the final evaluation is of the validation split, which the epoch's evaluation
+    scored at the same weights a moment before; it is not scored again (2 epochs: 2 validations, not 3), and the
+    final result is that evaluation's. With a test split (mnist_like), the test split is scored at the end."""
+    from helpers import write_image_folder
+
+    counted = ("    def validate(loader):\n", "    def validate(loader):\n        print('validate', flush=True)\n")
+    copy = edited(tmp_path, recipe, counted, name=f"counted_{recipe}.py")
+    folder = write_image_folder(tmp_path / "no_test", n_per_class=24, shape=(3, 16, 16))
+    small = ["--epochs", 2, "--batch-size", 16, *SMALL[recipe]] + (
+        ["--image-size", 16] if recipe != "fashion_mnist_mlp" else []
+    )
+    run = tmp_path / "run"
+    proc = check_ok(run_in_process(copy, ["--dataset", folder, *small, "--output-dir", run], env))
+    assert proc.stdout.count("validate\n") == 2, proc.stdout
+    [final] = [r["val/accuracy"] for r in read_jsonl(run / "metrics.jsonl") if "val/accuracy" in r]
+    assert summary(run)["final"]["val/accuracy"] == final == [a for _, a in rows(run, "eval/accuracy")][-1]
+    if recipe == "fashion_mnist_mlp":
+        with_test = check_ok(run_in_process(copy, args(recipe, mnist_like, tmp_path / "run2"), env))
+        assert with_test.stdout.count("validate\n") == 3
+
+
 def test_checkpoints_follow_wall_time(tmp_path, env, mnist_like, monkeypatch):
     """--checkpoint-every-s: a run shorter than it writes no checkpoint until its end; one whose clock passes it at
     every step writes one at every step, on every rank at the same step (the ranks agree through the guard)."""

@@ -25,7 +25,6 @@ never from the recipe. Two traps are handled here (docs/launchers.md):
 from __future__ import annotations
 
 import os
-import warnings
 from datetime import timedelta
 from functools import lru_cache
 
@@ -286,10 +285,8 @@ def make_accelerator(cfg, launch=None):
         )
     if not cpu:  # the recipes' shapes are fixed within a run: cuDNN may pick its fastest kernels once per shape
         torch.backends.cudnn.benchmark = True
-    note = "; ".join(n for n in notes if n)
-    if note:
-        warnings.warn(note, stacklevel=2)
-    note = "; ".join(n for n in (note, idle_cores_note(cpu)) if n)  # the startup line says it (no warning)
+    # said once, by the main process: in the startup line (with --eval-only, a NOTE line of its own)
+    note = "; ".join(n for n in (*notes, idle_cores_note(cpu)) if n)
     accelerator = Accelerator(
         cpu=cpu,
         mixed_precision=precision,
@@ -338,7 +335,8 @@ def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "", sharded
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
     else:
-        name = f"cpu x{torch.get_num_threads()} threads, bf16 {cpu_bf16_support() or 'emulated'}"
+        native = cpu_bf16_support()
+        name = f"cpu x{torch.get_num_threads()} threads, " + (f"native bf16: {native}" if native else "no native bf16")
     parts = [
         f"processes={accelerator.num_processes}",
         f"distributed={accelerator.distributed_type.value}",

@@ -67,7 +67,7 @@ class Evaluator:
         if failed is not None:
             raise failed
 
-    def record(self, metrics: dict, step: int, epoch: int) -> None:
+    def record(self, metrics: dict, step: int, epoch: int, pictures: bool = False) -> None:
         """An evaluation of the validation split, made now by the loop: logged, and the model kept in best/ when
         --monitor improved (written by a thread from a copy of the weights taken now). Its line is the epoch's when
         the epoch ends next (``epoch_line``), else its own, said when the loop takes its next batch (``say_pending``):
@@ -75,7 +75,7 @@ class Evaluator:
         self.raise_failed()
         cfg = self.cfg
         self.seconds = metrics.get("seconds") if metrics else None
-        self.log_result("eval", metrics, self.data.val, step)
+        self.log_result("eval", metrics, self.data.val, step, pictures=pictures)
         self.evaluated_step = step
         value = metrics[cfg.monitor.split("/", 1)[1]]
         best = self.best
@@ -94,9 +94,11 @@ class Evaluator:
             (step, m), self.epoch_result = self.epoch_result, None
             say(f"eval at step {step}: loss {m['loss']:.4f} accuracy {m['accuracy']:.4f} ({m['count']} images)")
 
-    def log_result(self, split: str, metrics: dict, data_split, step: int, final: bool = False) -> bytes | None:
-        """Scalars to metrics.jsonl and the trackers, pictures to TensorBoard (in the background); for the final
-        evaluation, returns the confusion matrix as PNG bytes."""
+    def log_result(
+        self, split: str, metrics: dict, data_split, step: int, final: bool = False, pictures: bool = False
+    ) -> bytes | None:
+        """Scalars to metrics.jsonl and the trackers; the final evaluation's pictures (and those asked for) to
+        TensorBoard; for the final evaluation, returns the confusion matrix as PNG bytes."""
         per_class = {
             f"{split}/accuracy_class/{name}": acc
             for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))
@@ -106,7 +108,7 @@ class Evaluator:
             step=step,
             extra={f"{split}_time": round(time.time(), 3), f"{split}_seconds": round(metrics["seconds"], 3)},
         )
-        return self.log.images(split, metrics, data_split, self.data.class_names, step, final)
+        return self.log.images(split, metrics, data_split, self.data.class_names, step, final, asked=pictures)
 
     def epoch_line(self) -> str:
         """The epoch's evaluation for its line ('' when the epoch was not evaluated); the next epoch starts empty."""

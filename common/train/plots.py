@@ -3,8 +3,8 @@
 Pure functions. The image builders return numpy ``(H, W, 3)`` uint8 arrays (ready for
 ``SummaryWriter.add_image(..., dataformats="HWC")``, :func:`png_bytes` or :func:`save_image_png`);
 ``save_curves_png`` writes a PNG (files are written whole or not at all); ``confusion_matrix_figure`` and
-``curves_figure`` return the matplotlib Figure behind them. The training run draws them in a child process
-(``common.train.render``), not in its loop. matplotlib (Agg backend, no display needed) is imported inside the
+``curves_figure`` return the matplotlib Figure behind them. The training run draws them for its final evaluation
+and for evaluations its loop asks pictures of. matplotlib (Agg backend, no display needed) is imported inside the
 functions, so ``import common.train.plots`` stays cheap. No pyplot global state is used: every figure is a
 standalone ``matplotlib.figure.Figure``.
 

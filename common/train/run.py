@@ -197,6 +197,7 @@ class TrainingRun:
         self.open_batches = None  # the epoch the loop is in (EpochBatches)
         self.finished, self.ended_early, self.last_checkpoint_t = False, "", time.time()
         self.eval_only, self.exit_code = None, None
+        self.scored = None  # (step, metrics) of the last validation run.evaluate made
         self.launch = self.resume = self.notes = None  # what take_launcher_answers and take_resumed_settings found
 
     # --- the settings, then what is built from them (the recipe's main calls these in this order) ----------------
@@ -229,6 +230,8 @@ class TrainingRun:
         self.summary.accelerator = self.accelerator
         self.stop = StopFlag()
         if self.cfg.eval_only:
+            if self.note:  # a training run says it in its startup line
+                say(f"NOTE: {self.note}")
             self.eval_only = EvalOnly(self.cfg)
             return
         self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator, planned=self.resume)
@@ -407,16 +410,19 @@ class TrainingRun:
             self.ckpt.global_step, self.ckpt.epoch, values["train/loss"], values["train/samples_per_sec"]
         )
 
-    def evaluate(self, validate, loader) -> None:
+    def evaluate(self, validate, loader, pictures: bool = False) -> None:
         """Evaluate now: ``validate(loader)`` (the recipe's; ``loader`` None when there is no validation split), its
-        scalars and pictures recorded, and best/ kept when --monitor improved. Weights already evaluated at this step
-        (an --eval-every-steps step that ends an epoch) are not evaluated again."""
+        scalars recorded, and best/ kept when --monitor improved; with ``pictures``, its confusion matrix and
+        misclassified images drawn into TensorBoard now (about a second on a 2-core CPU; the final evaluation's are
+        always drawn). Weights already evaluated at this step (an --eval-every-steps step that ends an epoch) are not
+        evaluated again."""
         c = self.ckpt
         if loader is None or self.evaluator.evaluated_step == c.global_step:
             return
         self.checks.settle(c.epoch)  # nothing is evaluated or recorded after a non-finite loss
         metrics = validate(loader)  # a stop request meanwhile is acted on at the next step (checkpoint, exit 75)
-        self.evaluator.record(metrics, c.global_step, c.epoch)
+        self.evaluator.record(metrics, c.global_step, c.epoch, pictures)
+        self.scored = (c.global_step, metrics)
         self.progress.note_eval(self.evaluator.seconds)
 
     def stop_requested(self) -> bool:
@@ -606,7 +612,8 @@ class TrainingRun:
         (``validate(loader)``: the test split, else validation), final/ weights, hparams, summary.json, curves.png and
         confusion_matrix.png, and the --target-accuracy check. A stop request by then ends the run after the
         checkpoint (exit 75: the same command evaluates and saves); one during the final evaluation ends it at once
-        (the checkpoint holds everything trained)."""
+        (the checkpoint holds everything trained). Without a test split the final split is validation: when
+        ``run.evaluate`` scored it at this step, that result is the final one and it is not scored again."""
         c = self.ckpt
         self.finished = True
         self.evaluator.say_pending()
@@ -622,8 +629,11 @@ class TrainingRun:
                 f"the loop ended the run at step {c.global_step} of {c.steps_per_epoch * self.cfg.epochs}"
             )
             say(f"NOTE: {self.ended_early} (final evaluation, final/, summary.json).")
-        self.stop.interruptible("running the final evaluation")
-        metrics = validate(loader)  # while the main process completes the checkpoint in a thread
+        if self.data.test is None and self.scored is not None and self.scored[0] == c.global_step:
+            metrics = self.scored[1]  # the final split is validation, scored at these weights already: not again
+        else:
+            self.stop.interruptible("running the final evaluation")
+            metrics = validate(loader)  # while the main process completes the checkpoint in a thread
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.ckpt.wait_written()
         split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epoch)

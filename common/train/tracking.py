@@ -1,8 +1,8 @@
 """What a run reports while it trains: the trackers chosen with ``--report-to`` (TensorBoard by default,
 through Accelerate's tracker API: wandb, MLflow, Comet, Aim, ClearML, DVCLive, SwanLab, Trackio) and
-``metrics.jsonl`` (main process only), TensorBoard's evaluation images (drawn in a child process,
-``common.train.render``), throughput and memory, and progress where the user reads it (a bar in a terminal, a line
-every ``--progress-every-s`` seconds in a log file)."""
+``metrics.jsonl`` (main process only), TensorBoard's evaluation pictures (the final evaluation's, and those the loop
+asks for), throughput and memory, and progress where the user reads it (a bar in a terminal, a line every
+``--progress-every-s`` seconds in a log file)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ import torch
 
 from common import console
 from common.errors import ConfigError
+from common.train import plots
 from common.train.evaluator import evaluation_due
-from common.train.plots import confusion_matrix_title
-from common.train.render import renderer
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
-PICTURES_TIMEOUT_S = 30  # at the end (or a stop), how long pictures still being drawn are waited for
 
 
 def trackers_from(report_to: str) -> list[str]:
@@ -87,8 +85,6 @@ class MetricsLog:
     def __init__(self, accelerator, run_dir: Path, resume_step: int | None, project: str = "", hparams=None):
         self.accelerator, self.path = accelerator, Path(run_dir) / "metrics.jsonl"
         self.last: dict | None = None  # the file's last line, rewritten when its step logs more values
-        self.drawing: dict = {}  # evaluation pictures being drawn: job id -> (split, step, wall time)
-        self.said_error = self.said_fallback = False
         if not accelerator.is_main_process:
             return
         kept = []
@@ -128,9 +124,7 @@ class MetricsLog:
         if not self.accelerator.is_main_process:
             return
         values = {k: float(v) for k, v in values.items()}
-        self.accelerator.log(values, step=step)  # (it flushes TensorBoard's queue: pictures go in after it)
-        if self.drawing:  # pictures drawn since: to TensorBoard's writer thread (no waiting)
-            self._add_pictures(renderer().collect())
+        self.accelerator.log(values, step=step)
         now = round(time.time(), 3)
         values.update(extra or {})
         merge = self.last is not None and self.last["step"] == step
@@ -146,80 +140,37 @@ class MetricsLog:
                 self.last_offset = f.tell()
             f.write(json.dumps(self.last) + "\n")
 
-    def images(self, split: str, metrics: dict, data_split, class_names, step: int, final: bool = False):
-        """TensorBoard's confusion matrix and misclassified grid for an evaluation, drawn in the background
-        (``common.train.render``): this takes the numbers (the confusion matrix, up to 36 misclassified images) and
-        returns; the pictures reach TensorBoard, at this ``step``, at a later log step or at the end (``close``). The
-        final evaluation's are waited for: returns its confusion matrix as PNG bytes (also drawn without TensorBoard:
-        the run's confusion_matrix.png), else None."""
+    def images(self, split: str, metrics: dict, data_split, class_names, step: int, final: bool = False, asked=False):
+        """An evaluation's pictures, drawn here (matplotlib, about a second on a 2-core CPU): the confusion matrix and a
+        grid of up to 36 misclassified images, into TensorBoard at ``step``. Called for the final evaluation (returns
+        its confusion matrix as PNG bytes, drawn without TensorBoard too: the run's confusion_matrix.png) and for the
+        evaluations the loop asks pictures of (``run.evaluate(..., pictures=True)``); None otherwise."""
         writer = self.writer
-        if not metrics["count"] or not self.accelerator.is_main_process or (writer is None and not final):
+        if not (final or asked) or not metrics["count"] or not self.accelerator.is_main_process:
             return None
-        draw, arrays = [], {}
+        if writer is None and not final:
+            return None
+        title = f"{plots.confusion_matrix_title(split, metrics['count'])}, step {step}"
+        drawn = {}
         if metrics["confusion"] is not None:  # not drawn past common.train.metrics.CONFUSION_MAX_CLASSES classes
-            draw.append("confusion")
-            arrays["confusion"] = metrics["confusion"]
+            drawn["confusion_matrix"] = plots.confusion_matrix_image(metrics["confusion"], class_names, title=title)
         if writer is not None:
             preds, labels = metrics["preds"], metrics["labels"]
             wrong = (preds != labels).nonzero().flatten()[:36]
-            draw.append("misclassified")
-            arrays.update(images=data_split.images_at(wrong), labels=labels[wrong], preds=preds[wrong])
-        if not draw:
-            return None
-        title = f"{confusion_matrix_title(split, metrics['count'])}, step {step}"
-        job = {"title": title, "class_names": [str(n) for n in class_names], "draw": draw}
-        job_id = renderer().submit(job, arrays)
-        self.drawing[job_id] = (split, step, time.time())
-        if not final:
-            self._add_pictures(renderer().collect())
-            return None
-        drawn = renderer().collect(until=job_id)
-        self._add_pictures(drawn)
-        found = [d.pictures.get("confusion") for d in drawn if d.id == job_id]
-        return found[0][0] if found and found[0] else None
-
-    def _add_pictures(self, drawn) -> None:
-        """Pictures drawn in the background into TensorBoard, at the step of their evaluation (a tag's steps stay in
-        order; TensorBoard's reader keeps an image that arrives after later steps of other tags)."""
-        writer = self.writer
-        if renderer().fallback and not self.said_fallback:
-            self.said_fallback = True
-            console.say(f"NOTE: evaluation pictures are drawn in the training process ({renderer().fallback})")
-        for d in drawn:
-            split, step, walltime = self.drawing.pop(d.id, (None, None, None))
-            if d.error is not None and not self.said_error:
-                self.said_error = True
-                console.say(
-                    f"NOTE: the {split} pictures of step {step} could not be drawn ({d.error}); training goes on"
-                )
-            if writer is None or split is None:
-                continue
-            for name, (png, height, width) in d.pictures.items():
-                tag = f"{split}/{'confusion_matrix' if name == 'confusion' else name}"
-                writer._get_file_writer().add_summary(png_summary(tag, png, height, width), step, walltime)
-
-    def finish_pictures(self) -> None:
-        """Every picture submitted, in TensorBoard; what the drawing process could not finish in time is left out,
-        and said."""
-        if not self.drawing:
-            return
-        drawn, _ = renderer().finish(timeout=PICTURES_TIMEOUT_S)
-        self._add_pictures(drawn)
-        if self.drawing:  # dropped now, or earlier when the drawing process was stuck
-            steps = ", ".join(str(step) for _, step, _ in self.drawing.values())
-            console.say(f"NOTE: the evaluation pictures of step {steps} were not drawn in time: not in TensorBoard")
-        self.drawing.clear()
+            images = data_split.images_at(wrong)
+            drawn["misclassified"] = plots.misclassified_grid(images, labels[wrong], preds[wrong], class_names)
+        pngs = {name: plots.png_bytes(image) for name, image in drawn.items()}
+        if writer is not None:
+            for name, png in pngs.items():
+                height, width = drawn[name].shape[:2]
+                writer._get_file_writer().add_summary(png_summary(f"{split}/{name}", png, height, width), step)
+        return pngs.get("confusion_matrix") if final else None
 
     def curves(self) -> bytes | None:
-        """curves.png of the run so far (after ``close``), drawn by the drawing process, where matplotlib is loaded
-        already: this process does not import it (about 1 s on a 2-core CPU). None where it could not be drawn there
-        (drawn in this process then)."""
+        """curves.png of the run so far (after ``close``): loss, accuracy and learning rate by step."""
         if not self.accelerator.is_main_process:
             return None
-        job_id = renderer().submit({"draw": ["curves"], "metrics": str(self.path)}, {})
-        drawn = renderer().collect(until=job_id, timeout=PICTURES_TIMEOUT_S)  # only this job: close took the rest
-        found = [d.pictures["curves"][0] for d in drawn if d.id == job_id and "curves" in d.pictures]
-        return found[0] if found else None
+        return plots.curves_png(self.path)
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """One HParams session in TensorBoard's main event file: the sanitized config and the final metrics."""
@@ -238,7 +189,6 @@ class MetricsLog:
         an active exception": exit 1 through the launcher for a completed run). A run that ends well destroys it
         on every rank at once, last (TrainingRun._close)."""
         if self.accelerator.is_main_process:
-            self.finish_pictures()
             for tracker in self.accelerator.trackers:
                 tracker.finish()
 
