@@ -186,3 +186,21 @@ def test_bad_input_is_one_paragraph_and_exit_2(study, argv, says, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+@pytest.mark.integration
+def test_host_overhead_times_the_recipe_and_its_baseline_on_one_clock(tmp_path):
+    """benchmarks/host_overhead.py, one round of the MNIST pair: both sides in processes of their own, the same
+    steps, every figure measured (no timing asserted), ops counted, the ratios printed and written."""
+    out_json = tmp_path / "host.json"
+    cmd = [sys.executable, "benchmarks/host_overhead.py", "--pairs", "mnist", "--rounds", "1", "--out-json", out_json]
+    proc = subprocess.run([str(c) for c in cmd], cwd=str(REPO), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out_json.read_text())
+    rows = report["rows"]
+    assert set(rows) == {"mnist_convnet", "plain_loop"}
+    assert rows["mnist_convnet"]["steps"] == rows["plain_loop"]["steps"] == 96
+    for row in rows.values():
+        assert row["host_ms_per_step"] > 0 and row["ops_per_step"] > 0 and row["to_first_step_s"] > 0
+    assert report["ratios"]["mnist"]["host_ms_per_step"] > 0
+    assert "mnist_convnet / plain_loop: host_ms_per_step" in proc.stdout

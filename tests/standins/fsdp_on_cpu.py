@@ -10,6 +10,7 @@ final/, all as on GPUs."""
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -40,6 +41,10 @@ def require_fsdp2(accelerator):
 
 accelerator_module.fsdp_asked = fsdp_asked
 accelerator_module.require_fsdp2 = require_fsdp2
+# fp32 here, whatever the launcher asked: CPU autocast keeps ops in fp32 that CUDA's runs in bf16, so on a CPU with
+# native bf16 a model whose parameters FSDP2's mixed-precision policy made bf16 meets fp32 activations (BatchNorm:
+# "expected scalar type BFloat16 but found Float"). bf16 under FSDP2 is for the GPU report's row to show.
+os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 if __name__ == "__main__":
     sys.argv = sys.argv[1:]
