@@ -256,6 +256,21 @@ def launcher_answers(cfg, cpu: bool | None = None) -> tuple[str, list[str], bool
     return precision, notes, fsdp_asked(cfg, cpu, precision)
 
 
+def ask_lomo_once() -> None:
+    """Accelerate's ``AcceleratedOptimizer.step`` asks ``is_lomo_available()`` twice at every step, each time an
+    uncached ``importlib.util.find_spec("lomo_optim")`` and a metadata read: about 0.4 ms of every step on a 2-core
+    CPU, where a small model's whole step on a GPU takes a few milliseconds (benchmarks/host_overhead.py). Whether a
+    package is installed does not change while a run trains: asked once here, the answer is what Accelerate's
+    modules get from then on."""
+    import accelerate.accelerator
+    import accelerate.optimizer
+    from accelerate.utils import is_lomo_available
+
+    answer = is_lomo_available()
+    for module in (accelerate.optimizer, accelerate.accelerator):
+        module.is_lomo_available = lambda: answer
+
+
 def make_accelerator(cfg, launch=None):
     """Build the Accelerator from ``cfg`` (its --seed and --grad-accum: a resume has taken the run's own by now) and
     ``launch``, what ``launcher_answers`` returned (read here when not given). Returns (accelerator, note), the note
@@ -283,6 +298,7 @@ def make_accelerator(cfg, launch=None):
             f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; bf16 needs 8.0+): using fp32 instead. For "
             "mixed precision on this GPU use fp16: accelerate_configs/multi_gpu_fp16.yaml"
         )
+    ask_lomo_once()
     if not cpu:  # the recipes' shapes are fixed within a run: cuDNN may pick its fastest kernels once per shape
         torch.backends.cudnn.benchmark = True
     # said once, by the main process: in the startup line (with --eval-only, a NOTE line of its own)
