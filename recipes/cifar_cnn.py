@@ -2,7 +2,8 @@
 
 Each part of the method is a flag: the airbench network (common.models) with --whiten-init and --dirac-init,
 BatchNorm biases at --bias-lr-scale 64x (common.optimizers), Lookahead (common.averaging), --flip alternating,
---translate, --tta 2. Measured accuracy and wall time, seed by seed and machine by machine: docs/results.md.
+--translate, --tta 2, one evaluation at the end (--eval-every 10). Measured accuracy and wall time, seed by seed and
+machine by machine: docs/results.md.
 
     accelerate launch recipes/cifar_cnn.py          # one process (CPU or one GPU)
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/cifar_cnn.py   # 2 CPU processes
@@ -69,6 +70,11 @@ class Config(CommonConfig):
         choices=["alternating", "random", "none"],
     )
     tta: int = knob(2, "test-time augmentation: 0 none, 1 mirror, 2 mirror and 1-pixel shifts", choices=[0, 1, 2])
+    eval_every: int = knob(
+        10,
+        "evaluate on the validation split every N epochs, and after the last (the method evaluates once, at the end "
+        "of its 10 epochs: each evaluation with --tta 2 is 6 passes over the split)",
+    )
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
     sync_bn: bool = knob(False, "BatchNorm statistics over all processes (SyncBatchNorm) instead of per process")
 

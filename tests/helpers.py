@@ -278,7 +278,7 @@ def write_photo_folder(root: Path, n_per_class: int, classes=("ant", "bee", "was
 SMALL = {  # each recipe's default --lr given: at --batch-size 32 the LR rule would scale it (golden losses)
     "fashion_mnist_mlp": ["--hidden", "32", "--lr", "4e-3"],
     "mnist_convnet": ["--width", "8", "--lr", "1e-2"],
-    "cifar_cnn": ["--widths", "8,16,16", "--lr", "1.5"],
+    "cifar_cnn": ["--widths", "8,16,16", "--lr", "1.5", "--eval-every", 1],  # evaluated every epoch, as the others
     # lr by its rule: 0.05 at batch 32; every epoch at 32 px (progressive resizing: its own test) and evaluated
     "finetune_folder": ["--image-size", 32, "--start-image-size", 0, "--eval-every", 1, "--workers", 0],
 }
