@@ -524,3 +524,52 @@ def test_a_cpu_launch_that_leaves_cores_idle_says_what_to_run(launch_args, needl
     assert proc.returncode == 0, proc.stderr[-3000:]
     startup = next(line for line in proc.stdout.splitlines() if line.startswith("startup:"))
     assert "processes=1" in startup and needle in startup and CPU_2PROC in startup, startup
+
+
+@pytest.mark.integration
+def test_ctrl_c_of_a_test_run_leaves_no_recipe_process(tmp_path, mnist_like):
+    """Ctrl-C in a terminal sends SIGINT to the foreground process group: pytest, the launcher it waits on (the ranks
+    run in sessions of their own). A pytest run whose test launches two processes ends, and within 60 s no process
+    of that run is left: the ranks see their launcher gone, checkpoint and exit."""
+    import textwrap
+
+    run = tmp_path / "run"
+    test = tmp_path / "test_long_launch.py"
+    test.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path[:0] = [{str(REPO / "tests")!r}, {str(REPO / "benchmarks")!r}]
+            from helpers import launch, recipe_env
+
+            def test_long(tmp_path):
+                args = ["--dataset", {str(mnist_like)!r}, "--epochs", 400, "--batch-size", 32, "--hidden", 8]
+                launch("fashion_mnist_mlp", [*args, "--output-dir", {str(run)!r}], recipe_env(tmp_path), nproc=2,
+                       timeout=600)
+            """
+        )
+    )
+
+    def as_in_a_terminal():  # a shell without job control would start it with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+        cwd=tmp_path,
+        start_new_session=True,
+        preexec_fn=as_in_a_terminal,
+        stdout=(tmp_path / "pytest.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    logged = run / "metrics.jsonl"
+    deadline = time.time() + 180
+    while not (logged.exists() and read_jsonl(logged)) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert logged.exists() and read_jsonl(logged), (tmp_path / "pytest.log").read_text()[-3000:]
+    assert len(pids_running(str(run))) >= 3  # the launcher and its two ranks
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    deadline = time.time() + 60
+    while pids_running(str(run)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert pids_running(str(run)) == []
