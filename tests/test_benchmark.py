@@ -199,7 +199,7 @@ def test_host_overhead_times_the_recipe_and_its_baseline_on_one_clock(tmp_path):
     report = json.loads(out_json.read_text())
     rows = report["rows"]
     assert set(rows) == {"mnist_convnet", "plain_loop"}
-    assert rows["mnist_convnet"]["steps"] == rows["plain_loop"]["steps"] == 96
+    assert rows["mnist_convnet"]["steps"] == rows["plain_loop"]["steps"] == 192
     for row in rows.values():
         assert row["host_ms_per_step"] > 0 and row["ops_per_step"] > 0 and row["to_first_step_s"] > 0
     assert report["ratios"]["mnist"]["host_ms_per_step"] > 0
