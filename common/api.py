@@ -42,7 +42,7 @@ from common.train.metrics import evaluate
 from common.train.run import TrainingRun, watching
 
 __all__ = [
-    # the run: TrainingRun(cfg, RECIPE).execute(train) and the loop's calls; evaluation; watching a run's steps
+    # the run: with TrainingRun(cfg, __file__) as run, its settings steps and the loop's calls; evaluation; watching
     "TrainingRun",
     "evaluate",
     "watching",

@@ -54,6 +54,25 @@ def test_a_runs_evaluations_log_scalars_and_its_final_evaluation_draws_the_pictu
     assert not list(run.glob("*.tmp")) and not list(run.glob(".tmp-*")) and not list(run.glob(".old-*"))
 
 
+def test_a_picture_that_cannot_be_drawn_is_a_note_and_the_run_completes(tmp_path, env, mnist_like, monkeypatch):
+    """matplotlib failing at the end (a broken font cache, a full /tmp): the run's weights, final/ and summary.json
+    are what they would be; each picture left out is said in one NOTE line."""
+    from common.train import plots
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no fonts")
+
+    monkeypatch.setattr(plots, "confusion_matrix_image", broken)
+    monkeypatch.setattr(plots, "curves_png", broken)
+    run = tmp_path / "run"
+    proc = check_ok(run_in_process("mnist_convnet", ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, *CONV,
+                                                     "--output-dir", run], env))  # fmt: skip
+    assert "NOTE: the test pictures of step 9 could not be drawn (RuntimeError: no fonts)" in proc.stdout
+    assert "NOTE: curves.png could not be drawn (RuntimeError: no fonts)" in proc.stdout
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed" and (run / "final").is_dir()
+    assert not (run / "confusion_matrix.png").exists() and not (run / "curves.png").exists()
+
+
 def test_an_evaluation_the_loop_asks_pictures_of_draws_them_at_its_step(tmp_path, env, mnist_like):
     """`run.evaluate(validate, val_loader, pictures=True)` in a copy's loop: those evaluations' pictures are in
     TensorBoard at their steps; a resume after a stop adds its own, each step once."""

@@ -373,8 +373,12 @@ def test_model_and_argument_errors_exit_2(tmp_path, capsys, case):
 def test_a_copy_named_like_a_recipe_is_not_taken_for_the_recipe(tmp_path):
     """`cp recipes/fashion_mnist_mlp.py ~/work/fashion_mnist_mlp.py`, edited: its runs' model.json names the recipe
     "fashion_mnist_mlp" and the copy's file. Without --recipe, predict imports neither the copy (a run folder is
-    data) nor the repository's recipe of that name (which may build another model); the same run trained from a
-    repository's recipes/ folder on another machine (another clone's path) rebuilds from this repository's."""
+    data) nor the repository's recipe of that name (which may build another model). A run trained from a recipes/
+    folder elsewhere (another clone, another machine) rebuilds from this repository's when the file's bytes were
+    these (model.json's recipe_sha256), and is refused when they were not (an edited copy in a recipes/ folder of
+    the user's own, or an older version)."""
+    import hashlib
+
     from common.errors import RecipeError
     from common.tools.predict import load_recipe
 
@@ -384,7 +388,13 @@ def test_a_copy_named_like_a_recipe_is_not_taken_for_the_recipe(tmp_path):
         with pytest.raises(RecipeError, match="--recipe path/to/that_recipe.py"):
             load_recipe({**card, "recipe_file": str(recorded)})
     other_clone = "/home/someone/accelerate-recipes/recipes/fashion_mnist_mlp.py"
-    assert Path(load_recipe({**card, "recipe_file": other_clone}).__file__) == REPO / "recipes" / "fashion_mnist_mlp.py"
+    ours = REPO / "recipes" / "fashion_mnist_mlp.py"
+    assert Path(load_recipe({**card, "recipe_file": other_clone}).__file__) == ours  # a card without the file's bytes
+    same = hashlib.sha256(ours.read_bytes()).hexdigest()
+    assert Path(load_recipe({**card, "recipe_file": other_clone, "recipe_sha256": same}).__file__) == ours
+    for recorded in (other_clone, "/home/someone/myproject/recipes/fashion_mnist_mlp.py"):  # edited, or older
+        with pytest.raises(RecipeError, match="--recipe path/to/that_recipe.py"):
+            load_recipe({**card, "recipe_file": recorded, "recipe_sha256": "0" * 64})
     copy.parent.mkdir()
     copy.write_text((REPO / "recipes" / "fashion_mnist_mlp.py").read_text())
     assert Path(load_recipe({**card, "recipe_file": str(copy)}, recipe_file=copy).__file__) == copy

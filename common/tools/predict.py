@@ -45,13 +45,22 @@ from common.train.metrics import tta_logits
 # --- model ---------------------------------------------------------------------------------------
 
 
-def repository_recipe(recorded, name: str) -> bool:
-    """Whether the file model.json records is a repository's ``recipes/<name>.py`` (this clone's or another's, on
-    another machine), not a copy of it elsewhere that may define another model under the same name."""
+def repository_recipe(card: dict, ours: Path) -> bool:
+    """Whether the run was trained by ``ours``, this repository's ``recipes/<name>.py``: the file model.json records is
+    ``ours``, or its bytes (``recipe_sha256``) are ``ours``' (a run trained in another clone, or on another machine).
+    A copy named like a recipe, edited to build another model, is not taken for it; nor is a run trained by an older
+    version of the recipe, whose model the current file may not build the same way."""
+    import hashlib
+
+    recorded, digest = card.get("recipe_file"), card.get("recipe_sha256")
+    if recorded and Path(recorded).resolve() == ours.resolve():
+        return True
+    if digest:
+        return digest == hashlib.sha256(ours.read_bytes()).hexdigest()
     if not recorded:
         return True  # written before model.json named the file
-    recorded = PurePath(str(recorded))
-    return recorded.name == f"{name}.py" and recorded.parent.name == "recipes"
+    recorded = PurePath(str(recorded))  # written before model.json recorded the file's bytes
+    return recorded.name == ours.name and recorded.parent.name == "recipes"
 
 
 def load_recipe(card: dict, recipe_file=None):
@@ -71,14 +80,14 @@ def load_recipe(card: dict, recipe_file=None):
     elif (
         re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
         and (recipes_dir / f"{name}.py").is_file()
-        and repository_recipe(card.get("recipe_file"), name)
+        and repository_recipe(card, recipes_dir / f"{name}.py")
     ):
         path = recipes_dir / f"{name}.py"
     else:
         raise RecipeError(
             f"model.json names the recipe {name!r} ({recorded}), which is not one of this repository's "
-            f"recipes in {recipes_dir}. Its model is defined in that file, and importing it runs it, so "
-            "it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
+            f"recipes in {recipes_dir} as they are now. Its model is defined in that file, and importing it runs it, "
+            "so it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
             "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py."
         )
 

@@ -388,12 +388,15 @@ def _weights_only_reason(err: Exception) -> str:
 def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> dict:
     """What model.json says: the recipe that built the model (predict and export rebuild it from there), its
     input, classes and normalisation, the run's config, and what it trained and validated on (``--eval-only``
-    refuses data that changed since)."""
+    refuses data that changed since). ``recipe_sha256``: the recipe file's bytes, by which predict and export tell a
+    repository's recipe from a copy of it named alike."""
     import dataclasses
+    import hashlib
 
     return {
         "recipe": recipe,
         "recipe_file": recipe_file,
+        "recipe_sha256": hashlib.sha256(Path(recipe_file).read_bytes()).hexdigest() if recipe_file else None,
         "model": plain_class(model).__name__,
         "input_shape": list(data.shape),
         "class_names": data.class_names,

@@ -2,7 +2,9 @@
 
 A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
 
-    def train(cfg, run):                          # called by TrainingRun(cfg, RECIPE).execute(train)
+    def train(cfg, run):                          # called in main: with TrainingRun(cfg, __file__) as run: ...
+                                                  #   run.take_launcher_answers(); run.take_resumed_settings()
+                                                  #   run.build(); train(cfg, run)
         data = run.load_data()
         ...build loaders, model, optimizer; accelerator.prepare(...); scheduler...
         run.start(model, optimizer, scheduler, train_loader, data, transform)   # fresh, or resumed exactly

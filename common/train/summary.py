@@ -17,7 +17,7 @@ import torch
 from common.console import say
 from common.errors import Preempted
 from common.files import write_atomic
-from common.train.plots import save_curves_png, save_image_png
+from common.train.plots import save_image_png
 
 RESERVED_BYTES = 16384  # summary.json keeps this much allocated, so that an ending can be recorded on a full disk
 
@@ -106,16 +106,14 @@ class Summary:
 
     def finish(self, cfg, values: dict, split: str, final: dict, confusion, curves: bytes | None = None) -> str:
         """The end of a run that trained to its end: the --target-accuracy check decides the status (returned);
-        curves.png (``curves``: its PNG, else drawn here) and confusion_matrix.png (``confusion``: the PNG TensorBoard
+        curves.png (``curves``: its PNG) and confusion_matrix.png (``confusion``: the PNG TensorBoard
         got, titled with the step), summary.json and the printed table."""
         value = final.get(f"{split}/accuracy")
         missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
         status = "target_missed" if missed else "completed"
         if self.accelerator.is_main_process:
-            if curves is not None:
+            if curves is not None:  # None: it could not be drawn, and a NOTE said so
                 save_image_png(curves, self.path / "curves.png")
-            else:
-                save_curves_png(self.path / "metrics.jsonl", self.path / "curves.png")
             if confusion is not None:
                 save_image_png(confusion, self.path / "confusion_matrix.png")
         say(self.table(cfg.monitor, values, final, self.write(status, values, {"final": final})))

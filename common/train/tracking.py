@@ -152,14 +152,22 @@ class MetricsLog:
             return None
         title = f"{plots.confusion_matrix_title(split, metrics['count'])}, step {step}"
         drawn = {}
-        if metrics["confusion"] is not None:  # not drawn past common.train.metrics.CONFUSION_MAX_CLASSES classes
-            drawn["confusion_matrix"] = plots.confusion_matrix_image(metrics["confusion"], class_names, title=title)
-        if writer is not None:
-            preds, labels = metrics["preds"], metrics["labels"]
-            wrong = (preds != labels).nonzero().flatten()[:36]
-            images = data_split.images_at(wrong)
-            drawn["misclassified"] = plots.misclassified_grid(images, labels[wrong], preds[wrong], class_names)
-        pngs = {name: plots.png_bytes(image) for name, image in drawn.items()}
+        try:
+            if metrics["confusion"] is not None:  # not drawn past common.train.metrics.CONFUSION_MAX_CLASSES classes
+                drawn["confusion_matrix"] = plots.confusion_matrix_image(
+                    metrics["confusion"], [str(n) for n in class_names], title=title
+                )
+            if writer is not None:
+                preds, labels = metrics["preds"], metrics["labels"]
+                wrong = (preds != labels).nonzero().flatten()[:36]
+                images = data_split.images_at(wrong)
+                drawn["misclassified"] = plots.misclassified_grid(
+                    images, labels[wrong], preds[wrong], [str(n) for n in class_names]
+                )
+            pngs = {name: plots.png_bytes(image) for name, image in drawn.items()}
+        except Exception as err:  # noqa: BLE001 - a picture is a side product: the run it describes stands
+            console.say(f"NOTE: the {split} pictures of step {step} could not be drawn ({type(err).__name__}: {err})")
+            return None
         if writer is not None:
             for name, png in pngs.items():
                 height, width = drawn[name].shape[:2]
@@ -170,7 +178,11 @@ class MetricsLog:
         """curves.png of the run so far (after ``close``): loss, accuracy and learning rate by step."""
         if not self.accelerator.is_main_process:
             return None
-        return plots.curves_png(self.path)
+        try:
+            return plots.curves_png(self.path)
+        except Exception as err:  # noqa: BLE001 - a picture is a side product: the run it describes stands
+            console.say(f"NOTE: curves.png could not be drawn ({type(err).__name__}: {err})")
+            return None
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
         """One HParams session in TensorBoard's main event file: the sanitized config and the final metrics."""
