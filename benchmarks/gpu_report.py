@@ -20,24 +20,28 @@ it, bytecode is not written, and every row runs from it.
 The data: gpu-data/ (benchmarks/gpu_data.py) is installed first into what the recipes read without `datasets`
 (a folder and its decoded cache with the source index naming it); the photos are read where they are.
 
-Rows, in this order, one subprocess each with its own time budget (budgets sum to DEADLINE_S less SETUP_S; a row may
-use what earlier rows left unused, never what later rows are budgeted), `accelerate launch --config_file
-accelerate_configs/single_gpu.yaml` (spelled `python -m accelerate.commands.launch`, the report's own Python) unless
-said. A row that fails, times out or is not reached is reported in the table with the tail of its log; the script
-goes on and always writes the table.
-- correct/*: 40 optimizer steps each, checked: status completed, 40 steps, a finite validation loss, the precision
-  asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with --max-grad-norm 1; compiled
-  (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/ (else final/) over 48 held-out
-  MNIST images (and its weights checked for `_orig_mod.` keys); finetune_folder --ema-decay 0.99 on 200 flower
-  photos; cifar_cnn --sync-bn on one GPU.
+Rows, in this order (the speed goals first: a run cut short keeps them), one subprocess each with its own time
+budget (budgets sum to DEADLINE_S less SETUP_S; a row may use what earlier rows left unused, never what later rows
+are budgeted), `accelerate launch --config_file accelerate_configs/single_gpu.yaml` (spelled `python -m
+accelerate.commands.launch`, the report's own Python) unless said. A row that fails, times out or is not reached is
+reported in the table with the tail of its log; the script goes on and always writes the table.
 - cifar_cnn_vs_airbench94: time_to_accuracy.py --target baseline --baseline-kind airbench94: cifar_cnn's default
   (bf16) against benchmarks/airbench94.py (this repository's airbench94, written from the paper, not Keller Jordan's
-  file: fp16, uncompiled, one run in its process) on the same split of CIFAR-10 (JPEG copy) and the same GPU.
+  file: fp16, uncompiled, one run in its process) on the same split of CIFAR-10 (JPEG copy) and the same GPU, for
+  each of --cifar-seeds (default --seed). One timer for both sides: from just before the first training step to the
+  end of the evaluation that reaches the accuracy (first-step costs inside both: the recipe's cuDNN autotuning, as it
+  sets cudnn.benchmark, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal: a mean accuracy at
+  least airbench94's, within 1.2x its time on every seed.
 - mnist_convnet_to_99.3: time_to_accuracy.py --target 0.993, evaluating every 100 steps (goal: under 3 s).
 - throughput/<recipe>/{host,device}: images/s (median of the metrics.jsonl windows after the first) with
   --data-on-device false and true; the ratio device / host.
 - profile/<recipe>: --profile 5 (steps 3-7, no log step among them): the trace, and the synchronising calls in it
   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking cudaMemcpy, aten::item).
+- correct/*: 40 optimizer steps each, checked: status completed, 40 steps, a finite validation loss, the precision
+  asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with --max-grad-norm 1; compiled
+  (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/ (else final/) over 48 held-out
+  MNIST images (and its weights checked for `_orig_mod.` keys); finetune_folder --ema-decay 0.99 on 200 flower
+  photos; cifar_cnn --sync-bn on one GPU.
 
 --rehearse runs every row at toy size on this CPU in an environment made like the GPU machine's: a Python
 environment of symbolic links to this one's packages without `datasets` and without this project's install
@@ -104,6 +108,8 @@ DEVICE_COMMAND = "PYTHONPATH=$PWD python3 benchmarks/gpu_report.py --out $OUT --
 CARRY = "gpu-data"
 TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
 STEPS = 40  # optimizer steps of each correctness row
+# The rows' order: what the speed goals need first (a run cut short keeps them), the correctness checks last
+PRIORITY = ("cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "throughput/", "profile/", "correct/")
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
 TOY = {  # rehearsal: small models and batches (last on the command line: they win)
     "mnist_convnet": "--width 8 --hidden 32 --batch-size 8".split(),
@@ -150,6 +156,7 @@ class Ctx:
     seed: int
     toy: bool
     device: str  # cuda, or cpu in the rehearsal
+    cifar_seeds: str = ""  # the cifar_cnn_vs_airbench94 row's seeds (default: seed)
 
 
 # --- reading what a row wrote ---------------------------------------------------------------------------------------
@@ -221,16 +228,27 @@ def read_predict(out: Path, inputs: Path):
 
 
 def read_tta_cifar(out: Path, toy: bool):
-    s = json.loads(out.read_text())["seeds"][0]
-    rec, base = s["recipe"], s["baseline"]
-    r_end, b_end, t = rec["curve"][-1], base["curve"][-1], rec["time_to_target_s"]
+    """Every seed of the row: each side's mean accuracy and time (with their spread), and cifar_cnn's time to
+    airbench94's accuracy of the same seed as a multiple of airbench94's time. The goal: a mean accuracy at least
+    airbench94's, within 1.2x its time on every seed."""
+    seeds = json.loads(out.read_text())["seeds"]
+
+    def spread(values, digits):
+        sd = f" +- {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+        return f"{statistics.mean(values):.{digits}f}{sd}"
+
+    ends = [(s["recipe"]["curve"][-1], s["baseline"]["curve"][-1]) for s in seeds]
+    r_acc, b_acc = [r["accuracy"] for r, _ in ends], [b["accuracy"] for _, b in ends]
+    r_time, b_time = [r["time_s"] for r, _ in ends], [b["time_s"] for _, b in ends]
+    ratios = [s["recipe"]["time_to_target_s"] / b["time_s"] for s, (_, b) in zip(seeds, ends) if s["recipe"]["reached"]]
     text = (
-        f"cifar_cnn {r_end['accuracy']:.4f} in {r_end['time_s']:.1f} s (launch to exit {rec['process_wall_s']:.1f} "
-        f"s); airbench94 {b_end['accuracy']:.4f} ({b_end['accuracy_without_tta']:.4f} without TTA) in "
-        f"{b_end['time_s']:.1f} s; cifar_cnn to airbench's accuracy: "
-        + (f"{t:.1f} s = {t / b_end['time_s']:.2f}x airbench's time" if rec["reached"] else "not reached")
+        f"{len(seeds)} seed(s): cifar_cnn {spread(r_acc, 4)} in {spread(r_time, 1)} s (launch to exit "
+        f"{statistics.mean(s['recipe']['process_wall_s'] for s in seeds):.1f} s); airbench94 {spread(b_acc, 4)} in "
+        f"{spread(b_time, 1)} s; cifar_cnn to airbench's accuracy reached in {len(ratios)} of {len(seeds)}"
+        + (f", at {', '.join(f'{x:.2f}' for x in ratios)}x airbench's time" if ratios else "")
     )
-    return text, "<= 2x airbench's time", None if toy else bool(rec["reached"] and t <= 2 * b_end["time_s"]), s
+    met = statistics.mean(r_acc) >= statistics.mean(b_acc) and len(ratios) == len(seeds) and max(ratios) <= 1.2
+    return text, "mean accuracy >= airbench94's, <= 1.2x its time", None if toy else met, {"seeds": seeds}
 
 
 def read_tta_mnist(out: Path, toy: bool):
@@ -419,7 +437,7 @@ def plan(ctx: Ctx) -> list[Row]:
                 "--baseline-kind",
                 "airbench94",
                 "--seeds",
-                s,
+                ctx.cifar_seeds or s,
                 "--device",
                 ctx.device,
                 "--accelerate-config",
@@ -494,7 +512,8 @@ def plan(ctx: Ctx) -> list[Row]:
                 lambda r=run: read_profile(r),
             )
         )
-    return rows
+    order = [next(i for i, first in enumerate(PRIORITY) if row.name.startswith(first)) for row in rows]
+    return [row for _, row in sorted(zip(order, rows), key=lambda pair: pair[0])]  # stable: a group keeps its order
 
 
 # --- running them ---------------------------------------------------------------------------------------------------
@@ -707,6 +726,12 @@ def parse(argv):
     p.add_argument("--dry-run", action="store_true", help="print every row's command and time budget, run nothing")
     p.add_argument("--only", type=lambda s: [x for x in s.split(",") if x], help="row name prefixes, comma-separated")
     p.add_argument("--seed", type=int, default=1, help="every row's seed")
+    p.add_argument(
+        "--cifar-seeds",
+        default="",
+        help="the cifar_cnn_vs_airbench94 row's seeds, comma-separated (default: --seed); five take about 4 minutes "
+        "on an H200: a command of their own, --only cifar_cnn_vs_airbench94 --cifar-seeds 1,2,3,4,5",
+    )
     p.add_argument("--deadline-s", type=float, help=f"stop rows after this (default {DEADLINE_S}; rehearsal 1500)")
     p.add_argument("--jobs", type=int, help="rows at a time (default 1; rehearsal 2): timings want 1")
     p.add_argument("--row-limit-s", type=float, default=300, help="the rehearsal's time limit per row")
@@ -739,7 +764,7 @@ def main(argv=None) -> int:
         return subprocess.call(inner, env=env, cwd=str(work))
     toy, device = args.rehearse, "cpu" if args.rehearse else "cuda"
     pack = work / "gpu-data-toy" if toy else args.data.resolve()
-    ctx = Ctx(sys.executable, work, gpu_data.installed_paths(pack, work), args.seed, toy, device)
+    ctx = Ctx(sys.executable, work, gpu_data.installed_paths(pack, work), args.seed, toy, device, args.cifar_seeds)
     rows = [r for r in plan(ctx) if not args.only or any(r.name.startswith(p) for p in args.only)]
     if args.dry_run:
         total = sum(r.budget_s for r in rows)

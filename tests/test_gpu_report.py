@@ -18,7 +18,12 @@ import pytest
 from helpers import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_report.py")
-ROWS = [
+ROWS = [  # the speed goals first, the correctness checks last
+    "cifar_cnn_vs_airbench94",
+    "mnist_convnet_to_99.3",
+    *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),
+    "profile/mnist_convnet",
+    "profile/cifar_cnn",
     "correct/bf16",
     "correct/bf16+clip",
     "correct/fp16",
@@ -28,11 +33,6 @@ ROWS = [
     "correct/ema",
     "correct/sync-bn",
     "correct/fsdp2",
-    "cifar_cnn_vs_airbench94",
-    "mnist_convnet_to_99.3",
-    *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),
-    "profile/mnist_convnet",
-    "profile/cifar_cnn",
 ]
 
 
@@ -144,3 +144,25 @@ def test_rehearsal_passes_every_row_and_writes_only_under_its_out_folder(tmp_pat
     assert list(home.iterdir()) == [] and list(tmp.iterdir()) == []  # HOME-based caches, TMPDIR: all under out/
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "out", "tmp"]
     assert git_status() == before  # nothing written into the repository
+
+
+def test_the_cifar_row_reads_every_seed_and_judges_the_mean_and_each_time(tmp_path):
+    """--cifar-seeds 1,2: the row's result names both sides' mean accuracy and time with their spread and each seed's
+    time to airbench94's accuracy; the goal is met only when the recipe's mean accuracy is at least airbench94's and
+    every seed reached it within 1.2x airbench94's time."""
+    import gpu_report  # benchmarks/ is on pytest's pythonpath
+
+    def seed(r_acc, r_time, to_target, b_acc, b_time):
+        recipe = {"curve": [{"accuracy": r_acc, "time_s": r_time}], "time_to_target_s": to_target, "reached": True}
+        recipe["process_wall_s"] = 30.0
+        return {"recipe": recipe, "baseline": {"curve": [{"accuracy": b_acc, "time_s": b_time}]}}
+
+    out = tmp_path / "tta.json"
+    out.write_text(json.dumps({"seeds": [seed(0.91, 3.0, 2.9, 0.905, 2.8), seed(0.909, 3.1, 3.0, 0.906, 2.7)]}))
+    text, goal, met, data = gpu_report.read_tta_cifar(out, toy=False)
+    assert text.startswith("2 seed(s): cifar_cnn 0.9095 +- 0.0007 in 3.0 +- 0.1 s") and "at 1.04, 1.11x" in text
+    assert met is True and goal == "mean accuracy >= airbench94's, <= 1.2x its time" and len(data["seeds"]) == 2
+    slow = json.loads(out.read_text())
+    slow["seeds"][1]["recipe"]["time_to_target_s"] = 3.5  # 1.30x on one seed
+    out.write_text(json.dumps(slow))
+    assert gpu_report.read_tta_cifar(out, toy=False)[2] is False
