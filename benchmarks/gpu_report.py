@@ -37,6 +37,10 @@ reported in the table with the tail of its log; the script goes on and always wr
   --data-on-device false and true; the ratio device / host.
 - profile/<recipe>: --profile 5 (steps 3-7, no log step among them): the trace, and the synchronising calls in it
   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking cudaMemcpy, aten::item).
+- photos/reference, photos/recipe (only with --only photos: they do not fit the default run's deadline):
+  benchmarks/photo_baseline.py (torchvision's reference classification script, written fresh) and the photo recipe,
+  each a ResNet-50 at 224 px from scratch, bf16, channels_last, batches of 32 of gpu-data's flower photos, 8 DataLoader
+  workers: images/s and the share of time waiting for data on each side; goal: the recipe at least the reference.
 - correct/*: 40 optimizer steps each, checked: status completed, 40 steps, a finite validation loss, the precision
   asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with --max-grad-norm 1; compiled
   (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/ (else final/) over 48 held-out
@@ -109,7 +113,9 @@ CARRY = "gpu-data"
 TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
 STEPS = 40  # optimizer steps of each correctness row
 # The rows' order: what the speed goals need first (a run cut short keeps them), the correctness checks last
-PRIORITY = ("cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "throughput/", "profile/", "correct/")
+PRIORITY = ("cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "throughput/", "profile/", "correct/", "photos/")
+# Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
+EXTRA_BUDGET_S = {"photos/reference": 120, "photos/recipe": 150}
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
 TOY = {  # rehearsal: small models and batches (last on the command line: they win)
     "mnist_convnet": "--width 8 --hidden 32 --batch-size 8".split(),
@@ -281,6 +287,23 @@ def read_rate(run_dir: Path):
     text = f"{w['samples_per_s']:,.0f} images/s (spread {w['spread']:.0%}"
     text += f", data wait {w['data_wait']:.0%})" if w["data_wait"] is not None else ")"
     return text, "-", None, w
+
+
+def read_photo_reference(out: Path):
+    r = json.loads(out.read_text())
+    text = f"{r['images_per_s']:,.0f} images/s, data wait {r['data_wait_share']:.0%} ({r['model']}, {r['crop']} px)"
+    return text, "-", None, r
+
+
+def read_photo_recipe(run_dir: Path, reference: Path, toy: bool):
+    """The photo recipe's images/s and data wait beside the reference's (photos/reference, run just before)."""
+    text, _, _, w = read_rate(run_dir)
+    if not reference.exists():
+        return text + "; the reference row left no result", ">= the reference's images/s", None, w
+    ref = json.loads(reference.read_text())
+    ratio = w["samples_per_s"] / ref["images_per_s"]
+    text += f"; {ratio:.2f}x the reference's {ref['images_per_s']:,.0f} images/s"
+    return text, ">= the reference's images/s", None if toy else ratio >= 1.0, {**w, "reference": ref, "ratio": ratio}
 
 
 def read_profile(run_dir: Path):
@@ -512,6 +535,35 @@ def plan(ctx: Ctx) -> list[Row]:
                 lambda r=run: read_profile(r),
             )
         )
+    # photos/*: run only when --only names them (a command of their own). 170 training photos (gpu-data's 200 flowers,
+    # 15% held out): batches of 32, 6 epochs, windows of 5 steps
+    photo_args = ["--epochs", 1 if toy else 6, "--batch-size", 16 if toy else 32, "--workers", 0 if toy else 8]
+    reference = w / "photos-reference.json"
+    rows.append(
+        Row(
+            "photos/reference",
+            EXTRA_BUDGET_S["photos/reference"],
+            "benchmarks/photo_baseline.py (torchvision's reference train.py, written fresh): "
+            + ("resnet18 at 32 px" if toy else "resnet50 at 224 px")
+            + ", bf16, channels_last, the flower photos",
+            [ctx.py, REPO / "benchmarks" / "photo_baseline.py", "--data", data["finetune_folder"], "--model",
+             "resnet18" if toy else "resnet50", "--crop", 32 if toy else 224, *photo_args, "--device", ctx.device,
+             "--bf16", "--channels-last", "--seed", s, "--out", reference],
+            lambda o=reference: read_photo_reference(o),
+        )
+    )  # fmt: skip
+    run = w / "runs" / "photos-recipe"
+    flags = ["--model", "resnet18" if toy else "resnet50", "--image-size", 32 if toy else 224, "--start-image-size"]
+    flags += [0, *photo_args, "--log-every", 5, "--channels-last", "true"]
+    rows.append(
+        Row(
+            "photos/recipe",
+            EXTRA_BUDGET_S["photos/recipe"],
+            "finetune_folder the same way (single_gpu.yaml: bf16): images/s and data wait beside the reference's",
+            launch(ctx, "finetune_folder", [*args("finetune_folder", run.name), *flags]),
+            lambda r=run, o=reference: read_photo_recipe(r, o, toy),
+        )
+    )
     order = [next(i for i, first in enumerate(PRIORITY) if row.name.startswith(first)) for row in rows]
     return [row for _, row in sorted(zip(order, rows), key=lambda pair: pair[0])]  # stable: a group keeps its order
 
@@ -765,7 +817,11 @@ def main(argv=None) -> int:
     toy, device = args.rehearse, "cpu" if args.rehearse else "cuda"
     pack = work / "gpu-data-toy" if toy else args.data.resolve()
     ctx = Ctx(sys.executable, work, gpu_data.installed_paths(pack, work), args.seed, toy, device, args.cifar_seeds)
-    rows = [r for r in plan(ctx) if not args.only or any(r.name.startswith(p) for p in args.only)]
+    rows = [
+        r
+        for r in plan(ctx)
+        if (any(r.name.startswith(p) for p in args.only) if args.only else r.name not in EXTRA_BUDGET_S)
+    ]
     if args.dry_run:
         total = sum(r.budget_s for r in rows)
         print(

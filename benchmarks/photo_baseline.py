@@ -128,6 +128,8 @@ def parse(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each rank its LOCAL_RANK's GPU)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass (the loss in fp32)")
+    p.add_argument("--channels-last", action="store_true", help="channels_last memory format for model and batches")
     return p.parse_args(argv)
 
 
@@ -178,6 +180,9 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     model = torchvision.models.get_model(args.model, weights=None, num_classes=len(classes)).to(device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)  # noqa: E731
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
@@ -193,21 +198,27 @@ def main(argv=None) -> int:
             dist.all_reduce(t)
         return t.tolist()
 
-    train_s, eval_s, trained, curve = 0.0, 0.0, 0, []
+    train_s, eval_s, trained, curve, waited = 0.0, 0.0, 0, [], 0.0
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
         ddp.train()
         sampler.set_epoch(epoch)
         epoch_lr = optimizer.param_groups[0]["lr"]
         loss_sum = seen = 0.0
-        for images, labels in train_loader:
-            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            loss = criterion(ddp(images), labels)
+        batches, asked = iter(train_loader), time.perf_counter()
+        for images, labels in batches:
+            images = images.to(device, non_blocking=True, memory_format=memory_format)
+            labels = labels.to(device, non_blocking=True)
+            waited += time.perf_counter() - asked  # for the next batch (the step before synced at loss.item())
+            with autocast():
+                logits = ddp(images)
+            loss = criterion(logits.float(), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             loss_sum += loss.item() * len(labels)
             seen += len(labels)
+            asked = time.perf_counter()
         scheduler.step()
         loss_sum, seen = reduced(loss_sum, seen)  # also the point where the ranks meet: t1 is the slowest rank's
         t1 = time.perf_counter()
@@ -215,8 +226,9 @@ def main(argv=None) -> int:
         correct = count = 0
         with torch.inference_mode():
             for images, labels in val_loader:
-                images, labels = images.to(device), labels.to(device)
-                correct += (model(images).argmax(1) == labels).sum().item()
+                images, labels = images.to(device, memory_format=memory_format), labels.to(device)
+                with autocast():
+                    correct += (model(images).argmax(1) == labels).sum().item()
                 count += len(labels)
         correct, count = reduced(correct, count)
         t2 = time.perf_counter()
@@ -248,6 +260,9 @@ def main(argv=None) -> int:
         "train_s": round(train_s, 2),
         "eval_s": round(eval_s, 2),
         "images_per_s": round(trained / train_s, 2),
+        "data_wait_share": round(waited / train_s, 3),  # this rank's time waiting for the next batch
+        "bf16": args.bf16,
+        "channels_last": args.channels_last,
         "processes": world,
         "threads": args.threads,
         "workers": args.workers,

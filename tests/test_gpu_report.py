@@ -166,3 +166,18 @@ def test_the_cifar_row_reads_every_seed_and_judges_the_mean_and_each_time(tmp_pa
     slow["seeds"][1]["recipe"]["time_to_target_s"] = 3.5  # 1.30x on one seed
     out.write_text(json.dumps(slow))
     assert gpu_report.read_tta_cifar(out, toy=False)[2] is False
+
+
+def test_the_photo_rows_run_only_when_named_and_rehearse(tmp_path):
+    """photos/reference and photos/recipe (the photo recipe beside photo_baseline.py, the reference's way, bf16,
+    channels_last): not in the default run (its deadline), run by --only photos; rehearsed, both end ok and the recipe's
+    row gives its images/s as a multiple of the reference's."""
+    proc = run("--work-dir", tmp_path / "work", "--dry-run", tmp_path=tmp_path)
+    assert "photos/" not in proc.stdout
+    proc = run("--rehearse", "--only", "photos", "--out", "out", tmp_path=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu_report.json").read_text())
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == ["photos/reference", "photos/recipe"], list(rows)
+    assert all(r["status"] in ("PASS", "ok") for r in rows.values()), {k: r["result"] for k, r in rows.items()}
+    assert "data wait" in rows["photos/reference"]["result"] and "x the reference's" in rows["photos/recipe"]["result"]
