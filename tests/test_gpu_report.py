@@ -168,6 +168,7 @@ def test_the_cifar_row_reads_every_seed_and_judges_the_mean_and_each_time(tmp_pa
     assert gpu_report.read_tta_cifar(out, toy=False)[2] is False
 
 
+@pytest.mark.integration
 def test_the_photo_rows_run_only_when_named_and_rehearse(tmp_path):
     """photos/reference and photos/recipe (the photo recipe beside photo_baseline.py, the reference's way, bf16,
     channels_last): not in the default run (its deadline), run by --only photos; rehearsed, both end ok and the recipe's
