@@ -47,9 +47,9 @@ from common.train.metrics import tta_logits
 
 def repository_recipe(card: dict, ours: Path) -> bool:
     """Whether the run was trained by ``ours``, this repository's ``recipes/<name>.py``: the file model.json records is
-    ``ours``, or its bytes (``recipe_sha256``) are ``ours``' (a run trained in another clone, or on another machine).
-    A copy named like a recipe, edited to build another model, is not taken for it; nor is a run trained by an older
-    version of the recipe, whose model the current file may not build the same way."""
+    ``ours`` (in this clone: the file as it is now), or its bytes (``recipe_sha256``) are ``ours``' (a run trained in
+    another clone, or on another machine). A copy named like a recipe, edited to build another model, is not taken for
+    it; nor is a run trained elsewhere by another version of the recipe, whose model this file may build otherwise."""
     import hashlib
 
     recorded, digest = card.get("recipe_file"), card.get("recipe_sha256")

@@ -108,7 +108,7 @@ class Evaluator:
             step=step,
             extra={f"{split}_time": round(time.time(), 3), f"{split}_seconds": round(metrics["seconds"], 3)},
         )
-        return self.log.images(split, metrics, data_split, self.data.class_names, step, final, asked=pictures)
+        return self.log.images(split, metrics, data_split, self.data.class_names, step, final, pictures=pictures)
 
     def epoch_line(self) -> str:
         """The epoch's evaluation for its line ('' when the epoch was not evaluated); the next epoch starts empty."""

@@ -140,30 +140,26 @@ class MetricsLog:
                 self.last_offset = f.tell()
             f.write(json.dumps(self.last) + "\n")
 
-    def images(self, split: str, metrics: dict, data_split, class_names, step: int, final: bool = False, asked=False):
+    def images(self, split: str, metrics: dict, data_split, class_names, step: int, final=False, pictures=False):
         """An evaluation's pictures, drawn here (matplotlib, about a second on a 2-core CPU): the confusion matrix and a
         grid of up to 36 misclassified images, into TensorBoard at ``step``. Called for the final evaluation (returns
         its confusion matrix as PNG bytes, drawn without TensorBoard too: the run's confusion_matrix.png) and for the
-        evaluations the loop asks pictures of (``run.evaluate(..., pictures=True)``); None otherwise."""
+        evaluations the loop asks pictures of (``run.evaluate(..., pictures=True)``, drawn only into TensorBoard); None
+        otherwise."""
         writer = self.writer
-        if not (final or asked) or not metrics["count"] or not self.accelerator.is_main_process:
-            return None
-        if writer is None and not final:
+        wanted = final or (pictures and writer is not None)
+        if not wanted or not metrics["count"] or not self.accelerator.is_main_process:
             return None
         title = f"{plots.confusion_matrix_title(split, metrics['count'])}, step {step}"
-        drawn = {}
+        names, drawn = [str(n) for n in class_names], {}
         try:
             if metrics["confusion"] is not None:  # not drawn past common.train.metrics.CONFUSION_MAX_CLASSES classes
-                drawn["confusion_matrix"] = plots.confusion_matrix_image(
-                    metrics["confusion"], [str(n) for n in class_names], title=title
-                )
+                drawn["confusion_matrix"] = plots.confusion_matrix_image(metrics["confusion"], names, title=title)
             if writer is not None:
                 preds, labels = metrics["preds"], metrics["labels"]
                 wrong = (preds != labels).nonzero().flatten()[:36]
                 images = data_split.images_at(wrong)
-                drawn["misclassified"] = plots.misclassified_grid(
-                    images, labels[wrong], preds[wrong], [str(n) for n in class_names]
-                )
+                drawn["misclassified"] = plots.misclassified_grid(images, labels[wrong], preds[wrong], names)
             pngs = {name: plots.png_bytes(image) for name, image in drawn.items()}
         except Exception as err:  # noqa: BLE001 - a picture is a side product: the run it describes stands
             console.say(f"NOTE: the {split} pictures of step {step} could not be drawn ({type(err).__name__}: {err})")
