@@ -4,8 +4,8 @@
 
 For each size, a folder of that many distinct small JPEGs (10 classes, 32x32; written once under --root and
 reused) is trained on by ``recipes/finetune_folder.py`` as a user runs it (one process, ``--image-size 32``, one
-step): a first launch with an empty cache folder (the folder is scanned and every photo decoded once, the check
-that names a damaged file before training), then a later launch reusing that cache folder. The time is from the
+step): a first launch with an empty cache folder, then later launches reusing it (the folder is walked at every
+launch and nothing about it is kept there: the two differ only by what the OS caches). The time is from the
 command's start to the run's first optimizer step (``timing.first_step_at`` in its summary.json), so imports and
 the scan are counted; peak memory is the largest resident set of the process tree (os.wait4). Prints a markdown
 table and writes benchmarks/results/photo-startup-<host>.json.

@@ -66,6 +66,7 @@ RESUME_MUST_MATCH = {  # another value is refused, for this reason
 RESUME_APPLIED = {"lr", "weight_decay", "momentum", "betas"}  # put over the restored optimizer state, and printed
 RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: accepted without a word
     "epochs",  # the resume notes the new LR curve itself
+    "max_damaged",  # when damaged photos stop the run (they are skipped alike)
     "cache_dir",
     "data_on_device",
     "workers",
@@ -89,6 +90,7 @@ RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: 
 # of those it takes, a given value that differs is refused when it decides the held-out split.
 EVAL_OWN = {
     "cache_dir",
+    "max_damaged",
     "data_on_device",
     "workers",
     "eval_batch_size",

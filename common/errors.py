@@ -51,10 +51,6 @@ class DataError(RecipeError):
     """Unusable data."""
 
 
-class UnreadablePhoto(DataError):
-    """A photo that could not be decoded when a loader (or the run itself) read it."""
-
-
 class StorageError(RecipeError):
     """The run directory's filesystem refused a write (full, over quota, read-only): not the user's input, not a
     bug; the last complete checkpoint is intact."""

@@ -116,11 +116,12 @@ class Config(CommonConfig):
         "cores less one, at most 8: none on a 2-core machine running 2 processes)",
     )
     channels_last: bool = knob(True, "channels_last memory format for the model and batches")
-    cache_dir: str = knob(
-        "",
-        "where the record that a folder's photos were all readable is kept, so a rerun skips "
-        "that check ('' = ~/.cache/accelerate-recipes)",
+    max_damaged: float = knob(
+        0.01,
+        "a damaged photo is skipped with a warning naming it; more than this share of the photos a process reads "
+        "damaged stops the run, naming them (0 = stop at the first)",
     )
+    cache_dir: str = knob("", "where a local table dataset's Arrow copy is kept ('' = ~/.cache/accelerate-recipes)")
     # settings every recipe has that this one does not read: left out of --help, refused when given (a plain class
     # attribute, as lr_rule: not a setting)
     not_read = {
@@ -129,6 +130,8 @@ class Config(CommonConfig):
     }
 
     def __post_init__(self):
+        if not 0 <= self.max_damaged <= 1:
+            raise ConfigError(f"--max-damaged is a share of the photos, from 0 to 1 (got {self.max_damaged}).")
         if self.start_image_size < 0:
             raise ConfigError(
                 f"--start-image-size must be >= 0 (got {self.start_image_size}); 0 trains every epoch at --image-size."

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from common import vision
 from common.errors import ConfigError
 
-from helpers import check_ok, copy_recipe, read_jsonl, run_in_process, stopped_at, write_photo_folder
+from helpers import check_ok, copy_recipe, read_jsonl, run_in_process, stopped_at
 
 
 def test_trains_on_photos_of_any_size_and_mode_at_1_and_2_processes(reference_run):
@@ -197,58 +197,6 @@ def test_mixup_cutmix_and_ema_train_and_the_ema_is_what_is_saved(tmp_path, photo
         )
     )
     assert "resumed from" in resumed.stdout
-
-
-def test_an_unreadable_photo_is_named_before_training_at_every_launch(tmp_path, env):
-    """Checked before the first step, in one paragraph naming the file; a failed check is not remembered as done."""
-    root = write_photo_folder(tmp_path / "d", 6)
-    (root / "ant" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
-    for _ in range(2):
-        proc = run_in_process(
-            "finetune_folder",
-            ["--dataset", root, "--image-size", 32, "--workers", 0, "--output-dir", tmp_path / "run"],
-            env,
-        )
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert "1 of the 19 images" in proc.stderr and "broken.jpg" in proc.stderr
-    # a photo whose header reads but whose data is cut short (a copy interrupted): decoded whole before training,
-    # named there; before, the header check passed it and a DataLoader worker met it mid-epoch, ending the run
-    # without a checkpoint
-    (root / "ant" / "broken.jpg").unlink()
-    whole = (root / "ant" / "0.jpg").read_bytes()
-    (root / "ant" / "cut.jpg").write_bytes(whole[: len(whole) // 2])
-    proc = run_in_process(
-        "finetune_folder",
-        ["--dataset", root, "--image-size", 32, "--workers", 0, "--batch-size", 8, "--output-dir", tmp_path / "run2"],
-        env,
-    )
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "cut.jpg" in proc.stderr and "truncated" in proc.stderr and not (tmp_path / "run2").exists()
-    (root / "ant" / "cut.jpg").unlink()
-    fresh_cache = tmp_path / "new-user" / "cache"  # a first launch: the cache folder does not exist yet
-    check_ok(
-        run_in_process(
-            "finetune_folder",
-            [
-                "--dataset",
-                root,
-                "--image-size",
-                32,
-                "--workers",
-                0,
-                "--batch-size",
-                8,
-                "--max-steps",
-                1,
-                "--cache-dir",
-                fresh_cache,
-                "--output-dir",
-                tmp_path / "run3",
-            ],
-            env,
-        )
-    )
-    assert list(fresh_cache.glob("photos-checked-*"))  # checked once; the next launch skips the check
 
 
 def test_the_recipes_own_augmentation_trains_and_resumes_exactly(tmp_path, photos_like, env):

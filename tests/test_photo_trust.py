@@ -327,10 +327,10 @@ def test_tiny_images_in_bf16_on_a_cpu_train_with_sound_gradients():
         assert not torch.allclose(twin.eval()(x).float(), model.eval()(x).float())
 
 
-def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env):
-    """Every photo is decoded whole before training; one that changes during the run (here: overwritten after the
-    first step) is met by a DataLoader worker, whose error carried the worker's 12-line traceback as its message.
-    Now one paragraph naming the file and what works (put it back, resume), exit 2, the last checkpoint kept."""
+def test_a_photo_that_breaks_mid_run_stops_it_in_one_paragraph_past_the_share(tmp_path, env):
+    """A photo overwritten after the first step is met by a DataLoader worker: skipped with a warning naming it, and
+    (1 of 24 photos: past the default --max-damaged 1%) the run stops at the next step in one paragraph naming it,
+    exit 2, a checkpoint of where it stopped kept, summary.json listing it."""
     root = write_photo_folder(tmp_path / "d" / "train", 8)
     victim = sorted((root / "ant").glob("*.jpg"))[0]
     copy = copy_recipe("finetune_folder", tmp_path / "breaks.py")
@@ -345,34 +345,44 @@ def test_a_photo_that_breaks_mid_run_in_a_worker_is_one_paragraph(tmp_path, env)
             f"{anchor}",
         )
     )
-    proc = run_in_process(
-        copy,
-        [
-            "--dataset",
-            root.parent,
-            "--image-size",
-            32,
-            "--batch-size",
-            8,
-            "--epochs",
-            3,
-            "--workers",
-            1,
-            "--checkpoint-every",
-            1,
-            "--output-dir",
-            tmp_path / "run",
-        ],
-        env,
-    )
+    args = ["--dataset", root.parent, "--image-size", 32, "--batch-size", 8, "--epochs", 3, "--workers", 1]
+    proc = run_in_process(copy, [*args, "--output-dir", tmp_path / "run"], env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert (
-        victim.name in paragraph
-        and "put the original back and resume" in paragraph
-        and "DataLoader worker" in paragraph
-    )
-    assert list((tmp_path / "run" / "checkpoints").glob("step-*"))  # kept: the steps before the worker met it
+    assert "1 damaged photo met" in paragraph and str(victim) in paragraph and "--max-damaged" in paragraph
+    assert f"warning: skipped a damaged photo, {victim} (not an image file Pillow can read)" in proc.stderr
+    assert list((tmp_path / "run" / "checkpoints").glob("step-*"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "bad_input" and summary["damaged_photos"]["count"] == 1, summary
+
+
+def test_damaged_photos_are_skipped_named_once_counted_and_left_out_of_the_scores(tmp_path, env):
+    """One training and one validation photo cut short, 2 of 30, with --max-damaged 0.1: the run trains to its end,
+    each named once in a warning though three epochs and three evaluations read them, validation scores the 5 photos
+    it could read, and summary.json lists both. With the default --max-damaged (1%) the same folder stops the run in
+    one paragraph naming them."""
+    root = tmp_path / "d"
+    write_photo_folder(root / "train", 8)
+    write_photo_folder(root / "val", 2, seed=1)
+    cut = [sorted((root / "train" / "bee").glob("*.jpg"))[-1], sorted((root / "val" / "wasp").glob("*.jpg"))[-1]]
+    for victim in cut:
+        victim.write_bytes(victim.read_bytes()[:200])
+    args = ["--dataset", root, "--image-size", 32, "--batch-size", 8, "--epochs", 3, "--workers", 1]
+    args += ["--eval-every", 1]
+    proc = run_in_process("finetune_folder", [*args, "--max-damaged", 0.1, "--output-dir", tmp_path / "run"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for victim in cut:
+        assert proc.stderr.count(f"warning: skipped a damaged photo, {victim} (") == 1, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final"]["val/count"] == 5, summary["final"]
+    listed = summary["damaged_photos"]
+    assert listed["count"] == 2 and {f["file"] for f in listed["files"]} == {str(v) for v in cut}, listed
+    assert "damaged photos      2 skipped (summary.json)" in proc.stdout, proc.stdout[-2000:]
+    proc = run_in_process("finetune_folder", [*args, "--output-dir", tmp_path / "run2"], env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "damaged photo" in paragraph and "raise --max-damaged" in paragraph, paragraph
+    assert json.loads((tmp_path / "run2" / "summary.json").read_text())["status"] == "bad_input"
 
 
 def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):
@@ -391,84 +401,3 @@ def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):
     (tmp_path / "IMAGENET1K_V1").write_bytes(b"")  # a file of that name is the file
     assert vision.weights_entry("resnet18", str(tmp_path / "IMAGENET1K_V1")) is None
     assert vision.weights_entry("resnet18", "my_resnet.pth") is None
-
-
-def test_a_large_folder_is_checked_beside_training_and_a_damaged_photo_stops_it_naming_all(tmp_path, env):
-    """Above ACCELERATE_RECIPES_CHECK_FIRST photos the full-decode check runs in a low-priority process while training
-    runs (the startup line says so): a first launch on a million photos no longer waits minutes for it. A damaged photo
-    it finds, or that training meets first, ends the run in one paragraph naming every damaged photo of the folder;
-    a clean folder's check leaves its marker, so the next launch skips it; no checker process outlives the run."""
-    import psutil
-
-    env = {**env, "ACCELERATE_RECIPES_CHECK_FIRST": "5"}
-    root = write_photo_folder(tmp_path / "d", 8)
-    cut = [sorted((root / c).glob("*.jpg"))[-1] for c in ("bee", "wasp")]
-    for victim in cut:
-        victim.write_bytes(victim.read_bytes()[:200])
-    proc = run_in_process(
-        "finetune_folder",
-        [
-            "--dataset",
-            root,
-            "--image-size",
-            32,
-            "--batch-size",
-            8,
-            "--epochs",
-            3,
-            "--output-dir",
-            tmp_path / "run",
-            "--cache-dir",
-            tmp_path / "cache",
-        ],
-        env,
-    )
-    assert "its 24 photos are checked while training runs" in proc.stdout
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert "2 of the 24 images in the train split" in paragraph and all(v.name in paragraph for v in cut), paragraph
-    assert not [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.name() == "photo-check" or "photo-check" in " ".join(p.cmdline())
-    ]
-    clean = write_photo_folder(tmp_path / "clean", 8)
-    proc = run_in_process(
-        "finetune_folder",
-        [
-            "--dataset",
-            clean,
-            "--image-size",
-            32,
-            "--batch-size",
-            8,
-            "--epochs",
-            2,
-            "--output-dir",
-            tmp_path / "run2",
-            "--cache-dir",
-            tmp_path / "cache",
-        ],
-        env,
-    )
-    assert proc.returncode == 0 and "checked while training runs" in proc.stdout, proc.stderr[-3000:]
-    assert list((tmp_path / "cache").glob("photos-checked-*"))
-    proc = run_in_process(
-        "finetune_folder",
-        [
-            "--dataset",
-            clean,
-            "--image-size",
-            32,
-            "--batch-size",
-            8,
-            "--epochs",
-            1,
-            "--output-dir",
-            tmp_path / "run3",
-            "--cache-dir",
-            tmp_path / "cache",
-        ],
-        env,
-    )
-    assert proc.returncode == 0 and "checked while training runs" not in proc.stdout

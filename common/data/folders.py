@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.data.walk import dir_state, entries, image_endings, walk_images
+from common.data.walk import entries, image_endings, walk_images
 from common.errors import DataError
 
 SPLIT_FOLDERS = {
@@ -94,8 +94,6 @@ class FolderScan:
     splits: dict[str, FolderSplit]
     skipped: Counter = field(default_factory=Counter)
     tables: bool = False  # the folder holds parquet or arrow files: a dataset repository, read by `datasets`
-    dirs: list = field(default_factory=list)  # every folder walked, [path, dev, ino, mtime_ns, ctime_ns]
-    kept: bool = False  # read back from the cache folder (common.data.scan_cache), not walked now
 
     def skipped_line(self) -> str:
         """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""
@@ -219,7 +217,6 @@ def scan(root: Path, name: str) -> FolderScan:
     root = Path(root)
     endings, skipped = image_endings(), Counter()
     top_dirs, top_loose = entries(root, endings, skipped)
-    walked = [dir_state(root)]
     if not top_dirs and top_loose:
         meta = [m for m in METADATA_FILES if (root / m).is_file()]
         raise DataError(
@@ -238,7 +235,6 @@ def scan(root: Path, name: str) -> FolderScan:
     for split, split_root in roots.items():
         if split_root != root:
             class_dirs, loose = entries(split_root, endings, skipped)
-            walked.append(dir_state(split_root))
         else:
             class_dirs, loose = top_dirs, top_loose
         if loose:
@@ -249,7 +245,7 @@ def scan(root: Path, name: str) -> FolderScan:
         classes: dict[str, list[str]] = {}
         for d in class_dirs:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
-                walk_images(split_root / d, endings, skipped, dirs=walked)
+                walk_images(split_root / d, endings, skipped)
             )
         found[split] = classes
     if any(ending in REPOSITORY_ENDINGS for ending in skipped):
@@ -308,4 +304,4 @@ def scan(root: Path, name: str) -> FolderScan:
             [k for _, k in files],
             [st[2:5] if st else missing for (_, st), _ in files],
         )
-    return FolderScan(root, class_names, splits, skipped, dirs=walked)
+    return FolderScan(root, class_names, splits, skipped)

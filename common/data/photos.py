@@ -26,9 +26,10 @@ import torch
 
 from common.data.augment import channel_stats
 from common.data.batches import loader_batch
+from common.data.damaged import SKIPPED, collate
 from common.data.pixels import read_rgb, unreadable_reason
 from common.data.splits import Rows
-from common.errors import DataError, UnreadablePhoto
+from common.errors import DataError
 
 EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
 
@@ -89,29 +90,31 @@ class PhotoSplit(Rows):
         """What ``open_rgb`` opens for the photo at ``position``: its path."""
         return str(self.files[self.source_row(position)])
 
-    def read(self, position: int, min_side: int) -> torch.Tensor:
-        """uint8 (3, H, W) of the photo at ``position`` (``read_rgb``); a file that can't be read is one paragraph."""
+    def try_read(self, position: int, min_side: int) -> tuple[torch.Tensor | None, tuple[str, str] | None]:
+        """(the photo, None), or (None, (its file, why it could not be read)) for a damaged one."""
         try:
-            return read_rgb(self.source_at(position), min_side)
+            return read_rgb(self.source_at(position), min_side), None
+        except DataError:  # a table row naming a file outside the dataset, or no image: never a photo to skip
+            raise
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, name it
-            raise UnreadablePhoto(
-                f"Could not read {self.file_at(position)} ({unreadable_reason(err)}). If it was damaged from the "
-                "start, remove or replace it (the run's photo check names every damaged photo of the folder) and "
-                "start again; if it changed while the run went on, put the original back and resume (--resume-from "
-                "latest): a resume refuses a folder whose files changed, as the held-out split would no longer be the "
-                "run's."
-            ) from None
+            return None, (self.file_at(position), unreadable_reason(err))
 
     def with_index(self, index: torch.Tensor) -> PhotoSplit:
         return PhotoSplit(self.files, self.source_labels, self.image_size, index, self.note)
 
     def images_at(self, positions) -> torch.Tensor:
-        """The evaluation views of the images at ``positions`` (an index tensor, list or slice), decoded now."""
+        """The evaluation views of the images at ``positions`` (an index tensor, list or slice), decoded now; a damaged
+        photo's view is black (the misclassified-image grid)."""
         if isinstance(positions, slice):
             positions = range(*positions.indices(len(self)))
-        side = resize_side(self.image_size)
-        views = [eval_view(self.read(int(p), side), self.image_size) for p in positions]
+        views = [self.eval_view_at(int(p)) for p in positions]
         return torch.stack(views) if views else torch.zeros((0, *self.image_shape), dtype=torch.uint8)
+
+    def eval_view_at(self, position: int) -> torch.Tensor:
+        image, _ = self.try_read(position, resize_side(self.image_size))
+        if image is None:
+            return torch.zeros(self.image_shape, dtype=torch.uint8)
+        return eval_view(image, self.image_size)
 
 
 class PhotoDataset(torch.utils.data.Dataset):
@@ -132,10 +135,26 @@ class PhotoDataset(torch.utils.data.Dataset):
         return len(self.split)
 
     def __getitem__(self, i):
+        """(image, label, None), or where the photo is damaged (``common.data.damaged``), (file, reason) third: in
+        evaluation with a black image and the label ``SKIPPED``, in training with the next readable photo of the split
+        in its place."""
         size = self.split.image_size
         if self.train_view is None:
-            return eval_view(self.split.read(i, resize_side(size)), size), self.split.label_at(i)
-        image = self.split.read(i, resize_side(max(size, self.side)))
+            image, damaged = self.split.try_read(i, resize_side(size))
+            if image is None:
+                return torch.zeros(self.split.image_shape, dtype=torch.uint8), SKIPPED, damaged
+            return eval_view(image, size), self.split.label_at(i), None
+        image, damaged, j = None, None, i
+        for tries in range(len(self.split)):
+            j = (i + tries) % len(self.split)
+            image, bad = self.split.try_read(j, resize_side(max(size, self.side)))
+            damaged = damaged or bad
+            if image is not None:
+                break
+        if image is None:
+            raise DataError(
+                f"No photo of the training split could be read; the first tried: {damaged[0]} ({damaged[1]})."
+            )
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
         # main process's own stream (dropout, the shuffle) is untouched when there are no workers
         with torch.random.fork_rng(devices=[]):
@@ -145,11 +164,11 @@ class PhotoDataset(torch.utils.data.Dataset):
             epoch = f" (epoch {self.epoch + 1}'s crop side)" if self.side != size else ""
             raise DataError(
                 f"The recipe's train_view made a {tuple(image.shape)} {image.dtype} image of "
-                f"{self.split.file_at(i)}; the loader hands out (3, {self.side}, {self.side}) uint8 "
+                f"{self.split.file_at(j)}; the loader hands out (3, {self.side}, {self.side}) uint8 "
                 f"images (--image-size {size}{epoch}), normalised on the device. End train_view with a "
                 "crop or resize to that side and keep uint8 pixels."
             )
-        return image, self.split.label_at(i)
+        return image, self.split.label_at(j), damaged
 
 
 def photo_loader(
@@ -190,10 +209,18 @@ def photo_loader(
         pin_memory=accelerator.device.type == "cuda",
         generator=torch.Generator().manual_seed(0),
         prefetch_factor=4 if workers else None,
+        collate_fn=collate,
     )
 
 
 def photo_stats(split: PhotoSplit, count: int = 500) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views)."""
-    positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique()
-    return channel_stats(split.images_at(positions))
+    """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views; damaged ones left
+    out)."""
+    positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique().tolist()
+    side = resize_side(split.image_size)
+    views = [
+        eval_view(im, split.image_size) for im, _ in (split.try_read(p, side) for p in positions) if im is not None
+    ]
+    if not views:
+        raise DataError(f"None of the {len(positions)} training photos read for the normalisation could be decoded.")
+    return channel_stats(torch.stack(views))

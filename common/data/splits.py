@@ -108,11 +108,10 @@ class ImageData:
     # the reader that made the data says, so every recipe gets its loaders from run.loader(...) alike
     make_loader: Callable | None = None
     on_device: bool = False  # the decoded images were placed on the accelerator (common.data.decoded.place_on_device)
-    check: object | None = None  # photos still being checked while training runs (common.data.photo_check.PhotoCheck)
+    damaged: object | None = None  # the photos a loader could not read (common.data.damaged.DamagedPhotos)
     listing: dict | None = field(default=None, repr=False)  # files_listing, made once
     listing_json: str | None = field(default=None, repr=False)  # ... and its JSON
     identity: str = ""  # a table dataset's files (size and times) or Hub fingerprint: in data_fingerprint
-    verify: object | None = None  # a kept folder scan checked beside training (common.data.scan_cache.Verify)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -44,9 +44,7 @@ def images_below(top: Path, endings: set[str] | None = None, skipped: Counter | 
     return [path for path, _ in walk_images(top, endings, skipped, stat=False)]
 
 
-def walk_images(
-    top: Path, endings: set[str] | None, skipped: Counter | None, stat: bool = True, dirs: list | None = None
-) -> list:
+def walk_images(top: Path, endings: set[str] | None, skipped: Counter | None, stat: bool = True) -> list:
     """(path, (st_dev, st_ino, size, mtime_ns, ctime_ns, linked) or None) of every image below ``top``, sorted by
     path: one stat per file (None for a dangling link: the decode names it among the unreadable files); ``linked``:
     reached through a link, or one of several hard links to its file."""
@@ -71,8 +69,6 @@ def walk_images(
         if (st.st_dev, st.st_ino) in visited:  # a second link to a folder already walked: once
             continue
         visited.add((st.st_dev, st.st_ino))
-        if dirs is not None:
-            dirs.append(dir_state(dirpath, st))
         below = []
         for e in entries:
             name = e.name
@@ -103,12 +99,6 @@ def walk_images(
         # through links is walked where it comes first)
     found.sort(key=lambda item: item[0])
     return found
-
-
-def dir_state(path, st=None) -> list:
-    """[path, st_dev, st_ino, mtime_ns, ctime_ns] of a folder: an entry added, removed or renamed in it changes it."""
-    st = os.stat(path) if st is None else st
-    return [str(path), st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def entries(folder: Path, endings: set[str], skipped: Counter):

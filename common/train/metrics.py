@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from common.data.damaged import SKIPPED, unpack
 from common.train.sharding import share_buffers
 from common.train.tracking import on_terminal
 
@@ -39,7 +40,8 @@ def tta_logits(model, x: torch.Tensor, level: int = 0) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int = 0) -> dict | None:
     """Loss, accuracy, per-class accuracy and the confusion matrix over the whole split, exactly once per
-    image on any number of processes. ``loader`` None (no such split) gives None."""
+    image on any number of processes; a damaged photo is left out (``damaged``: how many). ``loader`` None (no such
+    split) gives None."""
     if loader is None:
         return None
     t0 = time.perf_counter()
@@ -47,7 +49,8 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int =
     was_training = model.training
     model.eval()
     preds, labels_all, losses = [], [], []
-    for images, labels in tqdm(loader, desc="eval", disable=not on_terminal(accelerator), leave=False):
+    for batch in tqdm(loader, desc="eval", disable=not on_terminal(accelerator), leave=False):
+        images, labels = unpack(loader, batch)  # a damaged photo's row: label SKIPPED (common.data.damaged)
         x = transform.eval(images)
         with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap
             logits = tta_logits(model, x, tta)
@@ -57,9 +60,14 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int =
         labels_all.append(labels)
         losses.append(loss)
     model.train(was_training)
-    if not labels_all:
+    labels = torch.cat(labels_all).cpu() if labels_all else torch.zeros(0, dtype=torch.int64)
+    scored = labels != SKIPPED
+    if not scored.any():
         return {"loss": float("nan"), "accuracy": float("nan"), "count": 0}
-    metrics = summarize(torch.cat(preds).cpu(), torch.cat(labels_all).cpu(), torch.cat(losses).cpu(), num_classes)
+    preds = torch.cat(preds).cpu()
+    metrics = summarize(preds[scored], labels[scored], torch.cat(losses).cpu()[scored], num_classes)
+    if not scored.all():  # the rows stay in place (positions in the split): labels SKIPPED where not scored
+        metrics.update(damaged=int((~scored).sum()), preds=preds, labels=labels)
     return {**metrics, "seconds": time.perf_counter() - t0}
 
 

@@ -75,11 +75,11 @@ from pathlib import Path
 import torch
 
 from common.console import say
-from common.data import photo_check
 from common.data.augment import batch_generator
 from common.data.batches import loader_batch
+from common.data.damaged import unpack
 from common.data.decoded import load_image_data, place_on_device
-from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, UnreadablePhoto, report
+from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, report
 from common.optimizers import zero_momentum_before_first_step
 from common.schedules import batch_larger_than_split
 from common.train import checkpoint as ckpt
@@ -161,7 +161,7 @@ class EpochBatches:
             raise StopIteration
         t_wait = time.perf_counter()
         try:
-            images, labels = next(self.it)
+            images, labels = unpack(self.loader, next(self.it))  # a photo loader's damaged photos: to its tally
         except StopIteration:
             self.close()
             raise
@@ -257,7 +257,7 @@ class TrainingRun:
                 caught = unfinished
         err, handled = None, True
         if isinstance(caught, (RecipeError, Preempted)):
-            err, self.status = self._checked(caught), caught.status
+            err, self.status = caught, caught.status
             if isinstance(caught, Preempted):
                 say(str(caught))
         elif caught is not None:
@@ -272,22 +272,7 @@ class TrainingRun:
             raise caught
         return handled
 
-    def _checked(self, err):
-        """A damaged photo met before the photo check running beside training got to it: the check's own error,
-        naming every damaged photo of the folder, once it has finished."""
-        check = self.data.check if self.data is not None else None
-        if not isinstance(err, UnreadablePhoto) or check is None or check.done and check.error is None:
-            return err
-        if not check.done:
-            say(f"waiting for the photo check to name every damaged photo of the folder ({check.total:,} photos) ...")
-        return check.poll(block=True) or err
-
     def _close(self, err) -> None:
-        # the photo checks beside training are stopped, not awaited: the run ends now, and the next launch checks
-        # only what they had not got to (common.data.photo_check.stop_all)
-        left = photo_check.stop_all()
-        if left:
-            say(f"note: {left}")
         if err is not None:
             self.summary.write_ending(self.status, err, self._position(), started=self.ckpt is not None)
         if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
@@ -327,6 +312,9 @@ class TrainingRun:
         }
         if self.ended_early:
             position["ended_early"] = self.ended_early
+        damaged = self.data.damaged if self.data is not None else None
+        if damaged is not None:
+            position["damaged_photos"] = damaged.listing()
         return position
 
     def _unfinished(self) -> None:
@@ -428,7 +416,7 @@ class TrainingRun:
         self.progress.note_eval(self.evaluator.seconds)
 
     def stop_requested(self) -> bool:
-        """A stop request (a signal, a lost launcher, a failed photo check) on any rank, agreed by every rank at the
+        """A stop request (a signal, a lost launcher, too many damaged photos) on any rank, agreed by every rank at the
         same step (read with the guard's flags: no sync of its own)."""
         return self.checks.stopping
 
@@ -436,8 +424,10 @@ class TrainingRun:
         """Checkpoint here, then end the run: exit 75, and the same command with --resume-from latest continues."""
         self.checks.settle(self.ckpt.epoch)
         path = self.checkpoint()
-        if self.stop.error is not None:  # this process's data check failed (other ranks stop as preempted)
-            raise self.stop.error
+        damaged = self.data.damaged if self.data is not None else None
+        error = damaged.stop_error(self.accelerator) if damaged is not None else None  # every rank is at this step
+        if error is not None:  # too many damaged photos on some rank: every rank ends with the same paragraph
+            raise error
         raise Preempted(
             f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
             f"{self.ckpt.global_step}: checkpoint written to {path}. Rerun the same command with "
@@ -509,9 +499,8 @@ class TrainingRun:
         else:
             data = reader(self.cfg, self.cfg.dataset)
         self.stop.interruptible(None)
-        for check in (data.check, data.verify):  # checks beside training: a failed one stops it at a step boundary
-            if check is not None:
-                self.stop.watch(check)
+        if data.damaged is not None:  # past --max-damaged, damaged photos stop the run at a step boundary
+            self.stop.watch(data.damaged)
         if data.note:
             say(f"data {data.source}: {data.note}")
         placed = place_on_device(self.cfg, self.accelerator, data)
@@ -639,6 +628,8 @@ class TrainingRun:
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.ckpt.wait_written()
         split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epoch)
+        if self.data.damaged is not None:  # every rank's damaged photos, for summary.json (every rank is here)
+            self.data.damaged.gather(self.accelerator)
         self.log_file.hparams(
             sanitize_for_hparams(dataclasses.asdict(self.cfg)),
             {k: v for k, v in final.items() if not k.endswith("/count")},

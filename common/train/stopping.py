@@ -73,8 +73,8 @@ class StopFlag:
         return bool(self.reason)
 
     def watch(self, check) -> None:
-        """Ask ``check.poll()`` (a data check running beside training) at every look at the flag; an error it
-        returns stops the run (``fail``)."""
+        """Ask ``check.poll()`` (``common.data.damaged.DamagedPhotos``) at every look at the flag; an error it returns
+        stops the run (``fail``)."""
         self.checks.append(check)
 
     def _on_signal(self, signum, frame) -> None:
@@ -86,9 +86,9 @@ class StopFlag:
 
     def fail(self, error) -> None:
         """Stop at the next optimizer step every rank agrees on, and end there with ``error`` (a
-        RecipeError: damaged photos found by the check running beside training) instead of "preempted"."""
+        RecipeError: too many damaged photos) instead of "preempted"."""
         self.error = self.error or error
-        self.reason = self.reason or "a failed data check"
+        self.reason = self.reason or "damaged photos"
 
     def _raise(self) -> None:
         if self.error is not None:

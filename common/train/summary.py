@@ -133,6 +133,7 @@ class Summary:
             ("best " + monitor, f"{best:.4f}" if best is not None else "-"),
             ("epochs completed", str(values["epochs_completed"])),
             ("optimizer steps", str(values["global_step"])),
+            *[("damaged photos", f"{d['count']} skipped (summary.json)") for d in [values.get("damaged_photos")] if d],
             ("wall time", f"{summary['wall_time_s']:.1f} s"),
             ("processes", str(acc.num_processes)),
             ("precision", acc.mixed_precision),

@@ -157,7 +157,7 @@ class MetricsLog:
                 drawn["confusion_matrix"] = plots.confusion_matrix_image(metrics["confusion"], names, title=title)
             if writer is not None:
                 preds, labels = metrics["preds"], metrics["labels"]
-                wrong = (preds != labels).nonzero().flatten()[:36]
+                wrong = ((preds != labels) & (labels >= 0)).nonzero().flatten()[:36]  # a damaged photo: label < 0
                 images = data_split.images_at(wrong)
                 drawn["misclassified"] = plots.misclassified_grid(images, labels[wrong], preds[wrong], names)
             pngs = {name: plots.png_bytes(image) for name, image in drawn.items()}
