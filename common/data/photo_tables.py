@@ -4,11 +4,12 @@ photos and a label column), read through ``datasets`` the way a folder is read t
 
 Nothing is decoded up front: ``datasets`` keeps an arrow copy of the tables, memory-mapped, and each photo's encoded
 bytes are read from it per batch in the loader's workers and decoded there, as a folder's files are (the same
-``common.data.photos`` code: the recipe's ``train_view``, the evaluation view, the photo check, predict's
-preprocessing). Memory stays flat in the dataset's size. The arrow copy of a local folder is kept in the cache folder,
-one per folder, under the tables' identity (``common.data.table_copies``: each data file's relative path, size,
-modification time and footer), and that identity (a Hub dataset: its ``datasets`` fingerprint) joins the data
-fingerprint a checkpoint records: a resume on changed tables is refused; on copied, chmod-ed or documented ones not.
+``common.data.photos`` code: the recipe's ``train_view``, the evaluation view, the damaged-photo policy, predict's
+preprocessing). Memory stays flat in the dataset's size. The arrow copy of a local folder is kept in the cache
+folder, one per state of its tables, under the tables' identity (``common.data.table_copies``: each data file's
+relative path, size, modification time and footer), and that identity (a Hub dataset: its ``datasets``
+fingerprint) joins the data fingerprint a checkpoint records: a resume on changed tables is refused; on copied,
+chmod-ed or documented ones not.
 
 The folder rules (``common.data.folders``) hold for tables too, each broken one a paragraph: every class of the labels
 has a training row, train has at least two classes, no other split has a class train lacks, and integer labels are
@@ -44,8 +45,7 @@ def _listing(items) -> str:
 class TablePhotoSplit(PhotoSplit):
     """The rows of one split of a ``datasets`` table: encoded photos in ``table`` (its image column only, not
     decoded), labels in ``source_labels``; ``where`` names the split in messages. ``files_at``: (the dataset folder
-    or None, the folders inside which an image cell holding a path and no bytes is read: ``_inside``); ``held``: the
-    lock that keeps the arrow copy under ``table`` from being pruned while the split lives."""
+    or None, the folders inside which an image cell holding a path and no bytes is read: ``_inside``)."""
 
     def __init__(
         self,
@@ -56,9 +56,8 @@ class TablePhotoSplit(PhotoSplit):
         where: str = "",
         note: str = "",
         files_at: tuple = (None, ()),
-        held=None,
     ):
-        self.table, self.where, self.files_at, self.held = table, where, files_at, held
+        self.table, self.where, self.files_at = table, where, files_at
         self.files = None  # no files: the rows are the table's
         self.source_labels, self.image_size, self.note = labels, image_size, note
         self.index = None if index is None else torch.as_tensor(index, dtype=torch.int64)
@@ -87,7 +86,7 @@ class TablePhotoSplit(PhotoSplit):
 
     def with_index(self, index: torch.Tensor) -> TablePhotoSplit:
         return TablePhotoSplit(
-            self.table, self.source_labels, self.image_size, index, self.where, self.note, self.files_at, self.held
+            self.table, self.source_labels, self.image_size, index, self.where, self.note, self.files_at
         )
 
 
@@ -240,11 +239,8 @@ def load_table_photos(cfg, name: str, cache_dir: Path) -> tuple[dict, list[str],
     folder = sources.local_folder(name)
     state = table_copies.table_state(folder) if folder is not None else None  # None for a Hub id
     copy = table_copies.copy_dir(cache_dir, folder, state) if state else None
-    held = table_copies.hold(copy) if copy else None  # before datasets writes it: never pruned under a reader
     with PartialState().local_main_process_first():
         ds = sources.load_source(name, copy)
-    if copy is not None and PartialState().is_local_main_process:
-        table_copies.prune(copy)  # the copies of this folder's earlier states: one arrow copy per folder
     train = ds["train"]
     img_col, lab_col = sources.pick_columns(train, cfg, name)
     if not isinstance(train.features[img_col], ImageFeature):
@@ -275,6 +271,6 @@ def load_table_photos(cfg, name: str, cache_dir: Path) -> tuple[dict, list[str],
             table = table.rename_column(img_col, "image")
         files = _path_cells(table, at, what)
         key = "validation" if split_name in VALIDATION_SPLITS else split_name
-        splits[key] = TablePhotoSplit(table, labels[split_name], cfg.image_size, where=what, files_at=at, held=held)
+        splits[key] = TablePhotoSplit(table, labels[split_name], cfg.image_size, where=what, files_at=at)
         identity.update(f"{split_name}:{len(split)}:{'' if state else split._fingerprint}:{files};".encode())
     return splits, class_names, identity.hexdigest()[:32], "; ".join(notes)
