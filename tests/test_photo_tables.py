@@ -117,7 +117,7 @@ LOAD = textwrap.dedent("""
     cfg = Config(dataset=sys.argv[1], image_size=32, batch_size=16, workers=0, cache_dir=sys.argv[2])
     data = load_photos(cfg)
     loader = photo_loader(cfg, Accelerator(cpu=True), data.train)
-    for images, labels in loader:  # every photo decoded once, per batch
+    for images, labels, damaged in loader:  # every photo decoded once, per batch (damaged: those skipped)
         pass
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 """)

@@ -186,7 +186,9 @@ def photo_loader(
     per-image training transform (uint8 (3, H, W) in, (3, --image-size, --image-size) out), required for training;
     evaluation resizes the shorter side and centre-crops. ``sides``: progressive resizing (``PhotoDataset``): a
     function of the epoch giving its crop side, ``train_view`` then a function of the side giving the transform.
-    ``on_device``: unused (photos are decoded on the host)."""
+    ``on_device``: unused (photos are decoded on the host). A batch is ``(images, labels, damaged)``: ``damaged`` lists
+    the photos skipped in it, ``(file, reason)`` each (``common.data.damaged``; ``run.batches`` and ``evaluate`` hand
+    them to the run's tally and give the loop ``(images, labels)``)."""
     if split is None:
         return None
     if train and train_view is None:
