@@ -29,8 +29,9 @@ def normalize(images: torch.Tensor, mean, std, channels_last: bool = False) -> t
     lists, or tensors already on that device (a list costs a host-to-device copy, which syncs a GPU:
     ``BatchTransform`` keeps them as device tensors)."""
     x = images.float().div_(255.0)
-    mean_t = torch.as_tensor(mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
-    std_t = torch.as_tensor(std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
+    mean_t, std_t = (torch.as_tensor(v, dtype=x.dtype, device=x.device) for v in (mean, std))
+    if mean_t.dim() != 4:  # BatchTransform's are shaped (1, C, 1, 1) once: a view is an op dispatched per batch
+        mean_t, std_t = mean_t.view(1, -1, 1, 1), std_t.view(1, -1, 1, 1)
     x = (x - mean_t) / std_t
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x
 
@@ -65,9 +66,11 @@ class BatchTransform:
         self._on_device = {}
 
     def _stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """mean and std as tensors on ``device``, copied there once (not at every batch)."""
+        """mean and std as (1, C, 1, 1) tensors on ``device``, copied there once (not at every batch)."""
         if device not in self._on_device:
-            self._on_device[device] = (torch.tensor(self.mean, device=device), torch.tensor(self.std, device=device))
+            self._on_device[device] = tuple(
+                torch.tensor(v, device=device).view(1, -1, 1, 1) for v in (self.mean, self.std)
+            )
         return self._on_device[device]
 
     def eval(self, images: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,15 @@ class StepGuard:
         self.accelerator = accelerator
         device = accelerator.device
         self.fp16 = accelerator.mixed_precision == "fp16"
-        # loss sum, loss count, non-finite count, stop and checkpoint requests
-        self.sums = torch.zeros(5, device=device)
-        self.window = torch.zeros(2, device=device)  # loss sum and count since the last log step
-        self.epoch = torch.zeros(2, device=device)  # ... since the epoch began
+        # loss sum, loss count, non-finite count, stop and checkpoint requests; the step's all-reduced copy; the loss
+        # sums and counts of the window since the last log step and of the epoch. Views of them are made once: an
+        # in-place op on a view is one op dispatched, where `sums[0] += x` is four (a select, the add, a select and
+        # the copy back), and on a GPU each op is a launch the host pays for at every step.
+        self.sums, self.reduced = torch.zeros(5, device=device), torch.zeros(5, device=device)
+        self.loss_slot, self.count_slot, self.stop_slot, self.checkpoint_slot = (self.sums[i] for i in (0, 1, 3, 4))
+        self.reduced_loss, self.reduced_pair = self.reduced[0], self.reduced[:2]
+        self.totals = torch.zeros(2, 2, device=device)
+        self.window, self.epoch = self.totals[0], self.totals[1]
         inner = getattr(optimizer, "optimizer", optimizer)  # the torch optimizer inside Accelerate's wrapper
         self.masks = bool(inner.defaults.get("fused")) and not self.fp16  # fp16: GradScaler sets found_inf
         # The flags may be read a step late when a non-finite loss cannot reach the weights without the host: masked
@@ -73,30 +78,34 @@ class StepGuard:
         self.pending: int | None = None  # the step whose flags are on their way to self.host
 
     def track(self, loss: torch.Tensor) -> None:
-        d = loss.detach().float()
-        if self.fp16:
-            finite = torch.isfinite(d)
-            self.sums[:3] += torch.stack([torch.where(finite, d, 0.0), finite.float(), (~finite).float()])
-        else:  # a non-finite loss makes the sum non-finite: found at check time, one kernel here
-            self.sums[0] += d
-            self.sums[1] += 1
+        with torch.no_grad():  # no graph: the sums are bookkeeping, not part of the model's computation
+            if self.fp16:
+                finite = torch.isfinite(loss)
+                self.sums[:3] += torch.stack(
+                    [torch.where(finite, loss.float(), 0.0), finite.float(), (~finite).float()]
+                )
+            else:  # a non-finite loss makes the sum non-finite: found at check time, one kernel here
+                self.loss_slot.add_(loss)
+                self.count_slot.add_(1)
 
     def check(self, stop_requested: bool, step: int, checkpoint_wanted: bool = False) -> Flags | None:
         """Before ``optimizer.step()`` of ``step``: one all-reduce, the device-side mask, and the flags of
         the step before (read now, late) or, without masking, of this one (read now, a sync)."""
         earlier = self.collect()
-        self.sums[3].fill_(1.0 if stop_requested else 0.0)  # fills, not copies from the host: no sync
-        self.sums[4].fill_(1.0 if checkpoint_wanted else 0.0)
+        if stop_requested:  # the slots are 0 otherwise (zeroed after every check): filled, not copied from the host
+            self.stop_slot.fill_(1.0)
+        if checkpoint_wanted:
+            self.checkpoint_slot.fill_(1.0)
         if self.accelerator.num_processes > 1:
-            reduced = self.accelerator.reduce(self.sums, "sum")
+            self.reduced.copy_(self.accelerator.reduce(self.sums, "sum"))
         else:
-            reduced = self.sums.clone()
+            self.reduced.copy_(self.sums)
         self.sums.zero_()
         if self.masks:
-            self.found_inf.copy_(~torch.isfinite(reduced[0]))
-        self.window += reduced[:2]
-        self.epoch += reduced[:2]
-        self.host.copy_(reduced, non_blocking=self.event is not None)
+            spread = self.reduced_loss - self.reduced_loss  # 0 for a finite sum, NaN for an infinite or NaN one
+            torch.ne(spread, spread, out=self.found_inf)  # 1 where NaN: two ops, where ~isfinite() is five
+        self.totals.add_(self.reduced_pair)  # the window's and the epoch's sums, in one op
+        self.host.copy_(self.reduced, non_blocking=self.event is not None)
         if self.event is not None:
             self.event.record()
         self.pending = step
