@@ -12,6 +12,8 @@ each image's index in the dataset.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,14 +43,23 @@ def random_translate(x: torch.Tensor, pad: int, gen: torch.Generator) -> torch.T
     (the same as a random crop of the reflect-padded image)."""
     if pad <= 0:
         return x
-    n, _, h, w = x.shape
+    n, c, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad), mode="reflect")
-    offs = torch.randint(0, 2 * pad + 1, (2, n), generator=gen, device=gen.device).to(x.device)
-    rows = (offs[0, :, None] + torch.arange(h, device=x.device)).view(n, 1, h, 1)
-    cols = (offs[1, :, None] + torch.arange(w, device=x.device)).view(n, 1, 1, w)
-    batch = torch.arange(n, device=x.device).view(n, 1, 1, 1)
-    chans = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
-    return padded[batch, chans, rows, cols]
+    offs = torch.randint(0, 2 * pad + 1, (2, n, 1, 1, 1), generator=gen, device=gen.device).to(x.device)
+    batch, chans, down, across = _grid(n, c, h, w, x.device)
+    return padded[batch, chans, offs[0] + down, offs[1] + across]
+
+
+@functools.lru_cache(maxsize=16)
+def _grid(n: int, c: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The index grids of ``random_translate``, shaped to broadcast to (n, c, h, w), made once per batch shape: an
+    arange and a view are ops dispatched at every batch otherwise (on a GPU, launches the host pays for)."""
+    return (
+        torch.arange(n, device=device).view(n, 1, 1, 1),
+        torch.arange(c, device=device).view(1, c, 1, 1),
+        torch.arange(h, device=device).view(1, 1, h, 1),
+        torch.arange(w, device=device).view(1, 1, 1, w),
+    )
 
 
 def random_flip(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
