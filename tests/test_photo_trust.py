@@ -6,6 +6,7 @@ rank, and each listed model family trains (tiny images in bf16 on a CPU included
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from common import vision
-from common.errors import ConfigError
+from common.errors import ConfigError, DataError
 
 from helpers import check_ok, copy_recipe, read_jsonl, run_in_process, stopped_at, write_photo_folder
 
@@ -383,6 +384,35 @@ def test_damaged_photos_are_skipped_named_once_counted_and_left_out_of_the_score
     [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "damaged photo" in paragraph and "raise --max-damaged" in paragraph, paragraph
     assert json.loads((tmp_path / "run2" / "summary.json").read_text())["status"] == "bad_input"
+
+
+def test_a_damaged_photos_stand_in_is_drawn_at_random_seeded_and_an_unreadable_split_is_one_paragraph(tmp_path):
+    """In training a damaged photo's place goes to another photo of the split drawn at random (seeded by the seed,
+    the epoch and the photo: the same draw again, another one next epoch), not its neighbour in folder order (a
+    whole damaged class folder would hand its places to the next class). A split none of whose photos read is one
+    paragraph after 32 draws, not a scan of every file for every sample."""
+    from common.data.photos import STAND_IN_TRIES, PhotoDataset, PhotoSplit
+
+    root = write_photo_folder(tmp_path / "d", 10)
+    files = sorted(str(p) for p in root.rglob("*.*"))
+    for path in files[:10]:  # every photo of the first class folder (ant)
+        Path(path).write_bytes(b"not a photo")
+    labels = torch.tensor([0 if "/ant/" in f else 1 if "/bee/" in f else 2 for f in files])
+    split = PhotoSplit(files, labels, 16)
+    data = PhotoDataset(split, seed=3, train_view=lambda image: image[:, :16, :16])
+    _, label, damaged = data[0]
+    assert damaged[0] == files[0] and "Pillow" in damaged[1]
+    again = data[0]
+    assert torch.equal(again[0], data[0][0]) and again[1] == label  # seeded: the same stand-in
+    stand_ins = set()
+    for epoch in range(6):
+        data.set_epoch(epoch)
+        stand_ins.add(int(data[0][1]))
+    assert stand_ins <= {1, 2} and len(stand_ins) == 2, stand_ins  # never the damaged class; both others drawn
+    for path in files:
+        Path(path).write_bytes(b"not a photo")
+    with pytest.raises(DataError, match=f"nor could any of the {STAND_IN_TRIES} photos"):
+        data[5]
 
 
 def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):

@@ -1,11 +1,11 @@
 """Damaged photos (cut short, not an image, a decompression bomb): timm's policy, with the count said.
 
 A photo a DataLoader worker cannot read is skipped, and the process that trains on the batch warns once per photo,
-naming it and why. In training another photo of the split takes its place in the batch (the next readable one, as
-timm's ``ImageDataset`` does), so every batch keeps its size; in evaluation it is left out of the scores (the
-evaluation's ``count`` says how many photos were scored). Past ``--max-damaged`` (a share of the dataset's photos,
-1% by default) the run stops at the next optimizer step, in one paragraph naming them; summary.json lists those met
-(``damaged_photos``).
+naming it and why. In training another photo of the split takes its place in the batch (drawn at random, seeded;
+timm's ``ImageDataset`` takes the next one, which hands a whole damaged class folder's places to the next class), so
+every batch keeps its size; in evaluation it is left out of the scores (the evaluation's ``count`` says how many
+photos were scored). Past ``--max-damaged`` (a share of the photos a process reads, 1% by default) the run stops at
+the next optimizer step, in one paragraph naming them; summary.json lists those met (``damaged_photos``).
 
 The loader's batches carry the damaged photos met as a third item, ``[(file, reason), ...]`` (usually empty), which
 ``unpack`` hands to the split's tally; an evaluation row without its photo has the label ``SKIPPED``

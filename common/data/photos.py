@@ -20,6 +20,7 @@ files and labels; memory grows with the number of file names, not pixels, and no
 from __future__ import annotations
 
 import os
+import random
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from common.data.splits import Rows
 from common.errors import DataError
 
 EVAL_RATIO = 0.875  # the centre crop's share of the resized shorter side (torchvision: 224 of 256)
+STAND_IN_TRIES = 32  # photos drawn to stand in for a damaged one before the split is called unreadable
 
 
 def resize_side(image_size: int) -> int:
@@ -136,29 +138,32 @@ class PhotoDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         """(image, label, None), or where the photo is damaged (``common.data.damaged``), (file, reason) third: in
-        evaluation with a black image and the label ``SKIPPED``, in training with the next readable photo of the split
-        in its place."""
+        evaluation with a black image and the label ``SKIPPED``, in training with another photo of the split, drawn at
+        random (seeded by the run's seed, the epoch and the photo), in its place."""
         size = self.split.image_size
         if self.train_view is None:
             image, damaged = self.split.try_read(i, resize_side(size))
             if image is None:
                 return torch.zeros(self.split.image_shape, dtype=torch.uint8), SKIPPED, damaged
             return eval_view(image, size), self.split.label_at(i), None
-        image, damaged, j = None, None, i
-        for tries in range(len(self.split)):
-            j = (i + tries) % len(self.split)
-            image, bad = self.split.try_read(j, resize_side(max(size, self.side)))
-            damaged = damaged or bad
+        key = (self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i)
+        image, damaged = self.split.try_read(i, resize_side(max(size, self.side)))
+        j, draws = i, random.Random(key) if image is None else None  # a damaged photo's stand-in: drawn at random
+        for _ in range(STAND_IN_TRIES if image is None else 0):  # (seeded: a resumed run draws the same one)
+            j = draws.randrange(len(self.split))
+            image, _ = self.split.try_read(j, resize_side(max(size, self.side)))
             if image is not None:
                 break
         if image is None:
             raise DataError(
-                f"No photo of the training split could be read; the first tried: {damaged[0]} ({damaged[1]})."
+                f"{damaged[0]} could not be read ({damaged[1]}), nor could any of the {STAND_IN_TRIES} photos of the "
+                "training split drawn at random to stand in for it: most of the split is unreadable. Check that the "
+                "files are whole images Pillow reads (docs/data.md), and run again."
             )
         # torchvision's transforms draw from torch's global generator: seed it per image, inside fork_rng so the
         # main process's own stream (dropout, the shuffle) is untouched when there are no workers
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i))
+            torch.default_generator.manual_seed(key)
             image = self.train_view(image)
         if image.shape != (3, self.side, self.side) or image.dtype != torch.uint8:
             epoch = f" (epoch {self.epoch + 1}'s crop side)" if self.side != size else ""
