@@ -41,15 +41,12 @@ class DamagedPhotos:
                 print(f"warning: skipped a damaged photo, {where} ({reason})", file=sys.stderr, flush=True)
 
     def poll(self) -> DataError | None:
-        return self._error(self.found) if len(self.found) > self.limit else None
+        return self._error() if len(self.found) > self.limit else None
 
     def stop_error(self, accelerator) -> DataError | None:
         """The error every rank raises when any rank met more damaged photos than its share allows, naming every
         rank's (a collective: every rank calls it at the step the run stops); None otherwise."""
-        over = len(self.found) > self.limit
-        if accelerator.num_processes > 1:
-            over = self.gather(accelerator)
-        return self._error(self.found) if over else None
+        return self._error() if self.gather(accelerator) else None
 
     def gather(self, accelerator) -> bool:
         """Every process's damaged photos in each one's tally (a collective, on every rank); True when any process
@@ -63,7 +60,8 @@ class DamagedPhotos:
                 self.found.setdefault(where, reason)
         return over
 
-    def _error(self, found: dict) -> DataError:
+    def _error(self) -> DataError:
+        found = self.found
         shown = "; ".join(f"{f} ({r})" for f, r in list(found.items())[:SHOWN])
         more = f"; and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
         per = f" each of the {self.processes} processes reads" if self.processes > 1 else ""

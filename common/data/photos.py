@@ -146,12 +146,12 @@ class PhotoDataset(torch.utils.data.Dataset):
             if image is None:
                 return torch.zeros(self.split.image_shape, dtype=torch.uint8), SKIPPED, damaged
             return eval_view(image, size), self.split.label_at(i), None
-        key = (self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i)
-        image, damaged = self.split.try_read(i, resize_side(max(size, self.side)))
+        key, side = (self.seed * 1_000_003 + self.epoch) * 1_000_033 + int(i), resize_side(max(size, self.side))
+        image, damaged = self.split.try_read(i, side)
         j, draws = i, random.Random(key) if image is None else None  # a damaged photo's stand-in: drawn at random
         for _ in range(STAND_IN_TRIES if image is None else 0):  # (seeded: a resumed run draws the same one)
             j = draws.randrange(len(self.split))
-            image, _ = self.split.try_read(j, resize_side(max(size, self.side)))
+            image, _ = self.split.try_read(j, side)
             if image is not None:
                 break
         if image is None:
