@@ -129,11 +129,12 @@ class Summary:
     def table(self, monitor: str, values: dict, final: dict, summary: dict) -> str:
         acc, best = self.accelerator, values["best"][monitor]
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
+        damaged = values.get("damaged_photos", {}).get("count")  # a photo run's skipped photos, named in summary.json
         rows += [
             ("best " + monitor, f"{best:.4f}" if best is not None else "-"),
             ("epochs completed", str(values["epochs_completed"])),
             ("optimizer steps", str(values["global_step"])),
-            *[("damaged photos", f"{d['count']} skipped (summary.json)") for d in [values.get("damaged_photos")] if d],
+            *([("damaged photos", f"{damaged} skipped (summary.json)")] if damaged else []),
             ("wall time", f"{summary['wall_time_s']:.1f} s"),
             ("processes", str(acc.num_processes)),
             ("precision", acc.mixed_precision),
