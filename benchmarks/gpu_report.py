@@ -40,10 +40,12 @@ reported in the table with the tail of its log; the script goes on and always wr
   --data-on-device false and true; the ratio device / host.
 - profile/<recipe>: --profile 5 (steps 3-7, no log step among them): the trace, and the synchronising calls in it
   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking cudaMemcpy, aten::item).
-- photos/reference, photos/recipe (only with --only photos: they do not fit the default run's deadline):
-  benchmarks/photo_baseline.py (torchvision's reference classification script, written fresh) and the photo recipe,
-  each a ResNet-50 at 224 px from scratch, bf16, channels_last, batches of 32 of gpu-data's flower photos, 8 DataLoader
-  workers: images/s and the share of time waiting for data on each side; goal: the recipe at least the reference.
+- photos/decode, photos/reference, photos/recipe (only with --only photos: they do not fit the default run's
+  deadline): benchmarks/photo_baseline.py (torchvision's reference classification script, written fresh) and the
+  photo recipe, each a ResNet-50 at 224 px from scratch, bf16, channels_last, batches of 32 of gpu-data's flower
+  photos, 8 DataLoader workers: images/s and the share of time waiting for data on each side; goal: the recipe at
+  least the reference. photos/decode times the reference's training loader alone (no model): the CPUs' decode
+  ceiling, which the recipe's row names when both sides wait on their data more than half the time.
 - correct/*: 40 optimizer steps each, checked: status completed, 40 steps, a finite validation loss, the precision
   asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with --max-grad-norm 1; compiled
   (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/ (else final/) over 48 held-out
@@ -120,7 +122,7 @@ PRIORITY = (
     "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "floor/", "throughput/", "profile/", "correct/", "photos/"
 )  # fmt: skip
 # Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
-EXTRA_BUDGET_S = {"floor/mnist_convnet": 80, "photos/reference": 120, "photos/recipe": 150}
+EXTRA_BUDGET_S = {"floor/mnist_convnet": 80, "photos/decode": 30, "photos/reference": 120, "photos/recipe": 150}
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
 TOY = {  # rehearsal: small models and batches (last on the command line: they win)
     "mnist_convnet": "--width 8 --hidden 32 --batch-size 8".split(),
@@ -307,14 +309,26 @@ def read_photo_reference(out: Path):
     return text, "-", None, r
 
 
-def read_photo_recipe(run_dir: Path, reference: Path, toy: bool):
-    """The photo recipe's images/s and data wait beside the reference's (photos/reference, run just before)."""
+def read_photo_decode(out: Path):
+    r = json.loads(out.read_text())
+    text = f"{r['images_per_s']:,.0f} images/s ({r['images']} images, {r['workers']} workers, {r['crop']} px)"
+    return text, "-", None, r
+
+
+def read_photo_recipe(run_dir: Path, reference: Path, toy: bool, decode: Path | None = None):
+    """The photo recipe's images/s and data wait beside the reference's (photos/reference, run just before), and,
+    when both wait on their data more than half the time, the CPUs' decode ceiling (photos/decode)."""
     text, _, _, w = read_rate(run_dir)
     if not reference.exists():
         return text + "; the reference row left no result", ">= the reference's images/s", None, w
     ref = json.loads(reference.read_text())
     ratio = w["samples_per_s"] / ref["images_per_s"]
     text += f"; {ratio:.2f}x the reference's {ref['images_per_s']:,.0f} images/s"
+    if (w["data_wait"] or 0) > 0.5 and ref["data_wait_share"] > 0.5:
+        ceiling = json.loads(decode.read_text())["images_per_s"] if decode and decode.exists() else None
+        text += "; both wait on their data more than half the time" + (
+            f": the CPUs decode {ceiling:,.0f} images/s the reference's way (photos/decode)" if ceiling else ""
+        )
     return text, ">= the reference's images/s", None if toy else ratio >= 1.0, {**w, "reference": ref, "ratio": ratio}
 
 
@@ -564,7 +578,18 @@ def plan(ctx: Ctx) -> list[Row]:
     # photos/*: run only when --only names them (a command of their own). 170 training photos (gpu-data's 200 flowers,
     # 15% held out): batches of 32, 6 epochs, windows of 5 steps
     photo_args = ["--epochs", 1 if toy else 6, "--batch-size", 16 if toy else 32, "--workers", 0 if toy else 8]
-    reference = w / "photos-reference.json"
+    decode, reference = w / "photos-decode.json", w / "photos-reference.json"
+    rows.append(
+        Row(
+            "photos/decode",
+            EXTRA_BUDGET_S["photos/decode"],
+            "photo_baseline.py --decode-only: the reference's training loader alone (PIL decode, RandomResizedCrop, "
+            "flip, ToTensor, Normalize in the DataLoader workers), no model: the CPUs' ceiling in images/s",
+            [ctx.py, REPO / "benchmarks" / "photo_baseline.py", "--data", data["finetune_folder"], "--crop",
+             32 if toy else 224, *photo_args, "--seed", s, "--decode-only", "--out", decode],
+            lambda o=decode: read_photo_decode(o),
+        )
+    )  # fmt: skip
     rows.append(
         Row(
             "photos/reference",
@@ -587,7 +612,7 @@ def plan(ctx: Ctx) -> list[Row]:
             EXTRA_BUDGET_S["photos/recipe"],
             "finetune_folder the same way (single_gpu.yaml: bf16): images/s and data wait beside the reference's",
             launch(ctx, "finetune_folder", [*args("finetune_folder", run.name), *flags]),
-            lambda r=run, o=reference: read_photo_recipe(r, o, toy),
+            lambda r=run, o=reference, d=decode: read_photo_recipe(r, o, toy, d),
         )
     )
     order = [next(i for i, first in enumerate(PRIORITY) if row.name.startswith(first)) for row in rows]

@@ -130,6 +130,11 @@ def parse(argv=None):
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each rank its LOCAL_RANK's GPU)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass (the loss in fp32)")
     p.add_argument("--channels-last", action="store_true", help="channels_last memory format for model and batches")
+    p.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="time the training loader alone for --epochs (no model): the CPUs' decode-and-augment ceiling, images/s",
+    )
     return p.parse_args(argv)
 
 
@@ -177,6 +182,28 @@ def main(argv=None) -> int:
             f"{len(classes)} classes; {args.model}, batch {args.batch_size}, lr {lr:g}",
             flush=True,
         )
+
+    if args.decode_only:  # the training loader alone: what this machine's CPUs decode and augment this way
+        t0, seen = time.perf_counter(), 0
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            seen += sum(len(labels) for _, labels in train_loader)
+        seconds = time.perf_counter() - t0
+        if world > 1:  # every rank's images over the slowest rank's time
+            t = torch.tensor([seen, seconds], dtype=torch.float64)
+            dist.all_reduce(t[:1])
+            dist.all_reduce(t[1:], op=dist.ReduceOp.MAX)
+            seen, seconds = int(t[0]), float(t[1])
+        result = {"decode_only": True, "images": seen, "seconds": round(seconds, 2), "images_per_s": seen / seconds}
+        result.update(crop=args.crop, epochs=args.epochs, processes=world, workers=args.workers, data=str(args.data))
+        if main_rank:
+            print(json.dumps(result), flush=True)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result) + "\n")
+        if world > 1:
+            dist.destroy_process_group()
+        return 0
 
     torch.manual_seed(args.seed)
     model = torchvision.models.get_model(args.model, weights=None, num_classes=len(classes)).to(device)

@@ -168,20 +168,39 @@ def test_the_cifar_row_reads_every_seed_and_judges_the_mean_and_each_time(tmp_pa
     assert gpu_report.read_tta_cifar(out, toy=False)[2] is False
 
 
+def test_the_photo_recipes_row_names_the_decode_ceiling_only_when_both_sides_wait_on_data(tmp_path):
+    import gpu_report  # benchmarks/ is on pytest's pythonpath
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": 5 * i, "train/samples_per_sec": 880.0, "train/data_wait_fraction": 0.7} for i in range(1, 5)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ref, decode = tmp_path / "reference.json", tmp_path / "decode.json"
+    ref.write_text(json.dumps({"images_per_s": 800.0, "data_wait_share": 0.6}))
+    decode.write_text(json.dumps({"images_per_s": 1000.0}))
+    text, goal, met, _ = gpu_report.read_photo_recipe(run_dir, ref, toy=False, decode=decode)
+    assert met is True and goal == ">= the reference's images/s" and "1.10x the reference's 800 images/s" in text
+    assert "both wait on their data more than half the time: the CPUs decode 1,000 images/s" in text
+    ref.write_text(json.dumps({"images_per_s": 800.0, "data_wait_share": 0.2}))  # the reference is not data-bound
+    assert "decode" not in gpu_report.read_photo_recipe(run_dir, ref, toy=False, decode=decode)[0]
+
+
 @pytest.mark.integration
 def test_the_photo_rows_run_only_when_named_and_rehearse(tmp_path):
-    """photos/reference and photos/recipe (the photo recipe beside photo_baseline.py, the reference's way, bf16,
-    channels_last): not in the default run (its deadline), run by --only photos; rehearsed, both end ok and the recipe's
-    row gives its images/s as a multiple of the reference's."""
+    """photos/decode, photos/reference and photos/recipe (the reference's loader alone; the photo recipe beside
+    photo_baseline.py, the reference's way, bf16, channels_last): not in the default run (its deadline), run by --only
+    photos; rehearsed, all end ok, the decode row gives images/s and the recipe's row its images/s as a multiple of the
+    reference's."""
     proc = run("--work-dir", tmp_path / "work", "--dry-run", tmp_path=tmp_path)
     assert "photos/" not in proc.stdout
     proc = run("--rehearse", "--only", "photos", "--out", "out", tmp_path=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_report.json").read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["photos/reference", "photos/recipe"], list(rows)
+    assert list(rows) == ["photos/decode", "photos/reference", "photos/recipe"], list(rows)
     assert all(r["status"] in ("PASS", "ok") for r in rows.values()), {k: r["result"] for k, r in rows.items()}
     assert "data wait" in rows["photos/reference"]["result"] and "x the reference's" in rows["photos/recipe"]["result"]
+    assert re.match(r"[\d,]+ images/s \(\d+ images, 0 workers, 32 px\)", rows["photos/decode"]["result"])
 
 
 @pytest.mark.integration
