@@ -196,14 +196,7 @@ def main(argv=None) -> int:
             seen, seconds = int(t[0]), float(t[1])
         result = {"decode_only": True, "images": seen, "seconds": round(seconds, 2), "images_per_s": seen / seconds}
         result.update(crop=args.crop, epochs=args.epochs, processes=world, workers=args.workers, data=str(args.data))
-        if main_rank:
-            print(json.dumps(result), flush=True)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(result) + "\n")
-        if world > 1:
-            dist.destroy_process_group()
-        return 0
+        return finish(result, args.out, main_rank, world)
 
     torch.manual_seed(args.seed)
     model = torchvision.models.get_model(args.model, weights=None, num_classes=len(classes)).to(device)
@@ -300,11 +293,16 @@ def main(argv=None) -> int:
         "cpu_flags": cpu_flags(),
         "data": str(args.data),
     }
+    return finish(result, args.out, main_rank, world)
+
+
+def finish(result: dict, out: Path | None, main_rank: bool, world: int) -> int:
+    """The result printed (and written to ``out``) by the main rank; the process group ended."""
     if main_rank:
         print(json.dumps(result), flush=True)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result) + "\n")
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result) + "\n")
     if world > 1:
         dist.destroy_process_group()
     return 0
