@@ -78,8 +78,9 @@ def measure(args) -> dict:
     def child(cmd) -> tuple[dict, float]:  # what the process printed last (JSON, else {}), and its wall seconds
         t0 = time.perf_counter()
         done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(map(str, cmd))} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        if done.returncode:  # what the part said, less the launcher's traceback after it
+            said = done.stderr.split("Traceback (most recent call last)")[0].strip() or done.stderr.strip()[-2000:]
+            raise RuntimeError(f"{' '.join(map(str, cmd))} exited {done.returncode}: {said}")
         wall_s, last = time.perf_counter() - t0, (done.stdout.strip().splitlines() or ["-"])[-1]
         return (json.loads(last) if last.startswith("{") else {}), wall_s
 
@@ -146,7 +147,15 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO / "benchmarks"))
     from machine import machine_info
 
-    result = {"benchmark": "floor", **measure(args), "machine": machine_info(args.device)}
+    local = Path(args.dataset).expanduser()
+    if local.exists():  # the parts run from the repository root: a folder is named absolutely (a Hub id as given)
+        args.dataset = str(local.resolve())
+    args.cache_dir = args.cache_dir.expanduser().resolve() if args.cache_dir else None
+    try:
+        result = {"benchmark": "floor", **measure(args), "machine": machine_info(args.device)}
+    except RuntimeError as err:  # a part that failed: its command, exit code and the end of what it said
+        sys.stderr.write(f"error: {err}\n")
+        return 1
     print(line(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
