@@ -109,14 +109,14 @@ class PhotoSplit(Rows):
         photo's view is black (the misclassified-image grid)."""
         if isinstance(positions, slice):
             positions = range(*positions.indices(len(self)))
-        views = [self.eval_view_at(int(p)) for p in positions]
+        black = torch.zeros(self.image_shape, dtype=torch.uint8)
+        views = [black if v is None else v for v in map(self.eval_view_at, map(int, positions))]
         return torch.stack(views) if views else torch.zeros((0, *self.image_shape), dtype=torch.uint8)
 
-    def eval_view_at(self, position: int) -> torch.Tensor:
+    def eval_view_at(self, position: int) -> torch.Tensor | None:
+        """The evaluation view of the photo at ``position``; None for a damaged one."""
         image, _ = self.try_read(position, resize_side(self.image_size))
-        if image is None:
-            return torch.zeros(self.image_shape, dtype=torch.uint8)
-        return eval_view(image, self.image_size)
+        return None if image is None else eval_view(image, self.image_size)
 
 
 class PhotoDataset(torch.utils.data.Dataset):
@@ -224,10 +224,7 @@ def photo_stats(split: PhotoSplit, count: int = 500) -> tuple[list[float], list[
     """Per-channel mean and std of ``count`` evenly spaced training images (their evaluation views; damaged ones left
     out)."""
     positions = torch.linspace(0, len(split) - 1, min(count, len(split))).round().long().unique().tolist()
-    side = resize_side(split.image_size)
-    views = [
-        eval_view(im, split.image_size) for im, _ in (split.try_read(p, side) for p in positions) if im is not None
-    ]
+    views = [v for v in map(split.eval_view_at, positions) if v is not None]
     if not views:
         raise DataError(f"None of the {len(positions)} training photos read for the normalisation could be decoded.")
     return channel_stats(torch.stack(views))
