@@ -40,7 +40,7 @@ PARTS = ("interpreter", "torch_import", "device_init", "first_optimizer", "data_
 
 def read_data(recipe: str, argv: list[str]) -> None:
     """(In a process of its own) the recipe's data read, timed; prints its seconds as JSON."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
     from launching import recipe_config
 
     from common.data.decoded import load_image_data
@@ -67,9 +67,11 @@ print(json.dumps(dict(torch_import=t1 - t0, device_init=t2 - t1, first_optimizer
 
 
 def measure(args) -> dict:
-    py, path = sys.executable, os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
-    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    from launching import recipe_env
+
+    py, env = sys.executable, recipe_env(threads=None)  # offline, precision from the launcher only
+    env.setdefault("OMP_NUM_THREADS", "1")  # what the launcher gives each process unless it is set
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     device = "cuda" if args.device == "cuda" else "cpu"
     config = args.accelerate_config or CONFIGS / ("single_gpu.yaml" if device == "cuda" else "cpu.yaml")
     data_args = ["--dataset", args.dataset, *(["--cache-dir", str(args.cache_dir)] if args.cache_dir else [])]
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
         return 0
     if args.repeats < 1 or not args.dataset:
         p.error(f"--dataset is required and --repeats must be at least 1 (got {args.dataset!r}, {args.repeats})")
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
     from machine import machine_info
 
     local = Path(args.dataset).expanduser()
