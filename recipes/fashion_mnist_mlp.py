@@ -75,12 +75,10 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
 
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)  # the command line (and --config FILE)
-    with TrainingRun(cfg, __file__) as run:  # runs/<this file's name>-<time>; how it ends: run.exit_code, summary.json
-        run.take_launcher_answers()  # accelerate launch's --mixed_precision and --gradient_accumulation_steps
-        run.take_resumed_settings()  # --resume-from: the run's own settings for every flag not given here
-        run.build()  # only now, from the settings as complete: the Accelerator, then the run directory
+    # + the launcher's answers and a resumed run's settings; the Accelerator; runs/<this file's name>-<time>
+    with TrainingRun(cfg, __file__) as run:
         train(cfg, run)
-    return run.exit_code
+    return run.exit_code  # how it ended (summary.json says it too)
 
 
 def train(cfg: Config, run: TrainingRun) -> None:
@@ -107,40 +105,41 @@ def train(cfg: Config, run: TrainingRun) -> None:
         return evaluate(accelerator, model, loader, transform, data.num_classes)
 
     if cfg.eval_only:  # score the weights in --checkpoint on the test split (else validation)
-        run.load_weights(model)
-        return run.report_eval_only(data, validate(final_loader))
+        return run.eval_only(model, validate, final_loader)
 
     # --- train: the loop is yours; each line says when, each run.<call> says how (docs/loop.md) ---
     run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
+    last_step = cfg.max_steps or math.inf  # --max-steps ends this launch early; a resume with more continues
     for epoch in range(run.epoch, cfg.epochs):
+        if run.step >= last_step:
+            break
         model.train()
         for images, labels in run.batches(train_loader, epoch):  # this epoch's shuffle; a resumed one skips ahead
             with accelerator.accumulate(model):
                 logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.track(loss)  # loss sums, the NaN/stop guard: one all-reduce, no sync
-                if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm
-                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                run.track(loss)  # counts the update (run.step); the NaN/stop guard: one all-reduce, no sync
+                log_now = accelerator.sync_gradients and run.step % cfg.log_every == 0
+                if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):  # --max-grad-norm (inf: none)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
                 optimizer.step()
+                scheduler.step()  # Accelerate's: moves at updates only, not at --grad-accum micro-batches
                 optimizer.zero_grad(set_to_none=True)
-            if not run.updated():  # a --grad-accum micro-batch, or an update fp16 loss scaling skipped
+            if not accelerator.sync_gradients:  # a --grad-accum micro-batch: the update comes later
                 continue
-            scheduler.step()
-            if run.step % cfg.log_every == 0:
-                run.log()  # the mean loss since the last log, LR, throughput: one sync
+            if log_now:  # every --log-every updates: mean loss since the last log, LR, throughput; one sync
+                run.log({"train/grad_norm": grad_norm})  # the norm before clipping; your own scalars go here too
             if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0:
                 run.evaluate(validate, val_loader)  # scalars, best/; pictures=True draws its pictures
             if run.stop_requested():  # a signal or a lost launcher, on any rank: checkpoint, exit 75
                 run.preempt()
             if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)
                 run.checkpoint()
-        if run.max_steps_reached:  # --max-steps ends this launch part-way through the epoch
-            run.evaluate(validate, val_loader)
-            break  # run.finish checkpoints, evaluates the final split and saves
+            if run.step >= last_step:
+                break
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             run.evaluate(validate, val_loader)  # not twice for the same weights
-        run.end_epoch()  # the epoch's line
 
     run.finish(validate, final_loader)  # a checkpoint, the final evaluation, final/, summary.json, target check
 

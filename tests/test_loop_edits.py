@@ -27,8 +27,13 @@ RECIPES = {
 }
 TOP = "            with accelerator.accumulate(model):\n"  # the first line of the batch loop's body
 OPT_STEP = "                optimizer.step()\n"
-AFTER_UPDATE = "            scheduler.step()\n"  # the first line after `if not run.updated(): continue`
-EPOCH_END = "        run.end_epoch()  # the epoch's line\n"  # the last line of the epoch loop's body
+AFTER_UPDATE = (  # the last line before the lines that run once per update
+    "            if not accelerator.sync_gradients:  # a --grad-accum micro-batch: the update comes later\n"
+    "                continue\n"
+)
+EPOCH_END = (
+    "            run.evaluate(validate, val_loader)  # not twice for the same weights\n"  # the epoch loop's last
+)
 FOR_BATCHES = "        for images, labels in run.batches(train_loader, epoch):"
 CHECKPOINT = (
     "            if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)\n"
@@ -137,9 +142,10 @@ def test_break_from_the_batch_loop_ends_that_epoch(recipe, tmp_path, env, reques
     active loaders (gather_for_metrics and --grad-accum read the newest one)."""
     data = request.getfixturevalue(RECIPES[recipe])
     cut = (CHECKPOINT, f"{CHECKPOINT}            if run.batch == 3:\n                break\n")  # the body's end
-    no_stale_loader = (
-        "    run.finish(",
-        "    from accelerate.state import GradientState\n    assert not GradientState().in_dataloader\n    run.finish(",
+    no_stale_loader = (  # the loop moved on (the next epoch, or the run's end): the loader it left is closed
+        "    run.finish(validate, final_loader)",
+        "    run.finish(validate, final_loader)\n    from accelerate.state import GradientState\n"
+        "    assert not GradientState().in_dataloader",
     )
     run = tmp_path / "run"
     proc = check_ok(run_in_process(edited(tmp_path, recipe, cut, no_stale_loader), args(recipe, data, run), env))
@@ -148,7 +154,8 @@ def test_break_from_the_batch_loop_ends_that_epoch(recipe, tmp_path, env, reques
     assert "--max-steps" not in proc.stdout
     per_epoch = int(lines[0].split("ended by the loop after 3 of ")[1].split()[0])
     s = summary(run)
-    assert (s["status"], s["epochs_completed"], s["global_step"]) == ("completed", 2, 6), s
+    # the first epoch is behind the loop once it moves on; the second was left part-way
+    assert (s["status"], s["epochs_completed"], s["global_step"]) == ("completed", 1, 6), s
     assert [step for step, _ in rows(run, "eval/accuracy")] == [3, 6]
     assert checkpoint_steps(run) == [6] and (run / "final" / "model.safetensors").is_file()  # at the end only
     assert [step for step, _ in rows(run, "train/loss")] == [1, 2, 3, 4, 5, 6]
@@ -182,7 +189,7 @@ def test_break_and_continue_on_two_processes_through_the_launcher(tmp_path, env,
     lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(lines) == 2 and all("ended by the loop after 5 of 8 batches" in line for line in lines), proc.stdout
     s = summary(run)
-    assert (s["status"], s["epochs_completed"], s["global_step"], s["processes"]) == ("completed", 2, 6, 2), s
+    assert (s["status"], s["epochs_completed"], s["global_step"], s["processes"]) == ("completed", 1, 6, 2), s
     assert [r["eval/accuracy"] is not None for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r] == [
         True,
         True,
@@ -198,11 +205,11 @@ def test_break_by_the_run_position_resumes_exactly(tmp_path, env, mnist_like, mo
     base = args("mnist_convnet", mnist_like, tmp_path / "unused")[:-2] + ["--epochs", 3]
     full, part = tmp_path / "full", tmp_path / "part"
     check_ok(run_in_process(copy, [*base, "--output-dir", full], env))
-    assert summary(full)["global_step"] == 12 and summary(full)["epochs_completed"] == 3
+    assert summary(full)["global_step"] == 12 and summary(full)["epochs_completed"] == 2  # the third left part-way
     stop_and_resume(tmp_path, monkeypatch, env, copy, base, part, step=6)
     same_weights(full, part)
     same_losses(full, part)
-    assert summary(part)["global_step"] == 12 and summary(part)["epochs_completed"] == 3
+    assert summary(part)["global_step"] == 12 and summary(part)["epochs_completed"] == 2
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -311,23 +318,159 @@ def test_a_deleted_line_no_longer_happens_and_an_added_one_does(tmp_path, env, m
     assert summary(run)["status"] == "completed"
 
 
-def test_main_says_the_order_and_building_before_the_settings_are_complete_is_refused(tmp_path, env, mnist_like):
-    """main's lines are the order: with `run.take_resumed_settings()` deleted, a resume would build the Accelerator
-    from this command line's seed and accumulation, not the run's own; run.build() refuses in one paragraph (exit
-    2) before anything is built or written. The copy's run folder takes the copy's file name."""
-    line = "        run.take_resumed_settings()  # --resume-from: the run's own settings for every flag not given here"
-    copy = edited(tmp_path, "fashion_mnist_mlp", (line + "\n", ""), name="no_resume_line.py")
-    run = tmp_path / "run"
-    proc = run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run), env)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "run.build() ran before run.take_launcher_answers() and run.take_resumed_settings()" in proc.stderr
-    assert not run.exists()
+def test_main_is_parse_run_train_and_a_copy_names_its_runs(tmp_path, env, mnist_like):
+    """main is three lines (parse, `with TrainingRun`, train): the launcher's answers and a resumed run's settings are
+    taken in the constructor, so there is no order to get wrong. A copy's run folder takes the copy's file name."""
+    main = copy_recipe("fashion_mnist_mlp", tmp_path / "look.py").read_text().split("def main(argv=None) -> int:")[1]
+    calls = [line.strip() for line in main.split("def train(")[0].splitlines() if line.strip()]
+    assert [c.split("#")[0].strip() for c in calls if not c.startswith("#")] == [
+        "cfg = parse_config(Config, argv, __doc__)",
+        "with TrainingRun(cfg, __file__) as run:",
+        "train(cfg, run)",
+        "return run.exit_code",
+    ]
     whole = copy_recipe("fashion_mnist_mlp", tmp_path / "my_digits.py")
     small = ["--dataset", mnist_like, "--max-steps", 2, "--batch-size", 32, *SMALL["fashion_mnist_mlp"]]
     check_ok(run_in_process(whole, small, env, cwd=tmp_path))
     [folder] = (tmp_path / "runs").iterdir()
     assert folder.name.startswith("my_digits-") and summary(folder)["status"] == "completed"
     assert json.loads((folder / "final" / "model.json").read_text())["recipe"] == "my_digits"
+
+
+# --- the lines the bookkeeping must not hang on --------------------------------------------------------------
+
+TRACK = "                run.track(loss)  # counts the update (run.step); the NaN/stop guard: one all-reduce, no sync\n"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_loop_without_run_track_is_refused_at_its_first_step(nproc, tmp_path, env, mnist_like):
+    """`run.track(loss)` deleted (it reads like logging): nothing would count the updates, so a checkpoint would record
+    no position and a resume would train batches again. The loop is refused in one paragraph at its first update's
+    lines, on every process, before anything is written: exit 2 (1 through the launcher), no traceback, summary.json
+    says bad_input and no checkpoint exists."""
+    copy = edited(tmp_path, "fashion_mnist_mlp", (TRACK, ""), name="no_track.py")
+    run = tmp_path / "run"
+    flags = args("fashion_mnist_mlp", mnist_like, run)
+    proc = run_in_process(copy, flags, env) if nproc == 1 else launch(copy, flags, env, nproc=2)
+    assert proc.returncode == (2 if nproc == 1 else 1), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "without a call of run.track(loss)" in proc.stderr and f'File "{copy}"' not in proc.stderr, proc.stderr
+    assert summary(run)["status"] == "bad_input" and not checkpoint_steps(run)
+    assert not rows(run, "train/loss")
+
+
+def test_log_on_the_main_process_only_keeps_the_ranks_in_step(tmp_path, env, awkward):
+    """`if accelerator.is_main_process: run.log(...)` (every DDP tutorial's habit), 2 processes, a wall-time checkpoint
+    due at every step: rank 0 reads the step's flags early at its log line, and holds them until the all-reduce every
+    rank makes, so both ranks answer checkpoint_due alike and write together (a rank alone would wait in save_state's
+    collectives until --timeout-s). The run completes with the same checkpoints a 1-process run writes."""
+    log = '                run.log({"train/grad_norm": grad_norm})'
+    copy = edited(tmp_path, "fashion_mnist_mlp", (log, f"                if accelerator.is_main_process:\n    {log}"))
+    flags = ["--dataset", awkward, "--epochs", 2, "--batch-size", 32, *SMALL["fashion_mnist_mlp"], "--log-every", 1]
+    flags += ["--checkpoint-every-s", 1e-9, "--keep-checkpoints", 100, "--timeout-s", 60]
+    run, one = tmp_path / "run", tmp_path / "one"
+    proc = check_ok(launch(copy, [*flags, "--output-dir", run], env, nproc=2, timeout=200))
+    assert "processes=2" in proc.stdout
+    check_ok(run_in_process(copy, [*flags, "--output-dir", one], env))
+    assert summary(run)["status"] == "completed" and summary(run)["global_step"] == 16
+    assert checkpoint_steps(run) == checkpoint_steps(one) == list(range(2, 17, 2))
+    assert [s for s, _ in rows(run, "train/loss")] == list(range(1, 17))
+
+
+def test_log_inside_the_accumulation_block_logs_each_update_at_its_step(tmp_path, env, mnist_like):
+    """`run.log` moved into the `accumulate` block (after run.track) with --grad-accum 2: run.track counted the
+    update, so the line logs update k at step k with the loss of its two micro-batches, as the unedited recipe
+    logs it after the block."""
+    log = (
+        "            if log_now:  # every --log-every updates: mean loss since the last log, LR, throughput; one sync\n"
+        '                run.log({"train/grad_norm": grad_norm})  # the norm before clipping; your own scalars go '
+        "here too\n"
+    )
+    inside = (
+        "                optimizer.zero_grad(set_to_none=True)\n",
+        "                optimizer.zero_grad(set_to_none=True)\n"
+        "                if log_now:\n"
+        '                    run.log({"train/grad_norm": grad_norm})\n',
+    )
+    copy = edited(tmp_path, "fashion_mnist_mlp", (log, ""), inside, name="log_inside.py")
+    plain, moved = tmp_path / "plain", tmp_path / "moved"
+    check_ok(run_in_process("fashion_mnist_mlp", args("fashion_mnist_mlp", mnist_like, plain, "--grad-accum", 2), env))
+    check_ok(run_in_process(copy, args("fashion_mnist_mlp", mnist_like, moved, "--grad-accum", 2), env))
+    assert rows(moved, "train/loss") == rows(plain, "train/loss") and len(rows(plain, "train/loss")) == 18
+
+
+def test_epochs_are_completed_by_their_batches_not_by_a_line(tmp_path, env, mnist_like, reference_run):
+    """No line of the loop says an epoch ended: a checkpoint at an epoch's last update records the next epoch's start,
+    and summary.json and model.json count the epochs whose batches were all trained, whatever the loop does after them
+    (here: no epoch-end evaluation at all)."""
+    copy = edited(tmp_path, "fashion_mnist_mlp", (EPOCH_EVAL, ""), name="no_epoch_eval.py")
+    run = tmp_path / "run"
+    check_ok(run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run, "--checkpoint-every", 9), env))
+    state = json.loads((run / "checkpoints" / "step-00000009" / "trainer_state.json").read_text())
+    assert (state["epoch"], state["batches_in_epoch"], state["global_step"]) == (1, 0, 9), state
+    s = summary(run)
+    assert (s["status"], s["epochs_completed"], s["global_step"]) == ("completed", 2, 18), s
+    assert json.loads((run / "final" / "model.json").read_text())["epoch"] == 2
+
+
+def test_a_call_before_run_start_is_refused_in_one_paragraph(tmp_path, env, mnist_like):
+    """run.evaluate(...) moved above run.start(...): one paragraph naming both calls (exit 2), no traceback."""
+    start = "    run.start(model, optimizer, scheduler, train_loader, data, transform)"
+    early = (start, f"    run.evaluate(validate, val_loader)\n{start}")
+    copy = edited(tmp_path, "fashion_mnist_mlp", early, name="early_eval.py")
+    proc = run_in_process(copy, args("fashion_mnist_mlp", mnist_like, tmp_path / "run"), env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "run.evaluate(...) was called before run.start(" in proc.stderr
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_resume_that_prepares_another_optimizer_is_refused_naming_both(nproc, tmp_path, env, mnist_like):
+    """A run stopped part-way, then resumed by a loop that prepares a second optimizer (e.g. for a head of its own):
+    Accelerate would die on a missing optimizer_1.bin with a traceback. Refused in one paragraph naming both counts,
+    before anything is loaded; summary.json says this launch's bad_input, not the earlier launch's status."""
+    second = (
+        "    scheduler = accelerator.prepare(",
+        "    head_opt = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.0))\n"
+        "    scheduler = accelerator.prepare(",
+    )
+    copy = edited(tmp_path, "fashion_mnist_mlp", second, name="second_optimizer.py")
+    run = tmp_path / "run"
+    flags = args("fashion_mnist_mlp", mnist_like, run)
+    check_ok(run_in_process("fashion_mnist_mlp", [*flags, "--max-steps", 4], env))
+    assert summary(run)["status"] == "completed"
+    flags += ["--resume-from", "latest"]
+    proc = run_in_process(copy, flags, env) if nproc == 1 else launch(copy, flags, env, nproc=2)
+    assert proc.returncode == (2 if nproc == 1 else 1) and f'File "{copy}"' not in proc.stderr, proc.stderr[-3000:]
+    assert "2 optimizers prepared by this launch, 1 in the checkpoint" in proc.stderr, proc.stderr
+    s = summary(run)
+    assert (s["status"], s["global_step"]) == ("bad_input", 4), s
+
+
+def test_a_metric_of_your_own_reaches_every_place_the_runs_scalars_go(tmp_path, env, mnist_like):
+    """What an Accelerate user types first, `accelerator.log({...}, step=run.step)`, and `run.log({...})` at the
+    loop's cadence: both reach metrics.jsonl, TensorBoard (read with its own reader) and curves.png."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    mine = (
+        "            if cfg.eval_every_steps",
+        "            accelerator.log({'train/my_metric': float(run.step) / 2}, step=run.step)\n"
+        "            if log_now:\n"
+        "                run.log({'train/batch_share': run.batch / 9})\n"
+        "            if cfg.eval_every_steps",
+    )
+    copy = edited(tmp_path, "fashion_mnist_mlp", mine, name="my_metric.py")
+    run = tmp_path / "run"
+    check_ok(run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run, "--log-every", 3), env))
+    assert rows(run, "train/my_metric") == [(s, s / 2) for s in range(1, 19)]
+    assert [s for s, _ in rows(run, "train/batch_share")] == [3, 6, 9, 12, 15, 18]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/my_metric")] == list(range(1, 19))
+    assert [e.step for e in events.Scalars("train/batch_share")] == [3, 6, 9, 12, 15, 18]
+    from common.train.plots import curves_figure, read_metrics
+
+    figure = curves_figure(read_metrics(run / "metrics.jsonl"))
+    labels = {line.get_label() for ax in figure.axes for line in ax.get_lines()}
+    assert {"train/my_metric", "train/batch_share"} <= labels, labels
 
 
 @pytest.mark.parametrize("recipe", ["fashion_mnist_mlp", "finetune_folder"])
@@ -367,8 +510,9 @@ def test_checkpoints_follow_wall_time(tmp_path, env, mnist_like, monkeypatch):
             env,
         )
     )
-    # asked at each step's all-reduce; read at once at a log step (--log-every 1), else one step late
-    assert checkpoint_steps(often) == list(range(1, 19))
+    # asked at each step's all-reduce, answered at the next one (the same step on every rank, whatever the loop runs
+    # on one rank only): a checkpoint every other step when the time has always passed
+    assert checkpoint_steps(often) == list(range(2, 19, 2))
 
 
 def test_two_processes_agree_on_the_time_to_checkpoint(tmp_path, env, awkward):
@@ -396,15 +540,18 @@ PRINT_NORM = (
 @pytest.mark.parametrize("how", ["--max-grad-norm", "the user's own line"])
 def test_gradient_clipping_is_what_reaches_the_update(how, tmp_path, env, mnist_like):
     """Clipping to 0.05 by the recipe's visible --max-grad-norm line, or by a line of the user's own in its place:
-    every update sees gradients of norm <= 0.05, while train/grad_norm logs the norm before clipping."""
+    every update sees gradients of norm <= 0.05, while train/grad_norm logs the norm before clipping (what the clip
+    returned, passed to run.log by the loop)."""
     clip = (
         []
         if how == "--max-grad-norm"
         else [
             (
-                "                if cfg.max_grad_norm and accelerator.sync_gradients:  # --max-grad-norm\n"
-                "                    accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)\n",
-                "                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # mine\n",
+                "                if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):  # --max-grad-norm "
+                "(inf: none)\n"
+                "                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or "
+                "math.inf)\n",
+                "                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # mine\n",
             )
         ]
     )

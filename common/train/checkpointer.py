@@ -41,8 +41,8 @@ from common.train.sharding import share_buffers
 
 class Checkpointer:
     """Owns the position: ``epoch`` (0-based, the one running), ``batch`` (batches of it handed out to the loop, the
-    one in the loop's body included), ``global_step`` (optimizer updates taken), ``start_batch`` (where a resumed
-    epoch starts) and the newest checkpoint written or resumed (``saved``: its position, and ``saved_path``); the
+    one in the loop's body included), ``through`` (those behind the loop), ``global_step`` (optimizer updates taken),
+    ``start_batch`` (where a resumed epoch starts) and the newest checkpoint written or resumed (``saved``: its position, and ``saved_path``); the
     run's length (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a
     resume compares."""
 
@@ -57,58 +57,58 @@ class Checkpointer:
         self.data, self.data_fingerprint = data, data_fingerprint(data)
         self.files_fingerprint = files_fingerprint(data)  # which file is at each row (None for a table dataset)
         self.epoch = self.batch = self.start_batch = self.global_step = 0
-        self.in_hand = 0  # 1 from handing a batch out until the loop trains on it (run.track)
+        self.through = 0  # batches of the epoch behind the loop (the position a checkpoint records)
+        self.accumulating = False  # micro-batches trained since the last update
         self.saved = self.saved_path = None
         self.completing = None  # the newest checkpoint's completion, running in a thread (common.train.checkpoint)
         compile_neutral_checkpoints(accelerator)
 
+    def position(self) -> tuple[int, int, int]:
+        """(epoch, batches of it trained, optimizer steps): what a checkpoint records and a resume continues from.
+        A batch is behind the loop once an update took it, or the loop took the next one outside an accumulation
+        (a ``continue``d batch); an epoch is complete when all its batches are: the position is then the next
+        epoch's start, whatever the loop calls after it."""
+        if self.through >= self.batches_per_epoch:
+            return self.epoch + 1, 0, self.global_step
+        return self.epoch, self.through, self.global_step
+
     @property
-    def done(self) -> bool:
-        """Every optimizer step of the run (--epochs, or --max-steps) taken."""
-        return self.global_step >= self.total_steps
+    def epochs_completed(self) -> int:
+        return self.position()[0]
 
     def last_step(self) -> bool:
         """The run's last step (of its --epochs) is taken."""
         return self.global_step >= self.steps_per_epoch * self.cfg.epochs
 
-    def mid_epoch(self) -> bool:
-        """Batches of this epoch are left."""
-        return self.batch < self.batches_per_epoch
-
-    def trained(self) -> int:
-        """Batches of this epoch the loop has trained on or gone past: those handed out, less the one in its hands
-        that it has not trained on yet (a checkpoint or a `return` at the top of the body leaves it to the resume)."""
-        return self.batch - self.in_hand
-
-    def position(self) -> tuple[int, int, int]:
-        return self.epoch, self.trained(), self.global_step
-
-    # --- moving the position: only through these ---------------------------------------------------
+    # --- moving the position: only through these, called where batches are handed out and updates counted --------
 
     def enter_epoch(self, epoch: int) -> int:
         """The loop starts epoch ``epoch``'s batches: at the resumed batch in the resumed epoch, else at 0. Returns
         it."""
         first = self.start_batch if epoch == self.epoch else 0
-        self.epoch, self.batch, self.start_batch, self.in_hand = epoch, first, 0, 0
+        self.epoch, self.batch, self.through, self.start_batch, self.accumulating = epoch, first, first, 0, False
         return first
 
     def handed_out(self) -> None:
-        """The loop was handed the next batch of the epoch (the one before it is behind the loop: trained on, or
-        skipped by a `continue`)."""
-        self.batch, self.in_hand = self.batch + 1, 1
+        """The loop was handed the next batch of the epoch: the one before is behind it (trained, or skipped by a
+        ``continue``), unless it began an accumulation the next update completes."""
+        if not self.accumulating:
+            self.through = self.batch
+        self.batch += 1
 
-    def training_on_it(self) -> None:
-        """The loop trains on the batch in its hands (run.track)."""
-        self.in_hand = 0
+    def micro_batch(self) -> None:
+        """The loop trained on a --grad-accum micro-batch (run.track between updates)."""
+        self.accumulating = True
 
-    def step_done(self) -> None:
-        """An optimizer update was taken."""
+    def update(self) -> None:
+        """An optimizer update is taken on the batches handed out so far (run.track at a --grad-accum boundary)."""
         self.global_step += 1
+        self.through, self.accumulating = self.batch, False
 
-    def end_epoch(self) -> None:
-        """The epoch ended (all its batches, or as the loop chose): the next one begins."""
-        self.epoch += 1
-        self.batch = self.in_hand = 0
+    def epoch_exhausted(self) -> None:
+        """Every batch of the epoch was handed out and the loop asked for another: the epoch is complete (batches the
+        loop skipped with ``continue`` are behind it)."""
+        self.through = self.batches_per_epoch
 
     # --- resume or fresh start -------------------------------------------------------------------
 
@@ -131,7 +131,7 @@ class Checkpointer:
             if listing is not None:
                 write_atomic(self.run_dir / DATA_FILES, listing)
         self.epoch, self.start_batch, self.global_step = state["epoch"], state["batches_in_epoch"], state["global_step"]
-        self.batch = self.start_batch
+        self.batch = self.through = self.start_batch
         if self.resume_path is not None:
             self.saved, self.saved_path = self.position(), self.resume_path
         return state
@@ -190,6 +190,7 @@ class Checkpointer:
                     f"renamed ({', '.join(moved)}) and will not be resumed from."
                 )
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        check_prepared(path, acc)
         ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
         acc.load_state(str(path))
         changes = apply_hyperparameters(optimizer, scheduler, fresh, cfg)
@@ -234,20 +235,15 @@ class Checkpointer:
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def due(self) -> bool:
-        """--checkpoint-every falls on the step just taken."""
-        every = self.cfg.checkpoint_every
-        return bool(every and self.global_step % every == 0)
-
     def save(self, model, best, skipped_steps: int) -> Path:
-        """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``): ``batch``
-        batches of ``epoch`` trained or gone past (``trained``). Returns once every rank's files are written; the
-        main process completes it in a thread (``wait_written``)."""
+        """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``). Returns once
+        every rank's files are written; the main process completes it in a thread (``wait_written``)."""
         share_buffers(self.accelerator, model)  # FSDP2: one model's BatchNorm statistics on every process
+        epoch, batches, step = self.position()
         state = {
-            "epoch": self.epoch,
-            "batches_in_epoch": self.trained(),
-            "global_step": self.global_step,
+            "epoch": epoch,
+            "batches_in_epoch": batches,
+            "global_step": step,
             "best": best,
             "skipped_steps": skipped_steps,
             "data_fingerprint": self.data_fingerprint,
@@ -366,6 +362,34 @@ def _settings_differing(saved, cfg) -> str:
         if key in saved and key not in skip and saved[key] != value
     ]
     return f"The run used {'; '.join(found[:6])}. " if found else ""
+
+
+PREPARED = {  # what accelerator.prepare() keeps, and the names save_state gives each one's files (a number after the
+    # first: optimizer.bin, optimizer_1.bin; FSDP2's are folders)
+    "models": ("_models", ("model", "pytorch_model")),
+    "optimizers": ("_optimizers", ("optimizer",)),
+    "schedulers": ("_schedulers", ("scheduler",)),
+}
+
+
+def check_prepared(path: Path, accelerator) -> None:
+    """A loop that prepares other objects than the run it resumes (a second optimizer or scheduler added, or one taken
+    out) is refused before anything is loaded, naming both counts: Accelerate would fail on a missing file, or load
+    the files it finds into objects in another order."""
+    names = [p.name.split(".")[0] for p in path.iterdir()]
+    differ = []
+    for kind, (attribute, stems) in PREPARED.items():
+        held = sum(1 for n in names if any(n == s or n.startswith(f"{s}_") for s in stems))
+        prepared = len(getattr(accelerator, attribute, []))
+        if held != prepared:
+            differ.append(f"{prepared} {kind} prepared by this launch, {held} in the checkpoint")
+    if differ:
+        raise RecipeError(
+            f"The loop prepares other objects than the checkpoint {path} holds: {'; '.join(differ)}. Every object "
+            "passed to accelerator.prepare(...) is saved in a checkpoint and loaded back in the same order, so a "
+            "resume must prepare the ones the run did. Resume with the loop the run was started with, or start a new "
+            "run with a new --output-dir (a model of a run loads with --weights <run>/best/model.safetensors)."
+        )
 
 
 def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[str]:

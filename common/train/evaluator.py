@@ -1,7 +1,7 @@
 """What a run does with an evaluation the loop made: the validation scalars and images, best/ (the weights with
 the best --monitor value) and the epoch's line. *When* to evaluate is the recipe's loop's: a line after the step
-(every --eval-every-steps steps) and after the epoch (every --eval-every epochs and the last); ``evaluation_due`` is
-that rule as the recipes write it, which the progress line's ETA also counts with.
+(every --eval-every-steps steps) and after the epoch (every --eval-every epochs and the last); nothing here keeps a
+copy of that rule.
 
 What an evaluation costs the loop besides its forward passes is kept small: its pictures are drawn in a child
 process (``common.train.tracking.MetricsLog.images``), and best/ is written by a thread from a copy of the weights
@@ -17,14 +17,6 @@ import time
 
 from common.console import say
 from common.train import checkpoint as ckpt
-
-
-def evaluation_due(cfg, step: int | None = None, epochs_done: int | None = None) -> bool:
-    """The recipes' evaluation rule, for the ETA: after optimizer step ``step``, at every --eval-every-steps step;
-    at the end of epoch ``epochs_done`` (1-based), every --eval-every epochs and the last epoch."""
-    if step is not None:
-        return bool(cfg.eval_every_steps) and step % cfg.eval_every_steps == 0
-    return epochs_done % max(1, cfg.eval_every) == 0 or epochs_done == cfg.epochs
 
 
 class Evaluator:

@@ -164,12 +164,18 @@ class LossScaleWatch:
 class StepChecks:
     """The run's side of the guard: the flags acted on when they arrive (a non-finite loss ends the run naming
     the checkpoint to resume; a stop or checkpoint request is kept for the loop to ask about), and fp16 skips
-    counted."""
+    counted.
+
+    A stop or checkpoint request becomes the loop's answer (``stopping``, ``checkpoint_wanted``) only at ``check``,
+    which every rank makes at every optimizer step: flags one rank read earlier (its ``settle`` at a log step the
+    loop runs on the main process only) are held until then, so every rank answers alike at the same step whatever
+    else one rank calls."""
 
     def __init__(self, accelerator, optimizer, run_dir, skipped_before: int = 0):
         self.guard, self.scale_watch = StepGuard(accelerator, optimizer), LossScaleWatch(accelerator.scaler)
         self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
         self.skipped_before, self.stopping, self.checkpoint_wanted = skipped_before, False, False
+        self.held_stop = self.held_checkpoint = False  # read by settle, not yet released
 
     def track(self, loss: torch.Tensor) -> None:
         """A micro-step's loss into the step's sums, on the device (no sync)."""
@@ -189,41 +195,37 @@ class StepChecks:
         return self.guard.read(self.guard.epoch)
 
     def check(self, stop_requested: bool, step: int, epoch: int, checkpoint_wanted: bool = False) -> None:
-        """Before ``optimizer.step()``: the all-reduce, no sync; acts on the previous step's flags."""
+        """Before ``optimizer.step()``: the all-reduce, no sync; acts on the previous step's flags and releases what
+        was held."""
         self.act_on(self.guard.check(stop_requested, step, checkpoint_wanted), epoch)
+        self.release()
 
     def settle(self, epoch: int) -> None:
-        """Read this step's flags now (a sync): before anything is logged, evaluated or written."""
+        """Read this step's flags now (a sync): before anything is logged, evaluated or written. A non-finite loss
+        raises at once; stop and checkpoint requests wait for the next ``check`` (or ``release``)."""
         self.act_on(self.guard.collect(), epoch)
+
+    def release(self) -> None:
+        """Held requests become the loop's answers: at ``check``, and where every rank is at once (the run's end)."""
+        self.stopping = self.stopping or self.held_stop
+        self.checkpoint_wanted = self.checkpoint_wanted or self.held_checkpoint
+        self.held_stop = self.held_checkpoint = False
+
+    def checkpoint_written(self) -> None:
+        """A checkpoint is being written at this step (by every rank, after ``settle``): the requests so far are met."""
+        self.checkpoint_wanted = self.held_checkpoint = False
 
     def act_on(self, flags: Flags | None, epoch: int) -> None:
         if flags is None:
             return
         if flags.nonfinite and not self.fp16:  # with fp16 the loss scaler skips the step instead
             raise NonFiniteLoss(nonfinite_advice(self.run_dir, flags.step, epoch))
-        self.stopping = self.stopping or flags.stop
-        self.checkpoint_wanted = self.checkpoint_wanted or flags.checkpoint
+        self.held_stop = self.held_stop or flags.stop
+        self.held_checkpoint = self.held_checkpoint or flags.checkpoint
 
     @property
     def skipped(self) -> int:
         return self.skipped_before + self.scale_watch.skipped
-
-
-def unclipped_grad_norm(accelerator, model) -> torch.Tensor:
-    """The global gradient norm before any clipping the loop does after run.step (measured at log steps only), on
-    the device. With fp16 the gradients are still scaled here: their norm is divided by the loss scale (a device
-    tensor, no sync) instead of unscaling them, since GradScaler's ``unscale_`` may run once per step and the
-    recipe's own ``clip_grad_norm_`` calls it after this (a second call raises)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros((), device=accelerator.device)
-    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
-    scaler = accelerator.scaler
-    if scaler is not None and scaler.is_enabled():
-        scale = scaler._scale  # torch's GradScaler keeps it on the device; None before the first scale()
-        if scale is not None:
-            norm = norm / scale.reshape(()).float()
-    return norm
 
 
 def nonfinite_advice(run_dir, step: int, epoch: int) -> str:

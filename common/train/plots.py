@@ -219,13 +219,28 @@ def read_metrics(metrics_jsonl_path) -> list[dict]:
     return sorted(records, key=lambda r: r["step"])
 
 
-def _series(records: list[dict], suffix: str) -> dict[str, tuple[list, list]]:
-    """{key: (steps, values)} for every numeric key ending in ``suffix`` ("/loss", "/accuracy")."""
+# what the run logs of its own beyond loss and accuracy (the LR, throughput, memory, timing, per-class accuracy):
+# left out of curves.png's third panel, which shows the scalars the loop logs (the gradient norm, metrics of its own)
+RUN_OWN = ("train/lr", "train/samples_per_sec", "train/data_wait_fraction", "train/peak_memory_mb")
+
+
+def _loops_own(key: str) -> bool:
+    return (
+        key not in ("step", "time")
+        and key not in RUN_OWN
+        and not key.endswith(("/loss", "/accuracy", "_time", "_seconds"))
+        and "/accuracy_class/" not in key
+    )
+
+
+def _series(records: list[dict], suffix: str | None) -> dict[str, tuple[list, list]]:
+    """{key: (steps, values)} for every numeric key ending in ``suffix`` ("/loss", "/accuracy"); None: the loop's own
+    scalars (``_loops_own``)."""
     out: dict[str, tuple[list, list]] = {}
     for rec in records:
         for key, value in rec.items():
             if (
-                key.endswith(suffix)
+                (key.endswith(suffix) if suffix is not None else _loops_own(key))
                 and isinstance(value, (int, float))
                 and not isinstance(value, bool)
                 and math.isfinite(value)
@@ -247,28 +262,33 @@ MARKERS = ("o", "s", "D", "^", "v", "P")
 
 def curves_figure(records: list[dict], title: str = ""):
     """The matplotlib Figure behind :func:`save_curves_png`, from metrics records (``read_metrics``)."""
-    fig = _figure(11, 4)
-    panels = (("loss", _series(records, "/loss")), ("accuracy", _series(records, "/accuracy")))
+    panels = [("loss", _series(records, "/loss")), ("accuracy", _series(records, "/accuracy"))]
+    own = _series(records, None)
+    if own:  # the scalars the loop logs besides loss and accuracy (train/grad_norm, yours)
+        panels.append(("logged by the loop", own))
+    fig = _figure(5.5 * len(panels), 4)
     prefixes = sorted(
-        {key.split("/", 1)[0] for _, series in panels for key in series}, key=lambda p: (p != "train", p != "eval", p)
+        {key.split("/", 1)[0] for _, series in panels[:2] for key in series},
+        key=lambda p: (p != "train", p != "eval", p),
     )
     colors = {p: f"C{i % 10}" for i, p in enumerate(prefixes)}  # eval/loss and eval/accuracy share a colour
     evals = [p for p in prefixes if p != "train"]
     for k, (name, series) in enumerate(panels):
-        ax = fig.add_subplot(1, 2, k + 1)
+        ax = fig.add_subplot(1, len(panels), k + 1)
         ax.set_title(name)
         ax.set_xlabel("optimizer step")
         if not series:
             ax.text(0.5, 0.5, f"no {name} logged", ha="center", va="center", transform=ax.transAxes)
             continue
-        for key in sorted(series, key=lambda s: (not s.startswith("train/"), s)):
+        for j, key in enumerate(sorted(series, key=lambda s: (not s.startswith("train/"), s))):
             steps, values = series[key]
             prefix = key.split("/", 1)[0]
-            style = dict(label=key, color=colors[prefix], linewidth=1.0 if prefix == "train" else 1.5)
+            color = colors.get(prefix, "C0") if k < 2 else f"C{j % 10}"  # the loop's own: one colour each
+            style = dict(label=key, color=color, linewidth=1.0 if prefix == "train" else 1.5)
             if prefix == "train":
                 if len(steps) <= FEW_POINTS:
                     style.update(marker="o", markersize=4)
-            else:
+            elif prefix in evals:
                 rank = evals.index(prefix)
                 style.update(
                     marker=MARKERS[rank % len(MARKERS)],

@@ -68,7 +68,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import gc
+import sys
 import time
 from pathlib import Path
 
@@ -87,7 +89,7 @@ from common.train.accelerator import launcher_answers, make_accelerator, startup
 from common.train.checkpointer import Checkpointer
 from common.train.eval_only import EvalOnly
 from common.train.evaluator import Evaluator
-from common.train.guard import StepChecks, unclipped_grad_norm
+from common.train.guard import StepChecks
 from common.train.profiler import StepProfiler
 from common.train.rundir import RunDir, storage_error
 from common.train.sharding import describe as describe_sharding
@@ -126,14 +128,14 @@ def watching(before_update=None, after_step=None):
 
 class EpochBatches:
     """One epoch of the training loader, as ``run.batches(loader, epoch)`` hands it to the loop: the loader's shuffle
-    for this epoch (``set_epoch``: the same on every rank), the batches a resumed epoch already trained skipped
-    (Accelerate's ``skip_first_batches``), and no batch past --max-steps. Each batch is counted when it is handed out
-    (the position a checkpoint records) and the time waited for it measured; nothing runs after the loop's body."""
+    for this epoch (``set_epoch``: the same on every rank) and the batches a resumed epoch already trained skipped
+    (Accelerate's ``skip_first_batches``). Each batch is counted when it is handed out and the time waited for it
+    measured; the epoch is complete when an update has taken its last batch, or the loop asks past it. Nothing runs
+    after the loop's body."""
 
     def __init__(self, run, loader, epoch: int):
         self.run, self.loader, self.epoch, self.it = run, loader, epoch, None
         self.ended = False  # handed out its last batch, or left by the loop
-        self.stopped_by_max_steps = False
 
     def __iter__(self):
         run, c = self.run, self.run.ckpt
@@ -155,19 +157,17 @@ class EpochBatches:
         run, c = self.run, self.run.ckpt
         if self.ended:
             raise StopIteration
-        if c.done:  # --max-steps (or the run's last step): no batch past it
-            self.stopped_by_max_steps = c.mid_epoch()
-            self.close()
-            raise StopIteration
         t_wait = time.perf_counter()
         try:
             images, labels = unpack(self.loader, next(self.it))  # a photo loader's damaged photos: to its tally
         except StopIteration:
+            c.epoch_exhausted()
             self.close()
             raise
         run.meter.add(labels.shape[0] * run.accelerator.num_processes, time.perf_counter() - t_wait)
         run.evaluator.say_pending()  # an evaluation the loop made in the epoch gets its own line
         c.handed_out()
+        run.handed += 1
         return images, labels
 
     def close(self) -> None:
@@ -181,64 +181,72 @@ class EpochBatches:
             getattr(self, "batches", self.loader).end()
 
 
+def started_first(method):
+    """A loop call made before ``run.start(...)`` is refused in one paragraph, naming both."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.ckpt is None:
+            raise RecipeError(
+                f"run.{method.__name__}(...) was called before run.start(model, optimizer, scheduler, train_loader, "
+                "data, transform): the run has no position, model or evaluation record yet. Call run.start(...) "
+                "after accelerator.prepare(...) and before the loop, as recipes/mnist_convnet.py does."
+            )
+        return method(self, *args, **kwargs)
+
+    return call
+
+
 class TrainingRun:
     """One launch of a recipe: ``with TrainingRun(cfg, __file__) as run:`` in the recipe's ``main``, which then says in
     order what completes the settings and what is built from them (recipes/mnist_convnet.py). Leaving the ``with``
     block turns how the run ended into ``run.exit_code``, a one-paragraph message and summary.json's ``status``."""
 
     def __init__(self, cfg, recipe_file):
+        """The settings completed, then what is built from them: the launcher's answers (``accelerate launch``'s
+        --mixed_precision and --gradient_accumulation_steps, which count as given), a resumed run's own settings for
+        every flag this command line leaves out (``--resume-from``), the Accelerator, the stop flag (signals, a
+        vanished launcher) and the run directory with its lock (or, with --eval-only, the run whose weights are
+        scored). Bad input ends here in one paragraph (``SystemExit`` with the run's exit code)."""
         path = Path(recipe_file).resolve()
         # the run folder is runs/<the recipe file's name>-<time>; model.json names the file for predict and export
         self.cfg, self.recipe, self.recipe_file, self.status = cfg, path.stem, str(path), "running"
         self.accelerator, self.stop, self.dir, self.note = None, None, None, ""
-        self.summary = Summary(self.recipe, None)  # the clock starts now; the accelerator comes with build()
+        self.summary = Summary(self.recipe, None)  # the clock starts now; the accelerator comes with it below
         self.data = self.model = self.optimizer = self.scheduler = self.train_loader = None
         # the parts start() assembles; ckpt (the position) is set once a resume (if any) has succeeded: from then
         # on the run has started, and every ending is recorded in summary.json
         self.ckpt = self.evaluator = self.checks = self.log_file = self.progress = self.profiler = self.meter = None
         self.open_batches = None  # the epoch the loop is in (EpochBatches)
         self.finished, self.ended_early, self.last_checkpoint_t = False, "", time.time()
-        self.eval_only, self.exit_code = None, None
+        self.scoring, self.exit_code = None, None
         self.scored = None  # (step, metrics) of the last validation run.evaluate made
-        self.launch = self.resume = self.notes = None  # what take_launcher_answers and take_resumed_settings found
-
-    # --- the settings, then what is built from them (the recipe's main calls these in this order) ----------------
+        self.tracked = self.handed = 0  # run.track calls and batches handed out in this launch (check_tracked)
+        self.skip_unread = False  # fp16: an update whose loss-scale verdict is not read yet
+        try:
+            launch = launcher_answers(cfg)
+            resume, notes = RunDir.adopt_run_settings(cfg)
+            self._build(launch, resume, notes)
+        except BaseException:
+            if self.__exit__(*sys.exc_info()):  # one paragraph, summary.json where a run folder holds one
+                raise SystemExit(self.exit_code) from None
+            raise
 
     def __enter__(self):
         return self
 
-    def take_launcher_answers(self) -> None:
-        """What ``accelerate launch`` (or ``accelerate config``) asked: its --mixed_precision, and its
-        --gradient_accumulation_steps, which counts as given on the command line."""
-        self.launch = launcher_answers(self.cfg)
-
-    def take_resumed_settings(self) -> None:
-        """--resume-from: every setting this command line leaves out becomes the run's own (read from its newest
-        complete checkpoint, or the one named), except this launch's own (``common.config.RESUME_LAUNCH_OWN``).
-        A fresh run (no checkpoint yet) keeps the command line's."""
-        self.resume, self.notes = RunDir.adopt_run_settings(self.cfg)
-
-    def build(self) -> None:
-        """From the settings as they now are: the Accelerator, the stop flag (signals, a vanished launcher), then
-        the run directory and its lock (or, with --eval-only, the run whose weights are scored)."""
-        if self.launch is None or self.notes is None:
-            raise RecipeError(
-                "run.build() ran before run.take_launcher_answers() and run.take_resumed_settings(): the "
-                "Accelerator would be built from settings a launcher or a resume is about to change (a resumed "
-                "run would train with this command line's seed and accumulation, not its own). Call those two "
-                "first, in the recipe's main, as recipes/mnist_convnet.py does."
-            )
-        self.accelerator, self.note = make_accelerator(self.cfg, self.launch)
+    def _build(self, launch, resume, notes) -> None:
+        self.accelerator, self.note = make_accelerator(self.cfg, launch)
         self.summary.accelerator = self.accelerator
         self.stop = StopFlag()
         if self.cfg.eval_only:
             if self.note:  # a training run says it in its startup line
                 say(f"NOTE: {self.note}")
-            self.eval_only = EvalOnly(self.cfg)
+            self.scoring = EvalOnly(self.cfg)
             return
-        self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator, planned=self.resume)
+        self.dir = RunDir.claim(self.cfg, self.recipe, self.accelerator, planned=resume)
         self.summary.path = self.dir.path
-        for note in self.notes:
+        for note in notes:
             say(f"NOTE: {note}")
 
     def __exit__(self, kind, caught, traceback) -> bool:
@@ -274,7 +282,10 @@ class TrainingRun:
 
     def _close(self, err) -> None:
         if err is not None:
-            self.summary.write_ending(self.status, err, self._position(), started=self.ckpt is not None)
+            # a resume's folder says this launch's ending, even one before training (another launch's status stays not)
+            self.summary.write_ending(
+                self.status, err, self._position(), started=self.ckpt is not None or self.resuming
+            )
         if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
             report(err)  # for the main one to say it (common.errors.report)
         # signal handlers and the launcher watch; a --profile trace
@@ -308,10 +319,19 @@ class TrainingRun:
         c = self.ckpt
         position = {
             "best": {self.cfg.monitor: self.best},
-            "epochs_completed": c.epoch if c else 0,
+            "epochs_completed": c.epochs_completed if c else 0,
             "global_step": c.global_step if c else 0,
             "skipped_steps": self.checks.skipped if self.checks else 0,
         }
+        if c is None and self.resuming:  # a resume that ended before training: where the run it resumes is
+            with contextlib.suppress(Exception):
+                state = ckpt.read_state(self.dir.resume_path)
+                position.update(
+                    best={self.cfg.monitor: state.get("best")},
+                    epochs_completed=state["epoch"],
+                    global_step=state["global_step"],
+                    skipped_steps=state.get("skipped_steps", 0),
+                )
         if self.ended_early:
             position["ended_early"] = self.ended_early
         damaged = self.data.damaged if self.data is not None else None
@@ -334,12 +354,13 @@ class TrainingRun:
 
     # --- the loop's calls: each says how; the recipe's loop says when ------------------------------------------
 
+    @started_first
     def batches(self, loader, epoch: int) -> EpochBatches:
-        """Epoch ``epoch``'s batches of ``loader`` (the training loader): its shuffle set (the same on every rank), the
-        batches a resumed epoch already trained skipped, and none handed out past --max-steps. Counts the batches as it
-        hands them out (the position a checkpoint records); nothing runs after the loop's body."""
-        if self.open_batches is not None:
-            self.open_batches.close()  # an epoch the loop left by `break`
+        """Epoch ``epoch``'s batches of ``loader`` (the training loader): its shuffle set (the same on every rank) and
+        the batches a resumed epoch already trained skipped. Counts the batches as it hands them out; the epoch is
+        complete once an update has taken its last batch (or the loop asks past it). The epoch before gets its line
+        here (its loss, the evaluation made after it, its time), whatever the loop did after its batches."""
+        self._say_epoch_line()
         self.open_batches = EpochBatches(self, loader, epoch)
         return self.open_batches
 
@@ -350,64 +371,89 @@ class TrainingRun:
         break`` at the end of the body ends every epoch after k batches, resumed or not."""
         return self.ckpt.batch
 
+    @started_first
     def track(self, loss: torch.Tensor) -> None:
-        """After ``accelerator.backward(loss)``, before ``optimizer.step()``: the loss added to the step's sums and, at
-        an optimizer step (``accelerator.sync_gradients``), the guard's one small all-reduce (``common.train.guard``):
-        a non-finite loss on any rank is masked out of this update and stops every rank at the next step; stop and
-        checkpoint requests are agreed on. No device sync."""
+        """After ``accelerator.backward(loss)``, before ``optimizer.step()``; the one call the loop cannot leave out (a
+        loop without it is refused at its first step). The loss joins the step's sums; at an optimizer step
+        (``accelerator.sync_gradients``) the update is counted (``run.step`` moves on, and with it the position a
+        checkpoint records) and the guard does its one small all-reduce (``common.train.guard``): a non-finite loss on
+        any rank is masked out of this update and stops every rank at the next step; stop and checkpoint requests are
+        agreed on. No device sync (fp16: one, the loss scale, for the update before)."""
+        self.tracked += 1
         self.checks.track(loss)
-        self.ckpt.training_on_it()
-        if self.accelerator.sync_gradients:
-            for watch in WATCHERS["before_update"]:
-                watch(self)
-            step = self.ckpt.global_step + 1
-            if step % self.cfg.log_every == 0 or step >= self.ckpt.total_steps:  # two passes over the gradients
-                self.meter.add_grad_norm(unclipped_grad_norm(self.accelerator, self.model))
-            every_s = self.cfg.checkpoint_every_s
-            wanted = bool(every_s) and time.time() - self.last_checkpoint_t >= every_s
-            self.checks.check(bool(self.stop), step, self.ckpt.epoch, wanted)
-            self.meter.lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
-
-    def updated(self) -> bool:
-        """After ``optimizer.step()``: True when this batch's step updated the weights, and then counted
-        (``run.step`` moves on); False on a --grad-accum micro-batch and on an update fp16 loss scaling skipped
-        (counted in summary.json's skipped_steps). The lines under it run once per update."""
         if not self.accelerator.sync_gradients:
-            return False
-        if not self.checks.update_taken():  # a sync, fp16 only
-            return False
-        self.ckpt.step_done()
+            self.ckpt.micro_batch()
+            return
+        self._read_skip()  # fp16: was the update before skipped by loss scaling? (a sync, fp16 only)
+        for watch in WATCHERS["before_update"]:
+            watch(self)
+        every_s = self.cfg.checkpoint_every_s
+        wanted = bool(every_s) and time.time() - self.last_checkpoint_t >= every_s
+        self.checks.check(bool(self.stop), self.ckpt.global_step + 1, self.ckpt.epoch, wanted)
+        self.meter.lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
+        self.ckpt.update()
+        self.skip_unread = self.checks.fp16
         if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
             self.summary.first_step_at = time.time()
         self.profiler.step()
-        for watch in WATCHERS["after_step"]:
-            watch(self)
-        return True
+
+    def _read_skip(self) -> None:
+        """fp16: whether the last update was skipped by loss scaling, read from the scale (counted in skipped_steps;
+        too many in a row stop the run). A sync, fp16 only."""
+        if self.skip_unread:
+            self.skip_unread = False
+            self.checks.update_taken()
+
+    def check_tracked(self, call: str) -> None:
+        """A loop that reaches its after-update lines (or its end) having handed out batches in this launch and never
+        called run.track is refused: it would train without the update being counted."""
+        if self.tracked or not self.handed:
+            return
+        raise RecipeError(
+            f"run.{call}() was reached after {self.handed} batch(es) without a call of run.track(loss) in the loop. "
+            "That line, after accelerator.backward(loss) and before optimizer.step(), is the one a loop cannot "
+            "leave out: it counts the update (run.step and the position a checkpoint records, so a resume neither "
+            "repeats nor skips a batch), keeps a non-finite loss out of the weights, and lets every process agree on "
+            "a stop or a checkpoint at the same step. Put `run.track(loss)` back where recipes/mnist_convnet.py has "
+            "it (it logs nothing by itself: run.log does)."
+        )
 
     @property
     def step(self) -> int:
-        """Optimizer updates taken (fp16 skips and --grad-accum micro-batches are none)."""
+        """Optimizer updates taken, counted by run.track at each --grad-accum boundary: after it in the loop's body,
+        the update being made (an fp16 update the loss scaler skips is one too, counted in skipped_steps)."""
         return self.ckpt.global_step
 
-    def log(self) -> None:
-        """The training loss (mean since the last log), LR, throughput and gradient norm, to metrics.jsonl, the
-        trackers and the progress line. Reads the step's flags first: nothing is logged after a non-finite loss."""
+    @started_first
+    def log(self, values: dict | None = None) -> None:
+        """The training loss (mean since the last log), LR and throughput, and ``values``, the loop's own scalars (e.g.
+        ``{"train/grad_norm": norm}``, the norm clip_grad_norm_ returned; a tensor is read here, a None left out), at
+        ``run.step`` to metrics.jsonl, every tracker, curves.png and the progress line (``accelerator.log(values,
+        step=run.step)`` reaches the same places). Reads the step's flags first: nothing is logged after a
+        non-finite loss. Waits for no other process: the line may be guarded by ``accelerator.is_main_process``."""
+        self.check_tracked("log")
+        self._log(values)
+
+    def _log(self, values: dict | None = None) -> None:
         self.checks.settle(self.ckpt.epoch)
         loss_sum, count = self.checks.window_loss()
-        if not count:
+        own = {k: float(v) for k, v in (values or {}).items() if v is not None}
+        if not count and not own:
             return
-        values = {"train/loss": loss_sum / count, "train/lr": self.meter.lr, **self.meter.read_and_reset()}
-        self.log_file.log(values, step=self.ckpt.global_step)
-        self.progress.update(
-            self.ckpt.global_step, self.ckpt.epoch, values["train/loss"], values["train/samples_per_sec"]
-        )
+        row = {"train/lr": self.meter.lr, **self.meter.read_and_reset(), **own}
+        loss = None
+        if count:
+            row["train/loss"] = loss = loss_sum / count
+        self.log_file.log(row, step=self.ckpt.global_step)
+        self.progress.update(self.ckpt.global_step, self.ckpt.epoch, loss, row["train/samples_per_sec"])
 
+    @started_first
     def evaluate(self, validate, loader, pictures: bool = False) -> None:
         """Evaluate now: ``validate(loader)`` (the recipe's; ``loader`` None when there is no validation split), its
         scalars recorded, and best/ kept when --monitor improved; with ``pictures``, its confusion matrix and
         misclassified images drawn into TensorBoard now (about a second on a 2-core CPU; the final evaluation's are
         always drawn). Weights already evaluated at this step (an --eval-every-steps step that ends an epoch) are not
-        evaluated again."""
+        evaluated again. Every process calls it (the predictions are gathered)."""
         c = self.ckpt
         if loader is None or self.evaluator.evaluated_step == c.global_step:
             return
@@ -415,13 +461,17 @@ class TrainingRun:
         metrics = validate(loader)  # a stop request meanwhile is acted on at the next step (checkpoint, exit 75)
         self.evaluator.record(metrics, c.global_step, c.epoch, pictures)
         self.scored = (c.global_step, metrics)
-        self.progress.note_eval(self.evaluator.seconds)
+        self.progress.note_eval(self.evaluator.seconds, c.global_step)
 
+    @started_first
     def stop_requested(self) -> bool:
         """A stop request (a signal, a lost launcher, too many damaged photos) on any rank, agreed by every rank at the
-        same step (read with the guard's flags: no sync of its own)."""
+        same step (read with the guard's flags at run.track: no sync of its own, and the same answer on every rank
+        whatever else one rank calls)."""
+        self.check_tracked("stop_requested")
         return self.checks.stopping
 
+    @started_first
     def preempt(self) -> None:
         """Checkpoint here, then end the run: exit 75, and the same command with --resume-from latest continues."""
         self.checks.settle(self.ckpt.epoch)
@@ -436,52 +486,50 @@ class TrainingRun:
             f"--output-dir {self.dir.path} --resume-from latest to continue."
         )
 
+    @started_first
     def checkpoint_due(self) -> bool:
         """Every --checkpoint-every steps, and once --checkpoint-every-s seconds have passed since the last checkpoint
-        (on any rank: agreed through the guard, so every rank writes at the same step)."""
+        (on any rank: agreed through the guard at run.track, so every rank answers alike at the same step)."""
+        self.check_tracked("checkpoint_due")
         every = self.cfg.checkpoint_every
         due = bool(every) and self.ckpt.global_step % every == 0
         return due or self.checks.checkpoint_wanted
 
+    @started_first
     def checkpoint(self) -> Path:
         """A crash-safe checkpoint of everything prepared and the position, written by every rank together
         (``common.train.checkpoint``); the best value with it is that of the evaluations recorded so far. It returns
         once the files are written; the main process makes them durable and marks the folder complete in a thread
         while training goes on (the next checkpoint, the end of the run and a stop wait for it)."""
         self.checks.settle(self.ckpt.epoch)  # nothing is written after a non-finite loss
-        self.checks.checkpoint_wanted = False
+        self._read_skip()
+        self.checks.checkpoint_written()
         if self.ckpt.saved == self.ckpt.position():  # nothing trained since: that one
             return self.ckpt.saved_path
         path = self.ckpt.save(self.model, self.best, self.checks.skipped)
         self.last_checkpoint_t = time.time()
         return path
 
-    def end_epoch(self) -> None:
-        """The epoch's line (its training loss, its evaluation, its time); the position moves to the next epoch's
-        start, unless --max-steps stopped this one part-way."""
-        c = self.ckpt
+    def _say_epoch_line(self) -> None:
+        """The line of the epoch the loop was in (its training loss, the evaluation made after it, its time), said
+        when the loop moves to the next epoch or the run ends; a part-way epoch says how far it got."""
         batches, self.open_batches = self.open_batches, None
-        if batches is not None:
-            batches.close()
+        if batches is None:
+            return
+        batches.close()
+        c = self.ckpt
         self.checks.settle(c.epoch)
-        done, full = c.trained(), c.trained() == c.batches_per_epoch
-        cut = not full and batches is not None and batches.stopped_by_max_steps
-        line = f"epoch {c.epoch + 1}/{self.cfg.epochs}"
-        if not full:
-            how = "stopped by --max-steps" if cut else "ended by the loop"
-            line += f", {how} after {done} of {c.batches_per_epoch} batches"
+        epoch, trained, _ = c.position()
+        line = f"epoch {batches.epoch + 1}/{self.cfg.epochs}"
+        if epoch == batches.epoch:  # not complete
+            cut = bool(self.cfg.max_steps) and c.global_step >= self.cfg.max_steps
+            line += f", {'stopped at --max-steps' if cut else 'ended by the loop'}"
+            line += f" after {trained} of {c.batches_per_epoch} batches"
         loss_sum, count = self.checks.epoch_loss()
         line += f": train loss {loss_sum / count:.4f}" if count else ":"
         say(f"{line}{self.evaluator.epoch_line()} | {self.progress.epoch_seconds():.1f} s")
-        if not cut:
-            c.end_epoch()
 
-    @property
-    def max_steps_reached(self) -> bool:
-        """--max-steps stopped this epoch's batches part-way (or before its first): this launch ends here (run.finish
-        checkpoints, evaluates and saves; a resume with a higher --max-steps, or none, continues)."""
-        return self.open_batches is not None and self.open_batches.stopped_by_max_steps
-
+    @started_first
     def augment_generator(self) -> torch.Generator:
         """Augmentation draws for this batch, seeded by (seed, epoch, batch, rank): no RNG state to save."""
         return batch_generator(
@@ -514,7 +562,7 @@ class TrainingRun:
         """The per-channel mean and std the model's inputs are normalised with: ``compute()``, the recipe's rule (the
         training split's statistics, or pretrained weights' own); under --eval-only the ones the scored run recorded
         in model.json, so its weights are scored on the pixels they were trained on, whatever data is scored."""
-        recorded = self.eval_only.normalisation() if self.eval_only is not None else None
+        recorded = self.scoring.normalisation() if self.scoring is not None else None
         return recorded if recorded is not None else compute()
 
     @property
@@ -600,6 +648,7 @@ class TrainingRun:
 
     # --- the end ---------------------------------------------------------------------------------
 
+    @started_first
     def finish(self, validate, loader) -> None:
         """The end of the run: a checkpoint of where it is (unless the newest one is), then the final evaluation
         (``validate(loader)``: the test split, else validation), final/ weights, hparams, summary.json, curves.png and
@@ -609,13 +658,12 @@ class TrainingRun:
         ``run.evaluate`` scored it at this step, that result is the final one and it is not scored again."""
         c = self.ckpt
         self.finished = True
+        self._say_epoch_line()  # the epoch the loop was in, complete or not
         self.evaluator.say_pending()
-        if self.open_batches is not None:  # the loop left the epoch without run.end_epoch(): where it is, it stays
-            self.open_batches.close()
-            self.open_batches = None
-        self.log()  # a partial window (e.g. --max-steps below --log-every) is logged too (its flags read first)
+        self._log()  # a partial window (e.g. --max-steps below --log-every) is logged too (its flags read first)
         self.checkpoint()
-        if self.stop_requested():
+        self.checks.release()  # every rank is here: flags one rank read early (its own run.log) count now
+        if self.checks.stopping:
             self.preempt()
         if not c.last_step() and not (self.cfg.max_steps and c.global_step >= self.cfg.max_steps):
             self.ended_early = (
@@ -629,7 +677,7 @@ class TrainingRun:
             metrics = validate(loader)  # while the main process completes the checkpoint in a thread
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.ckpt.wait_written()
-        split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epoch)
+        split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epochs_completed)
         if self.data.damaged is not None:  # every rank's damaged photos, for summary.json (every rank is here)
             self.data.damaged.gather(self.accelerator)
         self.log_file.hparams(
@@ -642,13 +690,14 @@ class TrainingRun:
 
     # --- --eval-only (common.train.eval_only) -------------------------------------------------------------
 
-    def load_weights(self, model) -> None:
-        """--eval-only: load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder)."""
-        self.stop.interruptible("evaluating (--eval-only)")  # nothing to save: a stop request ends it at once
-        self.eval_only.load(self.accelerator, model, self.data)
-
-    def report_eval_only(self, data, metrics: dict | None) -> None:
-        """Print and write eval-<split>.json beside the weights (a new file if one exists); target check."""
+    def eval_only(self, model, validate, loader) -> None:
+        """--eval-only: the weights in --checkpoint (a run, best/, final/ or a checkpoint folder) loaded into ``model``,
+        scored with ``validate(loader)``, printed and written to eval-<split>.json beside them (a new file if one
+        exists); below --target-accuracy the run ends ``target_missed``. A stop request ends it at once (nothing to
+        save)."""
+        self.stop.interruptible("evaluating (--eval-only)")
+        self.scoring.load(self.accelerator, model, self.data)
+        metrics = validate(loader)
         self.stop.interruptible(None)
-        if self.eval_only.report(self.accelerator, data, metrics):
+        if self.scoring.report(self.accelerator, self.data, metrics):
             self.status = "target_missed"

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.tracking import GeneralTracker
 
 from common import console
 from common.errors import ConfigError
 from common.train import plots
-from common.train.evaluator import evaluation_due
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
 
@@ -59,34 +59,39 @@ def trackers_from(report_to: str) -> list[str]:
 
 
 def log_with(report_to: str) -> list:
-    """What ``Accelerator(log_with=...)`` gets: TensorBoard as a tracker object of our own (its folder is the
-    run directory's ``tensorboard/``, set once the run directory is known), every other tracker by name."""
+    """What ``Accelerator(log_with=...)`` gets: metrics.jsonl (``MetricsFile``, always) and TensorBoard as tracker
+    objects of our own (their folder is the run directory, set once it is known), every other tracker by name."""
     from accelerate.tracking import TensorBoardTracker
 
     class RunTensorBoard(TensorBoardTracker):
         def __init__(self):
             super().__init__(TENSORBOARD_DIR, ".")
 
-    return [RunTensorBoard() if name == "tensorboard" else name for name in trackers_from(report_to)]
+    names = trackers_from(report_to)
+    return [MetricsFile(), *(RunTensorBoard() if name == "tensorboard" else name for name in names)]
 
 
-class MetricsLog:
-    """The trackers plus ``metrics.jsonl``, one JSON line per step: values logged at a step already written
-    are merged into its line, whose ``time`` is then that of its last value (an evaluation row also carries
-    ``eval_time``, when the evaluation finished, and ``eval_seconds``). Main process only; other ranks no-op.
-    TensorBoard also gets the hyperparameters with the final metrics (its HParams tab) and, at each
-    evaluation, a confusion matrix and a grid of misclassified images; every other tracker gets the same
-    scalars, and the hyperparameters at the start (``project`` names its project or experiment, the run
-    directory's name its run).
+class MetricsFile(GeneralTracker):
+    """metrics.jsonl as one of Accelerate's trackers, so that whatever reaches ``accelerator.log(values, step=...)``
+    (the run's own scalars and the loop's) is written there, and drawn in curves.png: one JSON line per step, values
+    logged at a step already written merged into its line, whose ``time`` is then that of its last value. Numbers
+    only (a 0-dim tensor is read, a string left out); main process only, as Accelerate calls every tracker."""
 
-    ``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a
-    crashed run wrote after its checkpoint (TensorBoard hides its events past the step, ``purge_step``)."""
+    name = "metrics.jsonl"
+    requires_logging_directory = False
 
-    def __init__(self, accelerator, run_dir: Path, resume_step: int | None, project: str = "", hparams=None):
-        self.accelerator, self.path = accelerator, Path(run_dir) / "metrics.jsonl"
-        self.last: dict | None = None  # the file's last line, rewritten when its step logs more values
-        if not accelerator.is_main_process:
-            return
+    def __init__(self):
+        super().__init__()
+        self.path, self.last, self.last_offset = None, None, 0
+
+    @property
+    def tracker(self):
+        return self.path
+
+    def open(self, run_dir: Path, resume_step: int | None) -> None:
+        """``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a crashed run
+        wrote after its checkpoint."""
+        self.path = Path(run_dir) / "metrics.jsonl"
         kept = []
         if resume_step is not None and self.path.exists():
             kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
@@ -95,38 +100,16 @@ class MetricsLog:
         self.path.write_text("".join(lines))
         self.last = kept[-1] if kept else None
         self.last_offset = sum(len(line.encode()) for line in lines[:-1])  # where the last line starts
-        for tracker in accelerator.log_with:
-            if getattr(tracker, "name", None) == "tensorboard":
-                tracker.logging_dir_param = str(run_dir)
-                tracker.init_kwargs = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
-        accelerator.init_trackers(
-            project or TENSORBOARD_DIR,
-            init_kwargs={
-                "mlflow": {"run_name": Path(run_dir).name},
-                "wandb": {"name": Path(run_dir).name, "dir": str(run_dir)},
-            },
-        )
-        for tracker in accelerator.trackers:
-            if tracker.name != "tensorboard" and hparams:  # TensorBoard's come with the final metrics
-                tracker.store_init_configuration(hparams)
 
-    @property
-    def writer(self):
-        """TensorBoard's SummaryWriter, or None (another rank, or not reported to)."""
-        if not self.accelerator.is_main_process:
-            return None
-        found = [t for t in self.accelerator.trackers if t.name == "tensorboard"]
-        return found[0].tracker if found else None
-
-    def log(self, values: dict, step: int, extra: dict | None = None) -> None:
-        """``values`` go to every tracker and metrics.jsonl; ``extra`` (e.g. when an evaluation finished and
-        how long it took) only to metrics.jsonl."""
-        if not self.accelerator.is_main_process:
+    def log(self, values: dict, step: int | None = None, extra: dict | None = None, **kwargs) -> None:
+        """``extra``: values for this file only (when an evaluation finished, how long it took)."""
+        if self.path is None:
             return
-        values = {k: float(v) for k, v in values.items()}
-        self.accelerator.log(values, step=step)
-        now = round(time.time(), 3)
+        values = {k: float(v) for k, v in values.items() if isinstance(v, (int, float, torch.Tensor))}
         values.update(extra or {})
+        if step is None:  # Accelerate's trackers take a step-less value at their own counter; here, the last step
+            step = self.last["step"] if self.last is not None else 0
+        now = round(time.time(), 3)
         merge = self.last is not None and self.last["step"] == step
         if merge:
             self.last.update(values, time=now)
@@ -139,6 +122,55 @@ class MetricsLog:
             else:
                 self.last_offset = f.tell()
             f.write(json.dumps(self.last) + "\n")
+
+
+class MetricsLog:
+    """The trackers, ``metrics.jsonl`` among them (``MetricsFile``; an evaluation row also carries ``eval_time``, when
+    the evaluation finished, and ``eval_seconds``). Main process only; other ranks no-op.
+    TensorBoard also gets the hyperparameters with the final metrics (its HParams tab) and, at each
+    evaluation, a confusion matrix and a grid of misclassified images; every other tracker gets the same
+    scalars, and the hyperparameters at the start (``project`` names its project or experiment, the run
+    directory's name its run).
+
+    ``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a
+    crashed run wrote after its checkpoint (TensorBoard hides its events past the step, ``purge_step``)."""
+
+    def __init__(self, accelerator, run_dir: Path, resume_step: int | None, project: str = "", hparams=None):
+        self.accelerator, self.path = accelerator, Path(run_dir) / "metrics.jsonl"
+        if not accelerator.is_main_process:
+            return
+        for tracker in accelerator.log_with:
+            if isinstance(tracker, MetricsFile):
+                tracker.open(run_dir, resume_step)
+            if getattr(tracker, "name", None) == "tensorboard":
+                tracker.logging_dir_param = str(run_dir)
+                tracker.init_kwargs = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
+        accelerator.init_trackers(
+            project or TENSORBOARD_DIR,
+            init_kwargs={
+                "mlflow": {"run_name": Path(run_dir).name},
+                "wandb": {"name": Path(run_dir).name, "dir": str(run_dir)},
+            },
+        )
+        for tracker in accelerator.trackers:
+            if tracker.name not in ("tensorboard", MetricsFile.name) and hparams:  # TensorBoard's: at the end
+                tracker.store_init_configuration(hparams)
+
+    @property
+    def writer(self):
+        """TensorBoard's SummaryWriter, or None (another rank, or not reported to)."""
+        if not self.accelerator.is_main_process:
+            return None
+        found = [t for t in self.accelerator.trackers if t.name == "tensorboard"]
+        return found[0].tracker if found else None
+
+    def log(self, values: dict, step: int, extra: dict | None = None) -> None:
+        """``values`` go to every tracker (metrics.jsonl among them) through ``accelerator.log``; ``extra`` (e.g. when
+        an evaluation finished and how long it took) only to metrics.jsonl."""
+        if not self.accelerator.is_main_process:
+            return
+        values = {k: float(v) for k, v in values.items()}
+        self.accelerator.log(values, step=step, log_kwargs={MetricsFile.name: {"extra": extra}})
 
     def images(self, split: str, metrics: dict, data_split, class_names, step: int, final=False, pictures=False):
         """An evaluation's pictures, drawn here (matplotlib, about a second on a 2-core CPU): the confusion matrix and a
@@ -202,22 +234,16 @@ class MetricsLog:
 
 
 class Throughput:
-    """Per log window: global samples/s, the share of wall time spent waiting for data, the mean
-    gradient norm, peak memory; and ``lr``, the learning rate the last step used (before the scheduler moved it)."""
+    """Per log window: global samples/s, the share of wall time spent waiting for data, peak memory; and ``lr``, the
+    learning rate the last step used (before the scheduler moved it)."""
 
     def __init__(self, device):
         self.device, self.lr = device, None
-        self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = time.perf_counter(), 0, 0.0, None, 0
+        self.t0, self.samples, self.data_wait = time.perf_counter(), 0, 0.0
 
     def add(self, samples: int, wait: float) -> None:
         self.samples += samples
         self.data_wait += wait
-
-    def add_grad_norm(self, norm) -> None:
-        """A tensor: summed on the device, read (one sync) only when the window is logged."""
-        norm = torch.as_tensor(norm).detach().float()
-        self.norm_sum = norm if self.norm_sum is None else self.norm_sum + norm
-        self.norms += 1
 
     def read_and_reset(self) -> dict:
         now = time.perf_counter()
@@ -227,9 +253,7 @@ class Throughput:
             "train/data_wait_fraction": self.data_wait / elapsed,
             "train/peak_memory_mb": peak_memory_mb(self.device),
         }
-        if self.norms:
-            out["train/grad_norm"] = self.norm_sum.item() / self.norms
-        self.t0, self.samples, self.data_wait, self.norm_sum, self.norms = now, 0, 0.0, None, 0
+        self.t0, self.samples, self.data_wait = now, 0, 0.0
         return out
 
 
@@ -274,29 +298,27 @@ class Progress:
         self.accelerator, self.cfg, self.total, self.every_s = accelerator, cfg, total_steps, cfg.progress_every_s
         self.tty, self.bar = on_terminal(accelerator), None
         self.t_start, self.step_start, self.last_line, self.epoch_t0 = time.time(), None, time.time(), time.time()
-        self.eval_s, self.last_eval_s = 0.0, None  # evaluation time so far, and the last one's
+        self.eval_s, self.evals = 0.0, 0  # evaluation time and evaluations made since the start (or resume)
 
-    def note_eval(self, seconds: float | None) -> None:
-        """An evaluation took ``seconds``: the ETA counts it apart from training and adds the ones still to come."""
+    def note_eval(self, seconds: float | None, step: int) -> None:
+        """The loop made an evaluation of ``seconds`` at ``step``: the ETA counts evaluation time apart from training
+        and expects the loop to go on evaluating as often as it has so far."""
         if seconds is not None:
             self.eval_s += seconds
-            self.last_eval_s = seconds
+            self.evals += 1
 
     def eta(self, step: int, epoch: int, now: float) -> str:
-        """Training left at the training-only rate, plus the evaluations left (epoch ends, --eval-every-steps, the
-        final one) at the last one's duration; before any evaluation, said to be left out."""
-        rate = (step - self.step_start) / max(now - self.t_start - self.eval_s, 1e-9)
+        """Training left at the training-only rate, plus evaluations: as many per step as the loop has made so far,
+        then the final one, each as long as they have taken on average; before any evaluation, said to be left out."""
+        trained = step - self.step_start
+        rate = trained / max(now - self.t_start - self.eval_s, 1e-9)
         if rate <= 0:
             return "?"
-        left = (self.total - step) / rate
-        if self.last_eval_s is None:
-            return f"{format_duration(left)} + evaluations"
-        # the evaluation rule the run follows (common.train.evaluator): this epoch's end and the later ones (1-based),
-        # the --eval-every-steps steps left, then the final evaluation
-        ends = range(epoch + 1, self.cfg.epochs + 1)
-        evals = 1 + sum(evaluation_due(self.cfg, epochs_done=e) for e in ends)
-        evals += sum(evaluation_due(self.cfg, step=s) for s in range(step + 1, self.total + 1))
-        return format_duration(left + evals * self.last_eval_s)
+        steps_left = self.total - step
+        if not self.evals:
+            return f"{format_duration(steps_left / rate)} + evaluations"
+        evals_left = self.evals / trained * steps_left + 1
+        return format_duration(steps_left / rate + evals_left * self.eval_s / self.evals)
 
     def wrap(self, iterable, epoch: int, initial: int, total: int):
         if not self.tty:
@@ -317,7 +339,7 @@ class Progress:
 
     def begin(self, step: int) -> None:
         """Training starts (or resumes) at ``step``: the ETA counts from here."""
-        self.step_start, self.t_start, self.eval_s = step, time.time(), 0.0
+        self.step_start, self.t_start, self.eval_s, self.evals = step, time.time(), 0.0, 0
 
     def begin_epoch(self) -> None:
         self.epoch_t0 = time.time()
