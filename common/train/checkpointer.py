@@ -42,9 +42,9 @@ from common.train.sharding import share_buffers
 class Checkpointer:
     """Owns the position: ``epoch`` (0-based, the one running), ``batch`` (batches of it handed out to the loop, the
     one in the loop's body included), ``through`` (those behind the loop), ``global_step`` (optimizer updates taken),
-    ``start_batch`` (where a resumed epoch starts) and the newest checkpoint written or resumed (``saved``: its position, and ``saved_path``); the
-    run's length (``steps_per_epoch``, ``total_steps``); and the data fingerprint every checkpoint records and a
-    resume compares."""
+    ``start_batch`` (where a resumed epoch starts) and the newest checkpoint written or resumed (``saved``: its
+    position, and ``saved_path``); the run's length (``steps_per_epoch``, ``total_steps``); and the data fingerprint
+    every checkpoint records and a resume compares."""
 
     def __init__(
         self, cfg, accelerator, run_dir: Path, resume_path: Path | None, batches_per_epoch: int, data, epoch_sides=None
