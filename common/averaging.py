@@ -1,7 +1,7 @@
-"""Weight averaging, two ways a recipe picks from, each a class whose ``step()``/``update()`` the loop calls after
-``if not run.updated(): continue`` (so an update fp16 loss scaling skipped moves neither) and whose state goes into
-every checkpoint as safetensors through Accelerate's save/load hooks (tensors only: loading a checkpoint someone sent
-you runs no pickle).
+"""Weight averaging, two ways a recipe picks from, each a class whose ``step()``/``update()`` the loop calls once per
+update (after ``if not accelerator.sync_gradients: continue``: a --grad-accum micro-batch moves neither, nor does an
+update fp16 loss scaling skipped) and whose state goes into every checkpoint as safetensors through Accelerate's
+save/load hooks (tensors only: loading a checkpoint someone sent you runs no pickle).
 
 ``EMA``: an exponential moving average of the weights, evaluated and saved instead of them
 (the arithmetic and checkpoint file of ``torch.optim.swa_utils.AveragedModel``).
@@ -84,8 +84,8 @@ class EMA:
 
     @torch.no_grad()
     def update(self) -> None:
-        """After each optimizer step that was taken: device kernels only, no sync."""
-        if self.module is None:
+        """After each update: device kernels only, no sync. An update fp16 loss scaling skipped is not averaged."""
+        if self.module is None or self.accelerator.optimizer_step_was_skipped:
             return
         if self.updates == 0:
             torch._foreach_copy_([a for a, _ in self.floats + self.others], [b for _, b in self.floats + self.others])
@@ -132,6 +132,7 @@ class EMA:
 class Lookahead:
     def __init__(self, accelerator, model: nn.Module, total_steps: int, every: int = 5, base: float = 0.95):
         self.every, self.base, self.total, self.steps = every, base, max(1, total_steps), 0
+        self.accelerator = accelerator
         live = accelerator.unwrap_model(model, keep_torch_compile=False)
         self.live = [t for t in (*live.parameters(), *live.buffers()) if t.is_floating_point()]
         self.slow = [t.detach().clone() for t in self.live] if every else []
@@ -145,8 +146,8 @@ class Lookahead:
 
     @torch.no_grad()
     def step(self) -> None:
-        """After each optimizer step that was taken."""
-        if not self.every:
+        """After each update; an update fp16 loss scaling skipped is not counted."""
+        if not self.every or self.accelerator.optimizer_step_was_skipped:
             return
         self.steps += 1
         if self.steps % self.every == 0:

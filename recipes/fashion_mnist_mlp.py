@@ -124,10 +124,11 @@ def train(cfg: Config, run: TrainingRun) -> None:
                 if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):  # --max-grad-norm (inf: none)
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
                 optimizer.step()
-                scheduler.step()  # Accelerate's: moves at updates only, not at --grad-accum micro-batches
                 optimizer.zero_grad(set_to_none=True)
             if not accelerator.sync_gradients:  # a --grad-accum micro-batch: the update comes later
                 continue
+            if not accelerator.optimizer_step_was_skipped:  # fp16 loss scaling may skip an update
+                scheduler.step()
             if log_now:  # every --log-every updates: mean loss since the last log, LR, throughput; one sync
                 run.log({"train/grad_norm": grad_norm})  # the norm before clipping; your own scalars go here too
             if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0:

@@ -495,8 +495,13 @@ def test_resume_refuses_settings_that_change_what_the_run_means(tmp_path, env, m
     before = tree(run2)
     proc = run_in_process("fashion_mnist_mlp", [*args, "--resume-from", "latest"], env)
     assert proc.returncode == 2 and "The data differs from what the checkpoint" in proc.stderr, proc.stderr
-    # found once the data is read, after the run directory was claimed: only the claim's lock token is new
-    assert {k: v for k, v in tree(run2).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+    # found once the data is read, after the run directory was claimed: only the claim's lock token is new, and
+    # summary.json says this launch's ending (a requeue script reads it), keeping the run's scores and earlier status
+    kept = {k: v for k, v in tree(run2).items() if k not in (".lock", "summary.json")}
+    assert kept == {k: v for k, v in before.items() if k not in (".lock", "summary.json")}
+    said = json.loads((run2 / "summary.json").read_text())
+    assert (said["status"], said["previous"]["status"], said["global_step"]) == ("bad_input", "completed", 2), said
+    assert said["final"] and "The data differs" in said["error"]
 
 
 def test_a_stop_on_the_last_step_still_evaluates_the_last_epoch_after_resume(tmp_path, env, mnist_like, monkeypatch):

@@ -116,3 +116,33 @@ def test_recipes_use_only_the_public_names():
             elif isinstance(node, ast.Import) and any(a.name.startswith("common") for a in node.names):
                 outside.append(f"{recipe.name}: import {', '.join(a.name for a in node.names)}")
     assert outside == []
+
+
+def names_a_reader_learns(recipe) -> tuple[set[str], set[str]]:
+    """The names of the library a reader of ``recipe`` meets: what it imports from common.api, and the ``run.*``
+    members it uses (``run`` being the TrainingRun)."""
+    tree = ast.parse(recipe.read_text())
+    imported = {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "common.api" for a in n.names
+    }
+    members = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "run"
+    }
+    return imported, members
+
+
+def test_the_loop_teaches_few_names_and_each_exists():
+    """The loop's *how* stays small: mnist_convnet's common.api imports and run.* members together are at most 32
+    (39 when main had three fixed calls and the loop end_epoch, updated and max_steps_reached); every recipe's loop
+    uses the same run.* calls (the photo recipe adds ``resuming``), each one of TrainingRun's."""
+    from common.train.run import TrainingRun
+
+    imported, members = names_a_reader_learns(REPO / "recipes" / "mnist_convnet.py")
+    assert len(imported) + len(members) <= 32, (sorted(imported), sorted(members))
+    instance_only = {"accelerator", "exit_code"}  # set in the constructor
+    for recipe in sorted((REPO / "recipes").glob("*.py")):
+        used = names_a_reader_learns(recipe)[1]
+        assert used - {"resuming"} == members, (recipe.name, sorted(used ^ members))
+        assert all(hasattr(TrainingRun, m) or m in instance_only for m in used), (recipe.name, sorted(used))

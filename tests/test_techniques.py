@@ -25,7 +25,7 @@ from helpers import check_ok, import_recipe, launch, read_jsonl, run_in_process,
 class _Acc:
     """What Lookahead uses of an Accelerator, for a plain single-process model."""
 
-    num_processes, is_main_process = 1, True
+    num_processes, is_main_process, optimizer_step_was_skipped = 1, True, False
 
     def __init__(self):
         self.save_hooks, self.load_hooks = [], []
@@ -418,10 +418,11 @@ def fp16_on_this_cpu(monkeypatch, overflow_at):
 def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_where_they_were(
     tmp_path, env, cifar_like, monkeypatch
 ):
-    """cifar_cnn (Lookahead on) with fp16 loss scaling, overflows at optimizer steps 3 and 4: both updates are
-    skipped (the weights, the LR schedule and the weight average stay where they were) and are no steps: the step
-    count, the logs and --max-steps count updates, summary.json counts the skips beside them; training goes on; 25
-    overflows in a row stop the run with its own message."""
+    """cifar_cnn (Lookahead on, fused SGD) with fp16 loss scaling, overflows at optimizer steps 3 and 4: both updates
+    are skipped, and Accelerate sees it (the guard gives the fused optimizer GradScaler's own path), so the weights,
+    Accelerate's LR scheduler and the weight average stay where they were. The steps count (run.step, the logs,
+    --max-steps: one per optimizer step, as HF Trainer counts them), summary.json counts the skips beside them;
+    training goes on; 25 overflows in a row stop the run with its own message."""
     from common.train.checkpoint import find_latest
 
     fp16_on_this_cpu(monkeypatch, overflow_at={3, 4})
@@ -451,27 +452,29 @@ def test_fp16_skipped_steps_through_a_recipe_leave_the_schedule_and_the_average_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["precision"] == "fp16" and summary["skipped_steps"] == 2 and summary["status"] == "completed"
     steps = summary["global_step"]
-    assert steps == batches - 2  # updates, not optimizer calls
+    assert steps == batches  # optimizer steps, the two skipped ones among them
     logged = [(r["step"], r["train/lr"]) for r in read_jsonl(run / "metrics.jsonl") if "train/lr" in r]
-    assert [step for step, _ in logged] == list(range(1, steps + 1))  # one line per update, none for a skip
-    # the schedule moves at every update and at no skip: the k-th update runs at the schedule's k-th LR
-    expected = [1.5 * lr_multiplier(p, batches, int(round(0.23 * batches)), "linear", 0.2, 0.07) for p in range(steps)]
+    assert [step for step, _ in logged] == list(range(1, steps + 1))
+    # the schedule moves at every update taken and at no skip: step s runs at the LR of the updates taken before it
+    taken_before = [s - 1 - len({3, 4} & set(range(1, s))) for s in range(1, steps + 1)]
+    warmup = int(round(0.23 * batches))
+    expected = [1.5 * lr_multiplier(p, batches, warmup, "linear", 0.2, 0.07) for p in taken_before]
     assert [lr for _, lr in logged] == pytest.approx(expected)
     latest = find_latest(run)
-    assert int(load_file(str(latest / "lookahead.safetensors"))["steps"][0]) == steps  # nor an average
+    assert int(load_file(str(latest / "lookahead.safetensors"))["steps"][0]) == steps - 2  # nor an average
     optimizer_state = torch.load(latest / "optimizer.bin", weights_only=True)["state"]
     assert {int(s["momentum_buffer"].ne(0).any()) for s in optimizer_state.values()} == {1}
     scaler = torch.load(latest / "scaler.pt", weights_only=True)
     assert scaler["scale"] == 2.0**10  # halved at each skipped step
 
-    # --max-steps counts updates: 6 updates take 8 batches when two are skipped; the checkpoint says so
+    # --max-steps counts optimizer steps: 6 steps take 6 batches, two of them skipped; the checkpoint says so
     fp16_on_this_cpu(monkeypatch, overflow_at={3, 4})
     check_ok(run_in_process("cifar_cnn", [*args[:-1], tmp_path / "capped", "--epochs", 2, "--max-steps", 6], env))
     summary = json.loads((tmp_path / "capped" / "summary.json").read_text())
     assert (summary["global_step"], summary["skipped_steps"]) == (6, 2), summary
     state = json.loads((find_latest(tmp_path / "capped") / "trainer_state.json").read_text())
     consumed = state["epoch"] * batches + state["batches_in_epoch"]
-    assert (state["global_step"], consumed, state["skipped_steps"]) == (6, 8, 2), state
+    assert (state["global_step"], consumed, state["skipped_steps"]) == (6, 6, 2), state
 
     fp16_on_this_cpu(monkeypatch, overflow_at=set(range(3, 1000)))
     proc = run_in_process("cifar_cnn", [*args[:-1], tmp_path / "diverged", "--epochs", 5], env)

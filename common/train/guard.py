@@ -72,6 +72,12 @@ class StepGuard:
         if self.masks:
             self.found_inf = torch.zeros((), device=device)  # 0-dim, as GradScaler makes it
             inner.found_inf = self.found_inf  # read by the fused kernel at every step() (torch's GradScaler API)
+        if self.fp16 and getattr(inner, "_step_supports_amp_scaling", False):
+            # A fused optimizer takes GradScaler's skip inside its kernel, where Accelerate cannot see it (its
+            # optimizer_step_was_skipped stays False, and its scheduler would move). GradScaler's own path instead:
+            # unscale, then step only when the gradients are finite (one sync a step, fp16 only, as for any other
+            # optimizer); a skipped update is then one Accelerate sees.
+            inner._step_supports_amp_scaling = False
         cuda = device.type == "cuda"
         self.host = torch.zeros(5, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None

@@ -312,7 +312,8 @@ def save_curves_png(metrics_jsonl_path, out_png) -> Path:
     step from a run's metrics.jsonl, write ``out_png`` and return its path.
 
     Every key ending in ``/loss`` goes on the loss panel and every key ending in ``/accuracy`` on the
-    accuracy panel, so missing keys just mean missing lines; a panel with no data says so. Evaluation
+    accuracy panel, so missing keys just mean missing lines; a panel with no data says so. The scalars the loop logs
+    besides them (``train/grad_norm``, metrics of its own) get a third panel, one colour each. Evaluation
     series always have markers (a single evaluation is a visible point), train series when they have
     at most ``FEW_POINTS`` points."""
     return save_image_png(curves_png(metrics_jsonl_path), out_png)

@@ -2,44 +2,45 @@
 
 A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
 
-    def train(cfg, run):                          # called in main: with TrainingRun(cfg, __file__) as run: ...
-                                                  #   run.take_launcher_answers(); run.take_resumed_settings()
-                                                  #   run.build(); train(cfg, run)
+    def main(argv=None):
+        cfg = parse_config(Config, argv, __doc__)
+        with TrainingRun(cfg, __file__) as run:   # settings completed, then the Accelerator and the run folder
+            train(cfg, run)
+        return run.exit_code
+
+    def train(cfg, run):
         data = run.load_data()
         ...build loaders, model, optimizer; accelerator.prepare(...); scheduler...
         run.start(model, optimizer, scheduler, train_loader, data, transform)   # fresh, or resumed exactly
         for epoch in range(run.epoch, cfg.epochs):
-            model.train()
             for images, labels in run.batches(train_loader, epoch):  # this epoch's shuffle, resumed mid-epoch
                 with accelerator.accumulate(model):
                     ...forward, loss...
                     accelerator.backward(loss)
-                    run.track(loss)                # loss sums, the guard's all-reduce; no sync
-                    optimizer.step(); optimizer.zero_grad()
-                if not run.updated():              # a micro-batch, or an update fp16 loss scaling skipped
+                    run.track(loss)                # counts the update; the guard's all-reduce; no sync
+                    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+                if not accelerator.sync_gradients: # a --grad-accum micro-batch
                     continue
-                scheduler.step()
                 if run.step % cfg.log_every == 0:
-                    run.log()
+                    run.log({...})                 # the loss, LR, throughput and the loop's own scalars
                 if run.stop_requested():           # a signal or a lost launcher, on any rank
                     run.preempt()                  # checkpoint, exit 75
                 if run.checkpoint_due():           # --checkpoint-every-s seconds (or --checkpoint-every steps)
                     run.checkpoint()
-            if run.max_steps_reached:              # --max-steps ends this launch part-way
-                run.evaluate(validate, val_loader)
-                break
             run.evaluate(validate, val_loader)     # every --eval-every epochs and the last
-            run.end_epoch()                        # the epoch's line
         run.finish(validate, final_loader)         # a checkpoint, final evaluation, final/, summary.json
 
-Every call is a line the loop may move, repeat or delete: a deleted evaluation or checkpoint does not happen, and
-``break``, ``continue`` and ``return`` are plain Python. Nothing runs after the loop's body: ``run.batches`` counts a
-batch when it hands it out, and ``run.updated`` counts the update. The run assembles parts that each own their state:
-``common.train.rundir.RunDir`` (the folder, its lock, what it resumes), ``common.train.checkpointer.Checkpointer`` (the
-position: epoch, batch, step; checkpoints and resuming), ``common.train.evaluator.Evaluator`` (an evaluation's record,
-best/), ``common.train.guard.StepChecks`` (loss sums, the NaN/stop guard), ``common.train.summary.Summary``
-(summary.json from values), ``common.train.tracking`` (trackers, progress, throughput). It prints through
-``common.console.say``, the one way anything prints from the main process.
+Every call is a line the loop may move, repeat, delete or guard with ``accelerator.is_main_process`` (``run.log``;
+the others are collective): a deleted evaluation or checkpoint does not happen, and ``break``, ``continue`` and
+``return`` are plain Python. Nothing runs after the loop's body, and what the run records is counted where batches
+are handed out (``run.batches``) and updates counted (``run.track``, the one call a loop cannot leave out: refused
+when missing). The library keeps no cadence of its own: when to log, evaluate, checkpoint or stop at --max-steps are
+the loop's lines. The run assembles parts that each own their state: ``common.train.rundir.RunDir`` (the folder, its
+lock, what it resumes), ``common.train.checkpointer.Checkpointer`` (the position: epoch, batch, step; checkpoints and
+resuming), ``common.train.evaluator.Evaluator`` (an evaluation's record, best/), ``common.train.guard.StepChecks``
+(loss sums, the NaN/stop guard), ``common.train.summary.Summary`` (summary.json from values),
+``common.train.tracking`` (trackers, metrics.jsonl, progress, throughput). It prints through ``common.console.say``,
+the one way anything prints from the main process.
 
 What the calls promise:
 
@@ -47,20 +48,20 @@ What the calls promise:
   prepared and restores the epoch, batch and step; ``batches`` skips what the resumed epoch trained;
   ``augment_generator`` seeds augmentation from (seed, epoch, batch, rank), so a resumed run draws
   what the uninterrupted one drew. Learning rate, weight decay and momentum given on the resuming
-  command line are applied (and printed); a checkpoint of another model or global batch is refused.
+  command line are applied (and printed); a checkpoint of another model, global batch or set of prepared objects
+  is refused.
 - **Every rank agrees, and the host never waits for the device between log steps.** ``track``
   does one small all-reduce per optimizer step carrying (loss sum, any non-finite loss?, any stop
   request?, any rank past its checkpoint time?) and reads it one step late (``common.train.guard``): a NaN/inf
   loss on any rank is masked out of the update on the device and stops every rank at the next step, before anything
-  is written; ``stop_requested`` and ``checkpoint_due`` answer alike on every rank.
-- **fp16 skipped updates are detected from the loss scale** (a fused optimizer hides them from
-  ``optimizer_step_was_skipped``): ``updated`` is False, so the schedule does not move and the step is not
-  counted; too many in a row stop the run.
+  is written; ``stop_requested`` and ``checkpoint_due`` answer alike on every rank, at the same step.
+- **fp16 skipped updates are counted from the loss scale** (a fused optimizer hides them from
+  ``optimizer_step_was_skipped``): in summary.json's skipped_steps; too many in a row stop the run.
 - **Crash-safe, one writer**: checkpoints through ``common.train.checkpoint``; the run directory is locked
   for the run's life (``common.train.rundir``).
-- **How it ended** is written to ``summary.json`` (``status``) for every ending after the start:
-  completed, target_missed, preempted, nonfinite_loss, bad_input, storage_error, unfinished, crashed. Through
-  ``accelerate launch`` every failure exits 1, so scripts should read that field.
+- **How it ended** is written to ``summary.json`` (``status``) for every ending after the start (and for a resume's
+  ending before it): completed, target_missed, preempted, nonfinite_loss, bad_input, storage_error, unfinished,
+  crashed. Through ``accelerate launch`` every failure exits 1, so scripts should read that field.
 """
 
 from __future__ import annotations
@@ -100,10 +101,10 @@ from common.train.tracking import MetricsLog, Progress, Throughput, sanitize_for
 DROP_SHARE = 0.1  # training drops its last incomplete batch (equal batches) unless it holds more of the split
 
 
-# Callables ``watch(run)`` run at two points of every optimizer step, for tools that watch the loop from outside it (the
-# tests, a profiler of your own): "before_update" before the guard's all-reduce (a stop request set there is honoured at
-# this step), "after_step" after the step's logging, checkpoint and stop. Add them with ``watching``.
-WATCHERS: dict[str, list] = {"before_update": [], "after_step": []}
+# Callables ``watch(run)`` run at every optimizer step, for tools that watch the loop from outside it (the tests, a
+# profiler of your own): "before_update", in run.track before the guard's all-reduce (a stop request set there is
+# honoured as a signal's is). Add them with ``watching``.
+WATCHERS: dict[str, list] = {"before_update": []}
 
 
 # At this process's exit, freeze what is alive so that the interpreter's own garbage collections at shutdown skip
@@ -114,9 +115,9 @@ atexit.register(gc.freeze)
 
 
 @contextlib.contextmanager
-def watching(before_update=None, after_step=None):
+def watching(before_update=None):
     """Watch every run's optimizer steps inside this block (``WATCHERS``)."""
-    added = [(k, f) for k, f in (("before_update", before_update), ("after_step", after_step)) if f is not None]
+    added = [("before_update", before_update)] if before_update is not None else []
     for key, fn in added:
         WATCHERS[key].append(fn)
     try:
@@ -188,9 +189,9 @@ def started_first(method):
     def call(self, *args, **kwargs):
         if self.ckpt is None:
             raise RecipeError(
-                f"run.{method.__name__}(...) was called before run.start(model, optimizer, scheduler, train_loader, "
-                "data, transform): the run has no position, model or evaluation record yet. Call run.start(...) "
-                "after accelerator.prepare(...) and before the loop, as recipes/mnist_convnet.py does."
+                f"run.{method.__name__} was used before run.start(model, optimizer, scheduler, train_loader, data, "
+                "transform): the run has no position, model or evaluation record yet. Call run.start(...) after "
+                "accelerator.prepare(...) and before the loop, as recipes/mnist_convnet.py does."
             )
         return method(self, *args, **kwargs)
 
@@ -282,10 +283,7 @@ class TrainingRun:
 
     def _close(self, err) -> None:
         if err is not None:
-            # a resume's folder says this launch's ending, even one before training (another launch's status stays not)
-            self.summary.write_ending(
-                self.status, err, self._position(), started=self.ckpt is not None or self.resuming
-            )
+            self.summary.write_ending(self.status, err, self._position(), self.ckpt is not None, self.resuming)
         if isinstance(err, RecipeError):  # after summary.json: bad input is said once, and other processes wait
             report(err)  # for the main one to say it (common.errors.report)
         # signal handlers and the launcher watch; a --profile trace
@@ -365,6 +363,7 @@ class TrainingRun:
         return self.open_batches
 
     @property
+    @started_first
     def batch(self) -> int:
         """The number of the batch in the loop's hands (1-based; batches of this epoch handed out so far, those of a
         resumed epoch trained before the resume included, where enumerate() restarts at 0): ``if run.batch == k:
@@ -419,6 +418,7 @@ class TrainingRun:
         )
 
     @property
+    @started_first
     def step(self) -> int:
         """Optimizer updates taken, counted by run.track at each --grad-accum boundary: after it in the loop's body,
         the update being made (an fp16 update the loss scaler skips is one too, counted in skipped_steps)."""
@@ -637,6 +637,7 @@ class TrainingRun:
         self.summary.write(self.status, self._position())
 
     @property
+    @started_first
     def epoch(self) -> int:
         """The epoch running (0-based)."""
         return self.ckpt.epoch

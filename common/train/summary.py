@@ -92,17 +92,26 @@ class Summary:
             write_summary(self.path / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
-    def write_ending(self, status: str, err, values: dict, started: bool) -> None:
+    def write_ending(self, status: str, err, values: dict, started: bool, resumed: bool = False) -> None:
         """summary.json for a start that ended in ``err`` after the start of training. A stop while reading the data
         (before it) is recorded too, so a requeue script sees this start's "preempted", not an earlier start's
-        status."""
-        if started or (isinstance(err, Preempted) and self.path is not None):
+        status; so is a resume that ends before training (``resumed``: refused for other data or other prepared
+        objects), over the run's summary.json, keeping its final scores and naming the status it had (``previous``)."""
+        extra = {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"}
+        if not (started or (isinstance(err, Preempted) or resumed) and self.path is not None):
+            return
+        if resumed and not started:
             try:
-                self.write(
-                    status, values, {} if isinstance(err, Preempted) else {"error": f"{type(err).__name__}: {err}"}
-                )
-            except OSError:  # a full disk: summary.json keeps its last whole version ("running")
-                pass
+                old = json.loads((self.path / "summary.json").read_text())
+            except (OSError, ValueError):
+                old = {}
+            old = old if isinstance(old, dict) else {}
+            extra = {"final": old.get("final", {}), **extra}
+            extra["previous"] = {"status": old.get("status"), "start_id": old.get("start_id")}
+        try:
+            self.write(status, values, extra)
+        except OSError:  # a full disk: summary.json keeps its last whole version ("running")
+            pass
 
     def finish(self, cfg, values: dict, split: str, final: dict, confusion, curves: bytes | None = None) -> str:
         """The end of a run that trained to its end: the --target-accuracy check decides the status (returned);

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate.tracking import GeneralTracker
 
 from common import console
 from common.errors import ConfigError
@@ -59,7 +58,7 @@ def trackers_from(report_to: str) -> list[str]:
 
 
 def log_with(report_to: str) -> list:
-    """What ``Accelerator(log_with=...)`` gets: metrics.jsonl (``MetricsFile``, always) and TensorBoard as tracker
+    """What ``Accelerator(log_with=...)`` gets: metrics.jsonl (``metrics_file``, always) and TensorBoard as tracker
     objects of our own (their folder is the run directory, set once it is known), every other tracker by name."""
     from accelerate.tracking import TensorBoardTracker
 
@@ -68,64 +67,74 @@ def log_with(report_to: str) -> list:
             super().__init__(TENSORBOARD_DIR, ".")
 
     names = trackers_from(report_to)
-    return [MetricsFile(), *(RunTensorBoard() if name == "tensorboard" else name for name in names)]
+    return [metrics_file(), *(RunTensorBoard() if name == "tensorboard" else name for name in names)]
 
 
-class MetricsFile(GeneralTracker):
-    """metrics.jsonl as one of Accelerate's trackers, so that whatever reaches ``accelerator.log(values, step=...)``
-    (the run's own scalars and the loop's) is written there, and drawn in curves.png: one JSON line per step, values
-    logged at a step already written merged into its line, whose ``time`` is then that of its last value. Numbers
-    only (a 0-dim tensor is read, a string left out); main process only, as Accelerate calls every tracker."""
+METRICS_FILE = "metrics.jsonl"  # the tracker's name, and the file's
 
-    name = "metrics.jsonl"
-    requires_logging_directory = False
 
-    def __init__(self):
-        super().__init__()
-        self.path, self.last, self.last_offset = None, None, 0
+def metrics_file():
+    """metrics.jsonl as one of Accelerate's trackers (a ``GeneralTracker``; made here so that importing this module
+    does not import Accelerate)."""
+    from accelerate.tracking import GeneralTracker
 
-    @property
-    def tracker(self):
-        return self.path
+    class MetricsFile(GeneralTracker):
+        """Whatever reaches ``accelerator.log(values, step=...)`` (the run's own scalars and the loop's) is written
+        here, and drawn in curves.png: one JSON line per step, values logged at a step already written merged into
+        its line, whose ``time`` is then that of its last value. Numbers only (a 0-dim tensor is read, a string left
+        out); main process only, as Accelerate calls every tracker."""
 
-    def open(self, run_dir: Path, resume_step: int | None) -> None:
-        """``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a crashed run
-        wrote after its checkpoint."""
-        self.path = Path(run_dir) / "metrics.jsonl"
-        kept = []
-        if resume_step is not None and self.path.exists():
-            kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [row for row in kept if row.get("step", 0) <= resume_step]
-        lines = [json.dumps(row) + "\n" for row in kept]
-        self.path.write_text("".join(lines))
-        self.last = kept[-1] if kept else None
-        self.last_offset = sum(len(line.encode()) for line in lines[:-1])  # where the last line starts
+        name = METRICS_FILE
+        requires_logging_directory = False
 
-    def log(self, values: dict, step: int | None = None, extra: dict | None = None, **kwargs) -> None:
-        """``extra``: values for this file only (when an evaluation finished, how long it took)."""
-        if self.path is None:
-            return
-        values = {k: float(v) for k, v in values.items() if isinstance(v, (int, float, torch.Tensor))}
-        values.update(extra or {})
-        if step is None:  # Accelerate's trackers take a step-less value at their own counter; here, the last step
-            step = self.last["step"] if self.last is not None else 0
-        now = round(time.time(), 3)
-        merge = self.last is not None and self.last["step"] == step
-        if merge:
-            self.last.update(values, time=now)
-        else:
-            self.last = {"step": step, "time": now, **values}
-        with self.path.open("r+" if merge else "a") as f:
-            if merge:  # rewrite only the last line, in place
-                f.seek(self.last_offset)
-                f.truncate()
+        def __init__(self):
+            super().__init__()
+            self.path, self.last, self.last_offset = None, None, 0
+
+        @property
+        def tracker(self):
+            return self.path
+
+        def open(self, run_dir: Path, resume_step: int | None) -> None:
+            """``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a crashed
+            run wrote after its checkpoint."""
+            self.path = Path(run_dir) / "metrics.jsonl"
+            kept = []
+            if resume_step is not None and self.path.exists():
+                kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+                kept = [row for row in kept if row.get("step", 0) <= resume_step]
+            lines = [json.dumps(row) + "\n" for row in kept]
+            self.path.write_text("".join(lines))
+            self.last = kept[-1] if kept else None
+            self.last_offset = sum(len(line.encode()) for line in lines[:-1])  # where the last line starts
+
+        def log(self, values: dict, step: int | None = None, extra: dict | None = None, **kwargs) -> None:
+            """``extra``: values for this file only (when an evaluation finished, how long it took)."""
+            if self.path is None:
+                return
+            values = {k: float(v) for k, v in values.items() if isinstance(v, (int, float, torch.Tensor))}
+            values.update(extra or {})
+            if step is None:  # other trackers count a step-less value at their own counter; here: the last step
+                step = self.last["step"] if self.last is not None else 0
+            now = round(time.time(), 3)
+            merge = self.last is not None and self.last["step"] == step
+            if merge:
+                self.last.update(values, time=now)
             else:
-                self.last_offset = f.tell()
-            f.write(json.dumps(self.last) + "\n")
+                self.last = {"step": step, "time": now, **values}
+            with self.path.open("r+" if merge else "a") as f:
+                if merge:  # rewrite only the last line, in place
+                    f.seek(self.last_offset)
+                    f.truncate()
+                else:
+                    self.last_offset = f.tell()
+                f.write(json.dumps(self.last) + "\n")
+
+    return MetricsFile()
 
 
 class MetricsLog:
-    """The trackers, ``metrics.jsonl`` among them (``MetricsFile``; an evaluation row also carries ``eval_time``, when
+    """The trackers, ``metrics.jsonl`` among them (``metrics_file``; an evaluation row also carries ``eval_time``, when
     the evaluation finished, and ``eval_seconds``). Main process only; other ranks no-op.
     TensorBoard also gets the hyperparameters with the final metrics (its HParams tab) and, at each
     evaluation, a confusion matrix and a grid of misclassified images; every other tracker gets the same
@@ -140,7 +149,7 @@ class MetricsLog:
         if not accelerator.is_main_process:
             return
         for tracker in accelerator.log_with:
-            if isinstance(tracker, MetricsFile):
+            if getattr(tracker, "name", None) == METRICS_FILE:
                 tracker.open(run_dir, resume_step)
             if getattr(tracker, "name", None) == "tensorboard":
                 tracker.logging_dir_param = str(run_dir)
@@ -153,7 +162,7 @@ class MetricsLog:
             },
         )
         for tracker in accelerator.trackers:
-            if tracker.name not in ("tensorboard", MetricsFile.name) and hparams:  # TensorBoard's: at the end
+            if tracker.name not in ("tensorboard", METRICS_FILE) and hparams:  # TensorBoard's: at the end
                 tracker.store_init_configuration(hparams)
 
     @property
@@ -170,7 +179,7 @@ class MetricsLog:
         if not self.accelerator.is_main_process:
             return
         values = {k: float(v) for k, v in values.items()}
-        self.accelerator.log(values, step=step, log_kwargs={MetricsFile.name: {"extra": extra}})
+        self.accelerator.log(values, step=step, log_kwargs={METRICS_FILE: {"extra": extra}})
 
     def images(self, split: str, metrics: dict, data_split, class_names, step: int, final=False, pictures=False):
         """An evaluation's pictures, drawn here (matplotlib, about a second on a 2-core CPU): the confusion matrix and a
