@@ -103,7 +103,7 @@ def build_optimizer(cfg: Config, model: torch.nn.Module) -> torch.optim.Optimize
 
 def main(argv=None) -> int:
     cfg = parse_config(Config, argv, __doc__)  # the command line (and --config FILE)
-    # + the launcher's answers and a resumed run's settings; the Accelerator; runs/<this file's name>-<time>
+    # + the launcher's answers and a resume's settings; the Accelerator; runs/<file name>-<time>/
     with TrainingRun(cfg, __file__) as run:
         train(cfg, run)
     return run.exit_code  # how it ended (summary.json says it too)
@@ -144,21 +144,22 @@ def train(cfg: Config, run: TrainingRun) -> None:
         return run.eval_only(model, validate, final_loader)
 
     # --- train: the loop is yours; each line says when, each run.<call> says how (docs/loop.md) ---
-    run.start(model, optimizer, scheduler, train_loader, data, transform)  # fresh, or resumed exactly
-    last_step = cfg.max_steps or math.inf  # --max-steps ends this launch early; a resume with more continues
+    run.start(model, optimizer, scheduler, train_loader, data, transform)  # or resume exactly
+    last_step = cfg.max_steps or math.inf  # --max-steps: this launch stops there
     for epoch in range(run.epoch, cfg.epochs):
         if run.step >= last_step:
             break
         model.train()
-        for images, labels in run.batches(train_loader, epoch):  # this epoch's shuffle; a resumed one skips ahead
+        for images, labels in run.batches(train_loader, epoch):  # a resumed epoch skips ahead
             with accelerator.accumulate(model):
                 logits = model(transform.train(images, run.augment_generator()))
                 loss = F.cross_entropy(logits.float(), labels, label_smoothing=cfg.label_smoothing)
                 accelerator.backward(loss)
-                run.track(loss)  # counts the update (run.step); the NaN/stop guard: one all-reduce, no sync
+                run.track(loss)  # counts the update; the NaN/stop guard (no sync)
                 log_now = accelerator.sync_gradients and run.step % cfg.log_every == 0
-                if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):  # --max-grad-norm (inf: none)
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or math.inf)
+                if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):
+                    clip_to = cfg.max_grad_norm or math.inf  # --max-grad-norm 0: measured, not clipped
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_to)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if not accelerator.sync_gradients:  # a --grad-accum micro-batch: the update comes later
@@ -166,20 +167,20 @@ def train(cfg: Config, run: TrainingRun) -> None:
             if not accelerator.optimizer_step_was_skipped:  # fp16 loss scaling may skip an update
                 scheduler.step()
             lookahead.step()  # every 5 steps; at the last step the weights become the average
-            if log_now:  # every --log-every updates: mean loss since the last log, LR, throughput; one sync
-                run.log({"train/grad_norm": grad_norm})  # the norm before clipping; your own scalars go here too
+            if log_now:  # the mean loss since the last log, LR, throughput: one sync
+                run.log({"train/grad_norm": grad_norm})  # your own scalars go here too
             if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0:
-                run.evaluate(validate, val_loader)  # scalars, best/; pictures=True draws its pictures
-            if run.stop_requested():  # a signal or a lost launcher, on any rank: checkpoint, exit 75
-                run.preempt()
-            if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)
+                run.evaluate(validate, val_loader)  # pictures=True: its pictures too
+            if run.stop_requested():  # a signal or a lost launcher, on any rank
+                run.preempt()  # checkpoint, exit 75
+            if run.checkpoint_due():  # --checkpoint-every-s (and --checkpoint-every)
                 run.checkpoint()
             if run.step >= last_step:
                 break
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             run.evaluate(validate, val_loader)  # not twice for the same weights
 
-    run.finish(validate, final_loader)  # a checkpoint, the final evaluation, final/, summary.json, target check
+    run.finish(validate, final_loader)  # checkpoint, final evaluation, final/, summary.json
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_an_evaluation_the_loop_asks_pictures_of_draws_them_at_its_step(tmp_path
     from helpers import copy_recipe
 
     copy = copy_recipe("mnist_convnet", tmp_path / "with_pictures.py")
-    line = "                run.evaluate(validate, val_loader)  # scalars, best/; pictures=True draws its pictures\n"
+    line = "                run.evaluate(validate, val_loader)  # pictures=True: its pictures too\n"
     text = copy.read_text()
     assert text.count(line) == 1
     copy.write_text(text.replace(line, line.replace("val_loader)", "val_loader, pictures=True)")))

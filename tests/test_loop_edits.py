@@ -36,7 +36,7 @@ EPOCH_END = (
 )
 FOR_BATCHES = "        for images, labels in run.batches(train_loader, epoch):"
 CHECKPOINT = (
-    "            if run.checkpoint_due():  # every --checkpoint-every-s seconds (and --checkpoint-every steps)\n"
+    "            if run.checkpoint_due():  # --checkpoint-every-s (and --checkpoint-every)\n"
     "                run.checkpoint()\n"
 )
 EPOCH_EVAL = (
@@ -339,7 +339,7 @@ def test_main_is_parse_run_train_and_a_copy_names_its_runs(tmp_path, env, mnist_
 
 # --- the lines the bookkeeping must not hang on --------------------------------------------------------------
 
-TRACK = "                run.track(loss)  # counts the update (run.step); the NaN/stop guard: one all-reduce, no sync\n"
+TRACK = "                run.track(loss)  # counts the update; the NaN/stop guard (no sync)\n"
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -381,9 +381,8 @@ def test_log_inside_the_accumulation_block_logs_each_update_at_its_step(tmp_path
     update, so the line logs update k at step k with the loss of its two micro-batches, as the unedited recipe
     logs it after the block."""
     log = (
-        "            if log_now:  # every --log-every updates: mean loss since the last log, LR, throughput; one sync\n"
-        '                run.log({"train/grad_norm": grad_norm})  # the norm before clipping; your own scalars go '
-        "here too\n"
+        "            if log_now:  # the mean loss since the last log, LR, throughput: one sync\n"
+        '                run.log({"train/grad_norm": grad_norm})  # your own scalars go here too\n'
     )
     inside = (
         "                optimizer.zero_grad(set_to_none=True)\n",
@@ -548,10 +547,10 @@ def test_gradient_clipping_is_what_reaches_the_update(how, tmp_path, env, mnist_
         if how == "--max-grad-norm"
         else [
             (
-                "                if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):  # --max-grad-norm "
-                "(inf: none)\n"
-                "                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or "
-                "math.inf)\n",
+                "                if accelerator.sync_gradients and (cfg.max_grad_norm or log_now):\n"
+                "                    clip_to = cfg.max_grad_norm or math.inf  # --max-grad-norm 0: measured, "
+                "not clipped\n"
+                "                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), clip_to)\n",
                 "                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # mine\n",
             )
         ]

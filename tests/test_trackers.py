@@ -106,3 +106,22 @@ def test_an_unknown_or_missing_tracker_is_refused_before_anything_runs(tmp_path,
         message = proc.stderr.strip().splitlines()[-1]
         assert all(n in message for n in needles), message
         assert not run.exists()
+
+
+def test_the_eta_counts_the_evaluations_the_loop_made():
+    """The progress line's ETA keeps no copy of the recipes' evaluation rule: training left at the training-only rate,
+    plus as many evaluations per step as the loop has made so far and the final one, each as long as they took."""
+    from types import SimpleNamespace
+
+    from common.train.tracking import Progress, format_duration
+
+    accelerator = SimpleNamespace(is_local_main_process=False, is_main_process=True)
+    progress = Progress(accelerator, SimpleNamespace(progress_every_s=60, epochs=1), total_steps=100)
+    progress.begin(0)
+    t0 = progress.t_start
+    assert progress.eta(10, 0, t0 + 10) == "1m30s + evaluations"  # 1 step/s, no evaluation yet
+    progress.note_eval(2.0, 5)
+    progress.note_eval(2.0, 10)
+    # 10 steps in 10 s of training (14 s with the two evaluations): 90 s left, then 2 per 10 steps for the 90 steps
+    # left (18) and the final one, 2 s each
+    assert progress.eta(10, 0, t0 + 14) == format_duration(90 + 19 * 2.0)

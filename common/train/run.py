@@ -601,7 +601,13 @@ class TrainingRun:
     def start(self, model, optimizer, scheduler, train_loader, data, transform, *, scored=None) -> None:
         """Fresh, or resumed exactly from the newest complete checkpoint: everything prepared loaded, and the position
         (``run.epoch``, ``run.step``; ``run.batches`` skips what a resumed epoch trained). ``scored``: the module
-        evaluated and saved in best/ and final/ when it is not ``model`` (an EMA copy)."""
+        evaluated and saved in best/ and final/ when it is not ``model`` (an EMA copy).
+
+        What it does to ``optimizer`` (``common.train.guard``, ``common.optimizers``): a fused one gets a
+        ``found_inf`` tensor, GradScaler's, so that a non-finite loss skips the update on the device; under fp16 a
+        fused one takes GradScaler's own path instead (``_step_supports_amp_scaling = False``), so that Accelerate
+        sees a skipped update; a fused SGD with momentum gets a step pre-hook that runs once, before its first step
+        (zeroed momentum buffers). Nothing else hooks or wraps it."""
         cfg, acc = self.cfg, self.accelerator
         self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
         self.data = data
