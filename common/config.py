@@ -85,6 +85,8 @@ RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: 
     "report_to",
     "profile",
     "timeout_s",
+    "monitor",  # a changed --monitor or --mode starts the best over, and says so (Checkpointer._best_starts_over)
+    "mode",
 }
 # --eval-only takes every setting from the run's config.json except these, which are this command line's own;
 # of those it takes, a given value that differs is refused when it decides the held-out split.
@@ -102,6 +104,8 @@ EVAL_OWN = {
     "report_to",
     "profile",
     "timeout_s",
+    "monitor",  # a changed --monitor or --mode starts the best over, and says so (Checkpointer._best_starts_over)
+    "mode",
 }
 DECIDES_SPLIT = {"val_fraction", "seed"}
 

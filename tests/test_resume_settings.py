@@ -138,3 +138,27 @@ def test_the_photo_recipe_resumes_with_its_own_crops_and_seed(tmp_path, env, pho
     )
     short_resume_matches(full, part, proc)
     assert "--image-size 48" in proc.stdout and "--start-image-size 32" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_a_resume_that_changes_the_monitor_starts_the_best_over(tmp_path, env, mnist_like):
+    """A run kept best/ by eval/loss (mode min); resumed with --monitor eval/accuracy, the loss it kept is never
+    compared as an accuracy (a min-mode loss would keep the worst accuracy): one NOTE says the best starts over, the
+    run's best/ is kept aside under its metric's name, and best/ and summary.json then hold the best accuracy of this
+    launch's evaluations."""
+    run = tmp_path / "run"
+    flags = ["--dataset", mnist_like, *BASE, "--eval-every-steps", 2, "--output-dir", run]
+    check_ok(run_in_process("fashion_mnist_mlp", [*flags, "--monitor", "eval/loss", "--max-steps", 4], env))
+    first = json.loads((run / "best" / "model.json").read_text())
+    assert list(first["metrics"]) == ["eval/loss"]
+    proc = check_ok(
+        run_in_process("fashion_mnist_mlp", [*flags, "--monitor", "eval/accuracy", "--resume-from", "latest"], env)
+    )
+    assert "the best value starts over with this launch's evaluations" in proc.stdout, proc.stdout
+    assert "renamed best-eval_loss-min" in proc.stdout
+    kept = json.loads((run / "best-eval_loss-min" / "model.json").read_text())
+    assert kept["metrics"] == first["metrics"]
+    accuracies = [(r["step"], r["eval/accuracy"]) for r in read_jsonl(run / "metrics.jsonl") if "eval/accuracy" in r]
+    after = [a for step, a in accuracies if step > 4]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["best"] == {"eval/accuracy": max(after)}, (summary["best"], accuracies)
+    assert json.loads((run / "best" / "model.json").read_text())["metrics"] == {"eval/accuracy": max(after)}

@@ -194,6 +194,7 @@ class Checkpointer:
         ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
         acc.load_state(str(path))
         changes = apply_hyperparameters(optimizer, scheduler, fresh, cfg)
+        notes += self._best_starts_over(state)
         for note in notes:
             say(f"NOTE: {note}")
         if changes:
@@ -203,6 +204,24 @@ class Checkpointer:
             f"step {state['global_step']}"
         )
         return state
+
+    def _best_starts_over(self, state: dict) -> list[str]:
+        """A resume that changes --monitor or --mode: the run's best value measured another thing (or the other way
+        round), so it starts over with this launch's evaluations, and the run's best/ is kept aside under its
+        metric's name (predict and export take best/: after the next evaluation, the new metric's best)."""
+        cfg, saved = self.cfg, state.get("config", {})
+        old = (saved.get("monitor", cfg.monitor), saved.get("mode", cfg.mode))
+        if old == (cfg.monitor, cfg.mode) or state.get("best") is None:
+            return []
+        state["best"] = None
+        best, name = self.run_dir / "best", f"best-{old[0].replace('/', '_')}-{old[1]}"
+        moved = on_main(self.accelerator, lambda: move_aside(best, name).name if best.is_dir() else None)
+        kept = f"; the run's best/ (by {old[0]}) was renamed {moved}" if moved else ""
+        return [
+            f"--monitor {cfg.monitor} --mode {cfg.mode} differs from the run's {old[0]} --mode {old[1]}: the best "
+            f"value starts over with this launch's evaluations (a {old[0]} is never compared with a "
+            f"{cfg.monitor}){kept}."
+        ]
 
     def _schedule_change_note(self, state: dict) -> str:
         cfg, step, old_epochs = self.cfg, state["global_step"], state["config"]["epochs"]
