@@ -717,3 +717,20 @@ def test_port_in_use(tmp_path, env, mnist_like, sync_bn_on_a_busy_port):
         )
     assert multi.returncode != 0
     assert "another process is utilizing it" in multi.stderr
+
+
+def test_files_of_yours_in_a_checkpoint_are_left_alone_not_called_damaged(tmp_path, env, mnist_like):
+    """An intact checkpoint that also holds an empty `.ipynb_checkpoints/` (Jupyter leaves one in any folder it
+    browses) and a notes file: the resume reads only what Accelerate and the run wrote, resumes from that checkpoint
+    (not an older one), names the extra entries in a NOTE and leaves them where they are."""
+    run = tmp_path / "run"
+    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run]
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--checkpoint-every", 2, "--max-steps", 4], env))
+    newest = checkpoints(run)[-1]
+    (newest / ".ipynb_checkpoints").mkdir()
+    (newest / "notes.txt").write_text("lr looked high\n")
+    proc = check_ok(run_in_process("fashion_mnist_mlp", [*base, "--max-steps", 6, "--resume-from", "latest"], env))
+    assert f"resumed from {newest}: epoch 1, batch 4, step 4" in proc.stdout, proc.stdout
+    assert ".ipynb_checkpoints/, notes.txt: not read by the resume, left as it is" in proc.stdout
+    assert "damaged" not in proc.stdout + proc.stderr
+    assert (newest / ".ipynb_checkpoints").is_dir() and (newest / "notes.txt").is_file()

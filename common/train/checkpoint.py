@@ -211,6 +211,40 @@ class DamagedCheckpoint(Exception):
     """A complete-marked checkpoint whose files cannot be read (a crash or power loss while it was written)."""
 
 
+# What a resume reads of a checkpoint folder: Accelerate's files (models, optimizers, schedulers, samplers, data loader
+# states, random states, the loss scaler, custom objects; FSDP2's sharded folders) and the weight averages' (EMA,
+# Lookahead), each named by one of these stems, alone or followed by "_" (optimizer_1.bin, pytorch_model_fsdp_0/).
+LOADED_STEMS = (
+    "model",
+    "pytorch_model",
+    "optimizer",
+    "scheduler",
+    "sampler",
+    "dl_state_dict",
+    "random_states",
+    "scaler",
+    "custom_checkpoint",
+    "ema",
+    "lookahead",
+)
+
+
+def is_loaded(entry: Path) -> bool:
+    """Whether a resume reads ``entry`` of a checkpoint folder (``LOADED_STEMS``)."""
+    stem = entry.name.split(".", 1)[0]
+    return not entry.name.startswith(".") and any(stem == s or stem.startswith(f"{s}_") for s in LOADED_STEMS)
+
+
+def not_loaded(path: Path) -> list[str]:
+    """What a checkpoint folder holds beyond what a resume reads (an editor's or a notebook's folder, a file of
+    yours): left as it is, never judged."""
+    return sorted(
+        e.name + ("/" if e.is_dir() else "")
+        for e in path.iterdir()
+        if not is_loaded(e) and e.name not in (MARKER, STATE_FILE)
+    )
+
+
 def verify_files(path: Path) -> None:
     """Before Accelerate loads ``path``, read what it would read: every ``*.safetensors`` file whole; every
     ``*.pkl``, ``*.bin`` and ``*.pt`` file with Accelerate's ``load`` (``weights_only``, numpy arrays allowed); every
@@ -227,7 +261,7 @@ def verify_files(path: Path) -> None:
     from accelerate.utils.other import load
     from safetensors import safe_open
 
-    for f in sorted(path.glob("*.safetensors")):
+    for f in sorted(f for f in path.glob("*.safetensors") if is_loaded(f)):  # others are not read: not judged
         try:
             with safe_open(str(f), "pt") as handle:
                 for key in handle.keys():
@@ -238,9 +272,9 @@ def verify_files(path: Path) -> None:
             ) from None
 
     bad = [f"{f} (custom state, which these recipes never write)" for f in sorted(path.glob("custom_checkpoint_*"))]
-    for folder in sorted(p for p in path.iterdir() if p.is_dir()):  # FSDP2's sharded model and optimizer
+    for folder in sorted(p for p in path.iterdir() if p.is_dir() and is_loaded(p)):  # FSDP2's sharded folders
         bad += verify_sharded(folder)
-    for f in sorted(path.iterdir()):
+    for f in sorted(f for f in path.iterdir() if is_loaded(f)):
         if f.suffix in (".pkl", ".bin", ".pt") and not f.name.startswith("custom_checkpoint_"):
             try:
                 load(f, map_location="cpu")

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -192,6 +193,9 @@ class Checkpointer:
         fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         check_prepared(path, acc)
         ckpt.verify_files(path)  # before Accelerate unpickles anything (it skips an unreadable RNG file quietly)
+        extra = ckpt.not_loaded(path)
+        if extra:
+            notes.append(f"{path} also holds {', '.join(extra)}: not read by the resume, left as it is.")
         acc.load_state(str(path))
         changes = apply_hyperparameters(optimizer, scheduler, fresh, cfg)
         notes += self._best_starts_over(state)
@@ -385,9 +389,9 @@ def _settings_differing(saved, cfg) -> str:
 
 PREPARED = {  # what accelerator.prepare() keeps, and the names save_state gives each one's files (a number after the
     # first: optimizer.bin, optimizer_1.bin; FSDP2's are folders)
-    "models": ("_models", ("model", "pytorch_model")),
-    "optimizers": ("_optimizers", ("optimizer",)),
-    "schedulers": ("_schedulers", ("scheduler",)),
+    "models": ("_models", re.compile(r"(model|pytorch_model)(_\d+)?\.(safetensors|bin)|pytorch_model_fsdp(_\d+)?")),
+    "optimizers": ("_optimizers", re.compile(r"optimizer(_\d+)?(\.bin)?")),
+    "schedulers": ("_schedulers", re.compile(r"scheduler(_\d+)?\.bin")),
 }
 
 
@@ -395,10 +399,10 @@ def check_prepared(path: Path, accelerator) -> None:
     """A loop that prepares other objects than the run it resumes (a second optimizer or scheduler added, or one taken
     out) is refused before anything is loaded, naming both counts: Accelerate would fail on a missing file, or load
     the files it finds into objects in another order."""
-    names = [p.name.split(".")[0] for p in path.iterdir()]
+    names = [p.name for p in path.iterdir()]
     differ = []
-    for kind, (attribute, stems) in PREPARED.items():
-        held = sum(1 for n in names if any(n == s or n.startswith(f"{s}_") for s in stems))
+    for kind, (attribute, pattern) in PREPARED.items():
+        held = sum(1 for n in names if pattern.fullmatch(n))
         prepared = len(getattr(accelerator, attribute, []))
         if held != prepared:
             differ.append(f"{prepared} {kind} prepared by this launch, {held} in the checkpoint")
