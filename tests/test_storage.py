@@ -144,3 +144,33 @@ def test_a_write_that_fails_leaves_the_old_file_and_no_temp_file(tmp_path, monke
     with pytest.raises(OSError):
         files.write_atomic(target, "new\n")
     assert target.read_text() == "old\n" and os.listdir(tmp_path) == ["summary.json"]
+
+
+def test_a_stop_whose_checkpoint_cannot_complete_ends_as_a_full_disk_not_preempted(
+    tmp_path, env, mnist_like, monkeypatch
+):
+    """A stop request checkpoints, waits for the checkpoint to be complete on disk, then exits 75 saying where it is.
+    When that completion fails (quota or space reported at fsync or rename, as NFS and Lustre do), the run does not
+    say "checkpoint written" of a folder that is only .tmp-step-N: it ends with the full-disk paragraph, exit 1 and
+    summary.json's storage_error, so a requeue loop learns the disk is full."""
+    import common.train.checkpoint as ckpt
+    from common.train.run import WATCHERS
+
+    def stop_at_5(run):  # a stop request, as a signal makes it, at step 5
+        if run.step + 1 == 5:
+            run.stop.reason = "a test's stop request"
+
+    def full(*args):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--output-dir", run]
+    monkeypatch.setattr(ckpt, "_complete", full)
+    monkeypatch.setitem(WATCHERS, "before_update", [stop_at_5])
+    proc = run_in_process("fashion_mnist_mlp", args, env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "checkpoint written to" not in proc.stdout + proc.stderr
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert f"The filesystem of the run directory {run} is full" in paragraph and "Disk quota exceeded" in paragraph
+    assert json.loads((run / "summary.json").read_text())["status"] == "storage_error"
+    assert not ckpt.complete_checkpoints(run)

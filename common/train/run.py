@@ -257,8 +257,8 @@ class TrainingRun:
         try:  # the newest checkpoint complete on disk before the run ends, however it ends
             if self.ckpt is not None:
                 self.ckpt.wait_written()
-        except BaseException as failed:
-            caught = caught or failed
+        except BaseException as failed:  # a stop's checkpoint that did not complete: the failure is the ending
+            caught = failed if caught is None or isinstance(caught, Preempted) else caught
         if caught is None and self.ckpt is not None and not self.finished:
             try:
                 self._unfinished()
@@ -476,6 +476,7 @@ class TrainingRun:
         """Checkpoint here, then end the run: exit 75, and the same command with --resume-from latest continues."""
         self.checks.settle(self.ckpt.epoch)
         path = self.checkpoint()
+        self.ckpt.wait_written()  # complete on disk before exit 75 says so (a failure there ends the run with it)
         damaged = self.data.damaged if self.data is not None else None
         error = damaged.stop_error(self.accelerator) if damaged is not None else None  # every rank is at this step
         if error is not None:  # too many damaged photos on some rank: every rank ends with the same paragraph
