@@ -734,3 +734,30 @@ def test_files_of_yours_in_a_checkpoint_are_left_alone_not_called_damaged(tmp_pa
     assert ".ipynb_checkpoints/, notes.txt: not read by the resume, left as it is" in proc.stdout
     assert "damaged" not in proc.stdout + proc.stderr
     assert (newest / ".ipynb_checkpoints").is_dir() and (newest / "notes.txt").is_file()
+
+
+def test_a_kill_between_the_two_renames_of_a_step_written_again_keeps_that_step(tmp_path, env, mnist_like):
+    """A checkpoint of a step already written (a later position at the same step) is swapped in by two renames:
+    step-N to .old-step-N, then the new one to step-N. Killed between them, the run has .old-step-N complete, a
+    .tmp-step-N without its marker and no step-N: the resume takes .old-step-N (that step, not an older checkpoint)
+    and ends with the uninterrupted run's weights; the next completion leaves no .old folder behind."""
+    import shutil
+
+    base = ["--dataset", mnist_like, "--epochs", 2, "--batch-size", 32, *MLP, "--checkpoint-every", 2]
+    full, part = tmp_path / "full", tmp_path / "part"
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--max-steps", 8, "--output-dir", full], env))
+    check_ok(run_in_process("fashion_mnist_mlp", [*base, "--max-steps", 4, "--output-dir", part], env))
+    root = part / "checkpoints"
+    assert [c.name for c in checkpoints(part)] == ["step-00000002", "step-00000004"]
+    (root / "step-00000004").rename(root / ".old-step-00000004")  # the first rename of the swap
+    shutil.copytree(root / ".old-step-00000004", root / ".tmp-step-00000004")
+    (root / ".tmp-step-00000004" / "COMPLETE").unlink()  # the new copy, not yet marked: killed here
+    proc = check_ok(
+        run_in_process(
+            "fashion_mnist_mlp", [*base, "--max-steps", 8, "--output-dir", part, "--resume-from", "latest"], env
+        )
+    )
+    assert f"resumed from {root / '.old-step-00000004'}: epoch 1, batch 4, step 4" in proc.stdout, proc.stdout
+    a, b = weights(full), weights(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".")], sorted(p.name for p in root.iterdir())

@@ -94,17 +94,23 @@ def step_of(path: Path) -> int:
     try:
         return read_state(path)["global_step"]
     except DamagedCheckpoint:
-        return int(Path(path).name.split("-")[1])
+        return int(Path(path).name.removeprefix(".old-").split("-")[1])
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete ``step-N`` checkpoints, oldest first, ordered by the global step they record."""
+    """Complete ``step-N`` checkpoints, oldest first, ordered by the global step they record. A step written again
+    (the same step, a later position) swaps the new folder in by two renames, ``step-N`` to ``.old-step-N``, then the
+    new one to ``step-N``: a kill between them leaves ``.old-step-N`` complete and no complete ``step-N``, and then
+    ``.old-step-N`` is that step's checkpoint (a resume reads it where it is; the next completion prunes it)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
-        if not STEP_DIR.match(child.name) or not is_complete(child):
+        name = child.name.removeprefix(".old-")
+        if not STEP_DIR.match(name) or not is_complete(child):
+            continue
+        if name != child.name and is_complete(root / name):  # the swap finished: the new one counts
             continue
         found.append((step_of(child), child))
     return [p for _, p in sorted(found)]
@@ -187,9 +193,11 @@ def prune(run_dir: Path, keep: int) -> None:
     ckpts = complete_checkpoints(run_dir)
     for old in ckpts[: max(0, len(ckpts) - max(keep, 1))]:
         shutil.rmtree(old, ignore_errors=True)
+    kept = set(ckpts[-max(keep, 1) :])  # an .old-step-N among them is that step's checkpoint (complete_checkpoints)
     for child in (Path(run_dir) / "checkpoints").iterdir():
-        debris = child.name.startswith((".tmp-step-", ".old-step-")) or (
-            STEP_DIR.match(child.name) and not is_complete(child)
+        debris = child not in kept and (
+            child.name.startswith((".tmp-step-", ".old-step-"))
+            or (STEP_DIR.match(child.name) and not is_complete(child))
         )
         if child.is_dir() and debris:
             shutil.rmtree(child, ignore_errors=True)

@@ -10,7 +10,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from common.data.splits import (
     recorded_files_changed,
 )
 from common.errors import RecipeError
-from common.files import move_aside, write_atomic
+from common.files import fsync_dir, move_aside, write_atomic
 from common.schedules import lr_multiplier
 from common.train import checkpoint as ckpt
 from common.train.accelerator import on_main
@@ -122,6 +124,7 @@ class Checkpointer:
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
         if self.resume_path is not None:
             state = self._resume_newest_readable(model, optimizer, scheduler)
+            self._finish_interrupted_swap()
         elif self.cfg.resume_from == "latest":
             say(f"nothing to resume in {self.run_dir / 'checkpoints'} (no complete checkpoint): starting fresh")
         if self.accelerator.is_main_process and (
@@ -137,6 +140,23 @@ class Checkpointer:
             self.saved, self.saved_path = self.position(), self.resume_path
         return state
 
+    def _finish_interrupted_swap(self) -> None:
+        """Resumed from ``.old-step-N`` (a step written again, killed between its two renames:
+        ``ckpt.complete_checkpoints``): it becomes ``step-N`` again, in place of the unmarked copy, if any."""
+        path = self.resume_path
+        if not path.name.startswith(".old-"):
+            return
+
+        def restore():
+            final = path.with_name(path.name.removeprefix(".old-"))
+            if final.exists():  # the new copy, renamed in but never marked complete: debris of the interrupted write
+                shutil.rmtree(final)
+            os.replace(path, final)
+            fsync_dir(final.parent)
+            return final.name
+
+        self.resume_path = path.with_name(on_main(self.accelerator, restore))
+
     def _resume_newest_readable(self, model, optimizer, scheduler) -> dict:
         """--resume-from latest falls back past a checkpoint that was marked complete but cannot be read (a power
         loss while it was written), and says so; the damaged folder is renamed damaged-step-N (damaged-step-N.2, ...
@@ -146,7 +166,7 @@ class Checkpointer:
                 return self._resume_from(self.resume_path, model, optimizer, scheduler)
             except ckpt.DamagedCheckpoint as err:
                 damaged = self.resume_path
-                older = [p for p in ckpt.complete_checkpoints(self.run_dir) if p.name < damaged.name]
+                older = [p for p in ckpt.complete_checkpoints(self.run_dir) if ckpt.step_of(p) < ckpt.step_of(damaged)]
                 if self.cfg.resume_from != "latest" or not older:
                     raise RecipeError(
                         f"Cannot resume from {damaged}: {err}. "
