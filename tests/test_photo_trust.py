@@ -431,3 +431,33 @@ def test_torchvisions_own_spellings_of_weights_name_them(tmp_path):
     (tmp_path / "IMAGENET1K_V1").write_bytes(b"")  # a file of that name is the file
     assert vision.weights_entry("resnet18", str(tmp_path / "IMAGENET1K_V1")) is None
     assert vision.weights_entry("resnet18", "my_resnet.pth") is None
+
+
+@pytest.mark.parametrize("damaged", ["all", "half"])
+def test_damaged_photos_in_the_final_split_are_held_to_max_damaged(damaged, tmp_path, env):
+    """test/ with every photo damaged, under a --max-damaged that allows them: one paragraph (bad input) saying
+    nothing could be scored, no traceback, no final/ (a KeyError traceback before; a NaN accuracy would have passed
+    --target-accuracy). Half of test/ damaged (past the default --max-damaged 1%): the run does not end with a score
+    of the other half, it says so in one paragraph naming them. --eval-only of its checkpoint says the same."""
+    root = tmp_path / "d"
+    write_photo_folder(root / "train", 6)
+    write_photo_folder(root / "val", 1, seed=1)
+    write_photo_folder(root / "test", 2, seed=2)
+    tests = sorted(p for p in (root / "test").rglob("*") if p.is_file())
+    for victim in tests if damaged == "all" else tests[::2]:
+        victim.write_bytes(victim.read_bytes()[:200])
+    run = tmp_path / "run"
+    args = ["--dataset", root, "--image-size", 32, "--batch-size", 8, "--epochs", 1, "--workers", 1]
+    args += ["--max-damaged", 0.5] if damaged == "all" else []
+    proc = run_in_process("finetune_folder", [*args, "--target-accuracy", 0.01, "--output-dir", run], env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    if damaged == "all":
+        assert "None of the" in paragraph and "could be read" in paragraph, paragraph
+    else:
+        assert "damaged photos met, more than --max-damaged" in paragraph and str(tests[0]) in paragraph, paragraph
+    assert json.loads((run / "summary.json").read_text())["status"] == "bad_input"
+    assert not (run / "final").exists()
+    latest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    again = run_in_process("finetune_folder", [*args, "--eval-only", "--checkpoint", latest], env)
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]

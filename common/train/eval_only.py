@@ -194,7 +194,7 @@ def report(cfg, accelerator, weights: Path, note: str, data, metrics: dict | Non
     )
     if accelerator.is_main_process:
         out.write_text(json.dumps(result, indent=2) + "\n")
-    missed = bool(cfg.target_accuracy and metrics["accuracy"] < cfg.target_accuracy)
+    missed = bool(cfg.target_accuracy) and not metrics["accuracy"] >= cfg.target_accuracy  # a NaN misses it
     if missed:
         say(
             f"TARGET MISSED: {split} accuracy {metrics['accuracy']:.4f} is below --target-accuracy "

@@ -71,7 +71,8 @@ class Evaluator:
         self.evaluated_step = step
         value = metrics[cfg.monitor.split("/", 1)[1]]
         best = self.best
-        if best is None or (value > best if cfg.mode == "max" else value < best):
+        improved = best is None or (value > best if cfg.mode == "max" else value < best)
+        if improved and value == value:  # a NaN is never the best
             card = {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step}
             weights = ckpt.whole_weights(self.accelerator, self.model, copy=True)  # FSDP2: gathered by every rank
             if self.accelerator.is_main_process:  # (save_model_dir writes on the main process only)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from common.data.damaged import SKIPPED, unpack
+from common.errors import DataError
 from common.train.sharding import share_buffers
 from common.train.tracking import on_terminal
 
@@ -62,8 +63,12 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int =
     model.train(was_training)
     labels = torch.cat(labels_all).cpu() if labels_all else torch.zeros(0, dtype=torch.int64)
     scored = labels != SKIPPED
-    if not scored.any():
-        return {"loss": float("nan"), "accuracy": float("nan"), "count": 0}
+    if not scored.any():  # the same on every rank (gathered): every rank says it
+        raise DataError(
+            f"None of the {labels.numel()} photos of this evaluation could be read: every one is damaged (the "
+            "warnings above name them), so there is nothing to score. Replace those files, or remove them and start "
+            "a new run (a resume refuses a folder whose files changed)."
+        )
     preds = torch.cat(preds).cpu()
     metrics = summarize(preds[scored], labels[scored], torch.cat(losses).cpu()[scored], num_classes)
     if not scored.all():  # the rows stay in place (positions in the split): labels SKIPPED where not scored

@@ -685,9 +685,11 @@ class TrainingRun:
             metrics = validate(loader)  # while the main process completes the checkpoint in a thread
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.ckpt.wait_written()
+        if self.data.damaged is not None:  # every rank's damaged photos (every rank is here), held to --max-damaged
+            error = self.data.damaged.stop_error(self.accelerator)  # as in training: no score of what is left
+            if error is not None:
+                raise error
         split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epochs_completed)
-        if self.data.damaged is not None:  # every rank's damaged photos, for summary.json (every rank is here)
-            self.data.damaged.gather(self.accelerator)
         self.log_file.hparams(
             sanitize_for_hparams(dataclasses.asdict(self.cfg)),
             {k: v for k, v in final.items() if not k.endswith("/count")},
@@ -707,5 +709,8 @@ class TrainingRun:
         self.scoring.load(self.accelerator, model, self.data)
         metrics = validate(loader)
         self.stop.interruptible(None)
+        error = self.data.damaged.stop_error(self.accelerator) if self.data.damaged is not None else None
+        if error is not None:  # more damaged photos than --max-damaged allows: no score of what is left
+            raise error
         if self.scoring.report(self.accelerator, self.data, metrics):
             self.status = "target_missed"

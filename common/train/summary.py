@@ -118,7 +118,7 @@ class Summary:
         curves.png (``curves``: its PNG) and confusion_matrix.png (``confusion``: the PNG TensorBoard
         got, titled with the step), summary.json and the printed table."""
         value = final.get(f"{split}/accuracy")
-        missed = bool(cfg.target_accuracy) and (value is None or value < cfg.target_accuracy)
+        missed = bool(cfg.target_accuracy) and not (value is not None and value >= cfg.target_accuracy)  # NaN: missed
         status = "target_missed" if missed else "completed"
         if self.accelerator.is_main_process:
             if curves is not None:  # None: it could not be drawn, and a NOTE said so
