@@ -9,6 +9,7 @@ JSON is checked against the torch model run directly."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -398,3 +399,22 @@ def test_a_copy_named_like_a_recipe_is_not_taken_for_the_recipe(tmp_path):
     copy.parent.mkdir()
     copy.write_text((REPO / "recipes" / "fashion_mnist_mlp.py").read_text())
     assert Path(load_recipe({**card, "recipe_file": str(copy)}, recipe_file=copy).__file__) == copy
+
+
+def test_a_recipe_changed_since_the_run_trained_is_named_not_used_silently(tmp_path, capsys):
+    """model.json records the recipe file's sha256. The repository's own recipes/<name>.py, edited since the run
+    trained (in this clone: the file model.json names), is not imported on the run folder's word: one paragraph says
+    the file changed and names --recipe. With --recipe (the user's word) it is used, and a NOTE says it is not the
+    file the run trained with."""
+    from common.errors import RecipeError
+    from common.tools.predict import load_recipe
+
+    _, card, _ = make_model_dir(tmp_path, "MLP")
+    ours = REPO / "recipes" / "fashion_mnist_mlp.py"
+    then = {**card, "recipe_file": str(ours), "recipe_sha256": "0" * 64}
+    with pytest.raises(RecipeError, match=r"is not the file this run trained with.*Pass --recipe .*fashion_mnist_mlp"):
+        load_recipe(then)
+    assert Path(load_recipe(then, recipe_file=ours).__file__) == ours
+    assert "NOTE: --recipe" in capsys.readouterr().err
+    load_recipe({**then, "recipe_sha256": hashlib.sha256(ours.read_bytes()).hexdigest()})  # the same bytes: used
+    assert "NOTE" not in capsys.readouterr().err

@@ -53,14 +53,31 @@ def repository_recipe(card: dict, ours: Path) -> bool:
     import hashlib
 
     recorded, digest = card.get("recipe_file"), card.get("recipe_sha256")
+    if digest:  # the bytes decide, in this clone too: the file may have been edited since the run trained
+        return digest == hashlib.sha256(ours.read_bytes()).hexdigest()
     if recorded and Path(recorded).resolve() == ours.resolve():
         return True
-    if digest:
-        return digest == hashlib.sha256(ours.read_bytes()).hexdigest()
     if not recorded:
         return True  # written before model.json named the file
     recorded = PurePath(str(recorded))  # written before model.json recorded the file's bytes
     return recorded.name == ours.name and recorded.parent.name == "recipes"
+
+
+def changed_since(card: dict, path: Path) -> str:
+    """How ``path`` differs from the recipe file the run trained with, by model.json's ``recipe_sha256`` ('' when it
+    is that file, or the card records no digest)."""
+    import hashlib
+
+    digest = card.get("recipe_sha256")
+    if not digest or not path.is_file():
+        return ""
+    now = hashlib.sha256(path.read_bytes()).hexdigest()
+    if now == digest:
+        return ""
+    return (
+        f"is not the file this run trained with: its sha256 is {now[:12]}..., model.json records {digest[:12]}... "
+        "(the file changed since)"
+    )
 
 
 def load_recipe(card: dict, recipe_file=None):
@@ -77,12 +94,25 @@ def load_recipe(card: dict, recipe_file=None):
         path = Path(recipe_file).expanduser()
         if not path.is_file():
             raise RecipeError(f"--recipe {recipe_file} is not a file. Pass the recipe file the run was trained with.")
+        changed = changed_since(card, path)
+        if changed:
+            print(
+                f"NOTE: --recipe {printable(path)} {changed}; the model is built from it as it is now.", file=sys.stderr
+            )
     elif (
         re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
         and (recipes_dir / f"{name}.py").is_file()
         and repository_recipe(card, recipes_dir / f"{name}.py")
     ):
         path = recipes_dir / f"{name}.py"
+    elif changed_since(card, recipes_dir / f"{name}.py") and Path(recorded).resolve() == (recipes_dir / f"{name}.py"):
+        ours = recipes_dir / f"{name}.py"
+        raise RecipeError(
+            f"{ours} {changed_since(card, ours)}: its build_model may build another model than the one whose weights "
+            f"these are, and importing it runs it. Pass --recipe {ours} to build from the file as it is now, or "
+            "--recipe with the version the run trained with (git show <commit>:recipes/"
+            f"{name}.py > {name}_then.py)."
+        )
     else:
         raise RecipeError(
             f"model.json names the recipe {name!r} ({recorded}), which is not one of this repository's "
