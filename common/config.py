@@ -230,7 +230,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear paragraph, exit code 2, no traceback
-        self.print_usage(sys.stderr)
+        if not message.startswith("unrecognized arguments"):  # (an unknown flag: the paragraph names the fix)
+            self.print_usage(sys.stderr)
         if message.startswith("unrecognized arguments"):  # another recipe's knob, another script's flag
             shared = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(CommonConfig)}
             message += hint(message, set(self._option_string_actions), shared)

@@ -1,6 +1,6 @@
 """A flag a recipe does not have, answered with the recipe's closest flags by spelling (``difflib``) and, for a knob
-of another recipe, that recipe's name; the flags of other scripts (torchvision's reference script, Hugging Face's
-Trainer, Accelerate's examples) and their names here are a table in docs/flags.md."""
+of another recipe, that recipe's name; a flag of another script (torchvision's reference script, Hugging Face's
+Trainer, Accelerate's examples) with its name here, read from docs/flags.md's tables."""
 
 from __future__ import annotations
 
@@ -42,18 +42,48 @@ def unknown_flags(message: str) -> list[str]:
     return [w.split("=")[0] if w.startswith("--") else w[:2] for w in words if re.match(r"--?[A-Za-z]", w)]
 
 
+FLAGS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
+
+
+def other_scripts_flags() -> dict[str, tuple[str, str]]:
+    """docs/flags.md's tables as data: {a flag of another script: (that script, its name here)}, from rows
+    ``| `--flag` | here |`` under each ``## script`` heading. Empty when the page is not there (a copy of the library
+    without its docs)."""
+    found: dict[str, tuple[str, str]] = {}
+    try:
+        lines = FLAGS_PAGE.read_text().splitlines()
+    except OSError:
+        return found
+    script = ""
+    for line in lines:
+        if line.startswith("## "):
+            script = line[3:].split(" (")[0].strip()
+        row = re.fullmatch(r"\|\s*`(-[^`]+)`\s*\|\s*(.+?)\s*\|", line)
+        if row and script:
+            found.setdefault(row.group(1), (script, row.group(2).replace("`", "")))
+    return found
+
+
 def hint(message: str, known: set[str], shared: set[str]) -> str:
     """What to add to argparse's "unrecognized arguments" ``message`` for a parser whose flags are ``known``;
     ``shared``: the flags every recipe has."""
     technique = recipe_flags(shared)
     flags = sorted(f for f in known if f.startswith("--") and not f.startswith(("--no-", "--no_")) and "_" not in f)
-    answers = []
+    answers, others = [], other_scripts_flags()
     for flag in unknown_flags(message):
         kebab = flag.replace("_", "-")
+        if flag in others:  # another script's spelling: this repository's name for it
+            script, here = others[flag]
+            ours = re.match(r"--[a-z-]+", here)
+            elsewhere = technique.get(ours.group(0)) if ours and ours.group(0) not in known else None
+            mine = f" (a knob of {' and '.join(elsewhere)})" if elsewhere else ""
+            answers.append(f"{flag} is {script}'s flag; here: {here}{mine}")
+            continue
         if kebab in technique:
             answers.append(f"{flag} is a knob of {' and '.join(technique[kebab])}, not of this recipe")
             continue
         close = difflib.get_close_matches(kebab, flags, n=3, cutoff=0.75)
         if close:
             answers.append(f"{flag}: did you mean {' or '.join(close)}?")
-    return "; " + "; ".join([*answers, OTHER_SCRIPTS])
+    from_table = all(flag in others for flag in unknown_flags(message))  # each named: no page to point at
+    return "; " + "; ".join([*answers, *([] if from_table else [OTHER_SCRIPTS])])

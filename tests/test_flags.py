@@ -1,5 +1,6 @@
-"""The command line a recipe offers: a flag it lacks is answered in one paragraph with its closest flags and the
-recipe that has it; other scripts' flags are a table in docs/flags.md; --help lists what the recipe reads."""
+"""The command line a recipe offers: a flag it lacks is answered in one paragraph with this repository's name for it
+(another script's flag, from docs/flags.md's tables), its closest flags or the recipe that has it; --help lists what
+the recipe reads."""
 
 from __future__ import annotations
 
@@ -31,17 +32,33 @@ def refused(recipe, args, env, tmp_path) -> str:
             ["--mixup", "0.2", "--workers", "4"],
             ["--mixup is a knob of finetune_folder, not of this recipe", "--workers is a knob of finetune_folder"],
         ),
-        ("finetune_folder", ["--data-path", "x", "-j", "4"], []),
+        (
+            "finetune_folder",
+            ["--data-path", "x", "-j", "4"],
+            [
+                "--data-path is torchvision's classification reference script's flag; here: --dataset",
+                "-j is torchvision's classification reference script's flag; here: --workers",
+            ],
+        ),
+        ("mnist_convnet", ["--learning_rate", "0.1"], ["--learning_rate is Hugging Face's Trainer's flag; here: --lr"]),
+        ("mnist_convnet", ["--model-ema"], ["here: --ema-decay (the decay per optimizer step; 0 = off) (a knob of"]),
     ],
 )
 def test_a_flag_the_recipe_lacks_gets_its_closest_flags_and_the_recipe_that_has_it(
     recipe, args, answers, tmp_path, env
 ):
-    """One paragraph: argparse's "unrecognized arguments", the closest flags by spelling, the recipe whose knob it
-    is, and where other scripts' flags are given their names here (docs/flags.md)."""
+    """One paragraph, without argparse's usage block: "unrecognized arguments", then for each flag its name here when
+    it is another script's (read from docs/flags.md's tables), else the closest flags by spelling or the recipe whose
+    knob it is, and where other scripts' flags are given their names here (docs/flags.md) when one was not named."""
+    from common.flag_hints import other_scripts_flags
+
     paragraph = refused(recipe, args, env, tmp_path)
-    for answer in [*answers, "their names here: docs/flags.md"]:
+    table = other_scripts_flags()
+    pointer = [] if all(a in table for a in args if a.startswith("-")) else ["their names here: docs/flags.md"]
+    for answer in [*answers, *pointer]:
         assert answer in paragraph, paragraph
+    proc = run_in_process(recipe, ["--output-dir", tmp_path / "r", *args], env, cwd=tmp_path)
+    assert proc.stderr.strip() == paragraph, proc.stderr  # no usage block above it
 
 
 def test_the_flags_page_names_only_flags_a_recipe_has():
