@@ -676,3 +676,18 @@ def test_a_photo_augmentation_of_your_own_is_an_edit_of_the_copy(tmp_path, env, 
     assert proc.returncode == 2 and "train_view made a (3," in proc.stderr and "Traceback" not in proc.stderr, (
         proc.stderr[-2000:]
     )
+
+
+def test_a_loop_without_evaluations_says_best_is_not_written(tmp_path, env, mnist_like):
+    """Both evaluation lines deleted: no best/, and the run says so (a NOTE naming final/ as what predict and export
+    use, and the summary's best row), where it printed a bare '-' under a final accuracy."""
+    every = (
+        "            if cfg.eval_every_steps and run.step % cfg.eval_every_steps == 0:\n"
+        "                run.evaluate(validate, val_loader)  # pictures=True: its pictures too\n"
+    )
+    copy = edited(tmp_path, "fashion_mnist_mlp", (EPOCH_EVAL, ""), (every, ""), name="no_evaluations.py")
+    run = tmp_path / "run"
+    proc = check_ok(run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run), env))
+    assert "the loop made no evaluation during the run, so best/ was not written" in proc.stdout, proc.stdout
+    assert "(no evaluation during the run: no best/)" in proc.stdout
+    assert not (run / "best").exists() and (run / "final" / "model.safetensors").is_file()

@@ -690,6 +690,11 @@ class TrainingRun:
             if error is not None:
                 raise error
         split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epochs_completed)
+        if self.best is None and not (self.dir.path / "best").is_dir():
+            say(
+                "NOTE: the loop made no evaluation during the run, so best/ was not written; predict, export and "
+                f"--eval-only of {self.dir.path} use final/."
+            )
         self.log_file.hparams(
             sanitize_for_hparams(dataclasses.asdict(self.cfg)),
             {k: v for k, v in final.items() if not k.endswith("/count")},

@@ -140,7 +140,7 @@ class Summary:
         rows = [(k, f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in final.items()]
         damaged = values.get("damaged_photos", {}).get("count")  # a photo run's skipped photos, named in summary.json
         rows += [
-            ("best " + monitor, f"{best:.4f}" if best is not None else "-"),
+            ("best " + monitor, f"{best:.4f}" if best is not None else "- (no evaluation during the run: no best/)"),
             ("epochs completed", str(values["epochs_completed"])),
             ("optimizer steps", str(values["global_step"])),
             *([("damaged photos", f"{damaged} skipped (summary.json)")] if damaged else []),
