@@ -461,7 +461,7 @@ use_cpu: true
             ["--num-processes=2"],
             "`accelerate launch` with --num_processes 2 starts one process on a machine without a GPU",
         ),
-        ([], "this process trains on 1 of the"),
+        ([], "this process runs on 1 of the"),
         (
             ["--config_file", "{home}/my_config.yaml"],
             "`accelerate launch` with a config file with num_processes: 2 starts one process on a machine without a "

@@ -133,7 +133,7 @@ def idle_cores_note(cpu: bool) -> str:
         )
     if torch.get_num_threads() < cores and os.environ.get("OMP_NUM_THREADS") == "1":
         return (
-            f"this process trains on 1 of the {cores} CPU cores (accelerate launch sets OMP_NUM_THREADS=1). To "
+            f"this process runs on 1 of the {cores} CPU cores (accelerate launch sets OMP_NUM_THREADS=1). To "
             f"use them all: `accelerate launch --num_cpu_threads_per_process {cores} ...`, or 2 processes with "
             f"`--config_file {CPU_2PROC_CONFIG}`"
         )
