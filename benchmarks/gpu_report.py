@@ -30,8 +30,9 @@ reported in the table with the tail of its log; the script goes on and always wr
   file: fp16, uncompiled, one run in its process) on the same split of CIFAR-10 (JPEG copy) and the same GPU, for
   each of --cifar-seeds (default --seed). One timer for both sides: from just before the first training step to the
   end of the evaluation that reaches the accuracy (first-step costs inside both: the recipe's cuDNN autotuning, as it
-  sets cudnn.benchmark, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal: a mean accuracy at
-  least airbench94's, within 1.2x its time on every seed.
+  sets cudnn.benchmark, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal, judged by the means
+  over the seeds: a mean accuracy at least airbench94's (the paired difference and its spread reported) and a mean
+  time within 1.2x airbench94's.
 - mnist_convnet_to_99.3: time_to_accuracy.py --target 0.993, evaluating every 100 steps (goal: under 2 s).
 - floor/mnist_convnet (only with --only floor): benchmarks/floor.py, what mnist_convnet's launch to exit cannot go
   below on this machine (interpreter, torch import, CUDA init, the first optimizer's torch._dynamo import, the data
@@ -241,9 +242,11 @@ def read_predict(out: Path, inputs: Path):
 
 
 def read_tta_cifar(out: Path, toy: bool):
-    """Every seed of the row: each side's mean accuracy and time (with their spread), and cifar_cnn's time to
-    airbench94's accuracy of the same seed as a multiple of airbench94's time. The goal: a mean accuracy at least
-    airbench94's, within 1.2x its time on every seed."""
+    """Every seed of the row, judged by the means as the goal states it (one seed's accuracy on 5,000 images moves by
+    about 0.4 points, a binomial sd: a rule per seed fails an equally good recipe most of the time): cifar_cnn's mean
+    final accuracy at least airbench94's mean, with the paired mean difference and its spread, and the ratio of the
+    two sides' mean times on one timer (from just before the first step to the end of the evaluation that gave the
+    final accuracy) at most 1.2. Each seed's time to airbench94's accuracy of the same seed is reported beside."""
     seeds = json.loads(out.read_text())["seeds"]
 
     def spread(values, digits):
@@ -253,15 +256,28 @@ def read_tta_cifar(out: Path, toy: bool):
     ends = [(s["recipe"]["curve"][-1], s["baseline"]["curve"][-1]) for s in seeds]
     r_acc, b_acc = [r["accuracy"] for r, _ in ends], [b["accuracy"] for _, b in ends]
     r_time, b_time = [r["time_s"] for r, _ in ends], [b["time_s"] for _, b in ends]
+    diffs = [r - b for r, b in zip(r_acc, b_acc)]  # paired: the same seed's split and order on both sides
+    time_ratio = statistics.mean(r_time) / statistics.mean(b_time)
     ratios = [s["recipe"]["time_to_target_s"] / b["time_s"] for s, (_, b) in zip(seeds, ends) if s["recipe"]["reached"]]
     text = (
         f"{len(seeds)} seed(s): cifar_cnn {spread(r_acc, 4)} in {spread(r_time, 1)} s (launch to exit "
         f"{statistics.mean(s['recipe']['process_wall_s'] for s in seeds):.1f} s); airbench94 {spread(b_acc, 4)} in "
-        f"{spread(b_time, 1)} s; cifar_cnn to airbench's accuracy reached in {len(ratios)} of {len(seeds)}"
+        f"{spread(b_time, 1)} s; paired accuracy difference {spread(diffs, 4)}; mean times {time_ratio:.2f}x "
+        f"airbench94's; per seed, cifar_cnn to airbench's accuracy reached in {len(ratios)} of {len(seeds)}"
         + (f", at {', '.join(f'{x:.2f}' for x in ratios)}x airbench's time" if ratios else "")
     )
-    met = statistics.mean(r_acc) >= statistics.mean(b_acc) and len(ratios) == len(seeds) and max(ratios) <= 1.2
-    return text, "mean accuracy >= airbench94's, <= 1.2x its time", None if toy else met, {"seeds": seeds}
+    met = statistics.mean(r_acc) >= statistics.mean(b_acc) and time_ratio <= 1.2
+    judged = {
+        "mean_accuracy": {"cifar_cnn": statistics.mean(r_acc), "airbench94": statistics.mean(b_acc)},
+        "paired_difference": {
+            "mean": statistics.mean(diffs),
+            "sd": statistics.stdev(diffs) if len(diffs) > 1 else None,
+        },
+        "mean_time_s": {"cifar_cnn": statistics.mean(r_time), "airbench94": statistics.mean(b_time)},
+        "time_ratio": time_ratio,
+    }
+    goal = "mean accuracy >= airbench94's mean, mean time <= 1.2x airbench94's"
+    return text, goal, None if toy else met, {"seeds": seeds, "judged": judged}
 
 
 def read_tta_mnist(out: Path, toy: bool):

@@ -146,25 +146,43 @@ def test_rehearsal_passes_every_row_and_writes_only_under_its_out_folder(tmp_pat
     assert git_status() == before  # nothing written into the repository
 
 
-def test_the_cifar_row_reads_every_seed_and_judges_the_mean_and_each_time(tmp_path):
-    """--cifar-seeds 1,2: the row's result names both sides' mean accuracy and time with their spread and each seed's
-    time to airbench94's accuracy; the goal is met only when the recipe's mean accuracy is at least airbench94's and
-    every seed reached it within 1.2x airbench94's time."""
+def test_the_cifar_row_judges_the_means_over_the_seeds(tmp_path):
+    """--cifar-seeds: the goal is judged by the means, as it states it: cifar_cnn's mean accuracy at least
+    airbench94's and the ratio of mean times at most 1.2, with the paired mean difference and its spread reported. An
+    equally good recipe that falls short of airbench94's accuracy on one seed of three (as 0.4 points of binomial sd
+    make likely) still meets it; one that is slower on the mean, or less accurate on the mean, does not."""
     import gpu_report  # benchmarks/ is on pytest's pythonpath
 
-    def seed(r_acc, r_time, to_target, b_acc, b_time):
-        recipe = {"curve": [{"accuracy": r_acc, "time_s": r_time}], "time_to_target_s": to_target, "reached": True}
+    def seed(r_acc, r_time, to_target, b_acc, b_time, reached=True):
+        recipe = {"curve": [{"accuracy": r_acc, "time_s": r_time}], "time_to_target_s": to_target, "reached": reached}
         recipe["process_wall_s"] = 30.0
         return {"recipe": recipe, "baseline": {"curve": [{"accuracy": b_acc, "time_s": b_time}]}}
 
     out = tmp_path / "tta.json"
-    out.write_text(json.dumps({"seeds": [seed(0.91, 3.0, 2.9, 0.905, 2.8), seed(0.909, 3.1, 3.0, 0.906, 2.7)]}))
+    seeds = [
+        seed(0.912, 3.0, 2.9, 0.905, 2.8),
+        seed(0.902, 3.1, None, 0.906, 2.7, False),
+        seed(0.91, 3.0, 2.8, 0.904, 2.8),
+    ]
+    out.write_text(json.dumps({"seeds": seeds}))
     text, goal, met, data = gpu_report.read_tta_cifar(out, toy=False)
-    assert text.startswith("2 seed(s): cifar_cnn 0.9095 +- 0.0007 in 3.0 +- 0.1 s") and "at 1.04, 1.11x" in text
-    assert met is True and goal == "mean accuracy >= airbench94's, <= 1.2x its time" and len(data["seeds"]) == 2
+    assert text.startswith("3 seed(s): cifar_cnn 0.9080 +- 0.0053 in 3.0 +- 0.1 s"), text
+    assert "paired accuracy difference 0.0030 +- 0.0061" in text and "mean times 1.10x airbench94's" in text, text
+    assert "reached in 2 of 3" in text  # one seed short of its own airbench94 accuracy: reported, not the verdict
+    assert met is True and goal == "mean accuracy >= airbench94's mean, mean time <= 1.2x airbench94's"
+    judged = data["judged"]
+    assert judged["time_ratio"] == pytest.approx(3.0333 / 2.7667, rel=1e-3)
+    assert judged["paired_difference"]["mean"] == pytest.approx(0.003)
     slow = json.loads(out.read_text())
-    slow["seeds"][1]["recipe"]["time_to_target_s"] = 3.5  # 1.30x on one seed
+    for s in slow["seeds"]:
+        s["recipe"]["curve"][-1]["time_s"] *= 1.15  # 1.26x on the mean
     out.write_text(json.dumps(slow))
+    assert gpu_report.read_tta_cifar(out, toy=False)[2] is False
+    worse = json.loads(out.read_text())
+    for s in worse["seeds"]:
+        s["recipe"]["curve"][-1]["time_s"] /= 1.15
+        s["recipe"]["curve"][-1]["accuracy"] -= 0.004  # below airbench94's mean
+    out.write_text(json.dumps(worse))
     assert gpu_report.read_tta_cifar(out, toy=False)[2] is False
 
 
