@@ -41,6 +41,9 @@ reported in the table with the tail of its log; the script goes on and always wr
   --data-on-device false and true; the ratio device / host.
 - profile/<recipe>: --profile 5 (steps 3-7, no log step among them): the trace, and the synchronising calls in it
   (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking cudaMemcpy, aten::item).
+- ab/cifar_cnn/{as-is,report-to-none,cudnn-off} (only with --only ab): cifar_cnn alone, as is and without one
+  suspected one-time cost of its first epoch each (TensorBoard's writer; cuDNN's kernel search): the training times
+  side by side.
 - photos/decode, photos/reference, photos/recipe (only with --only photos: they do not fit the default run's
   deadline): benchmarks/photo_baseline.py (torchvision's reference classification script, written fresh) and the
   photo recipe, each a ResNet-50 at 224 px from scratch, bf16, channels_last, batches of 32 of gpu-data's flower
@@ -120,10 +123,17 @@ TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
 STEPS = 40  # optimizer steps of each correctness row
 # The rows' order: what the speed goals need first (a run cut short keeps them), the correctness checks last
 PRIORITY = (
-    "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "floor/", "throughput/", "profile/", "correct/", "photos/"
+    "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "floor/", "ab/", "throughput/", "profile/", "correct/",
+    "photos/",
 )  # fmt: skip
 # Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
-EXTRA_BUDGET_S = {"floor/mnist_convnet": 80, "photos/decode": 30, "photos/reference": 120, "photos/recipe": 150}
+EXTRA_BUDGET_S = {
+    "floor/mnist_convnet": 80,
+    "photos/decode": 30,
+    "photos/reference": 120,
+    "photos/recipe": 150,
+    "ab/": 45,  # each ab/cifar_cnn/* row: cifar_cnn alone took about 40 s of the cifar row's 56 s on an H200
+}
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
 TOY = {  # rehearsal: small models and batches (last on the command line: they win)
     "mnist_convnet": "--width 8 --hidden 32 --batch-size 8".split(),
@@ -278,6 +288,16 @@ def read_tta_cifar(out: Path, toy: bool):
     }
     goal = "mean accuracy >= airbench94's mean, mean time <= 1.2x airbench94's"
     return text, goal, None if toy else met, {"seeds": seeds, "judged": judged}
+
+
+def read_alone(out: Path):
+    """A recipe run alone (an ab/ row): its final accuracy, its training time from just before the first step to the
+    end of the evaluation that gave it (the one timer of the cifar row), and its launch to exit."""
+    r = json.loads(out.read_text())["seeds"][0]["recipe"]
+    end = r["curve"][-1]
+    text = f"final accuracy {end['accuracy']:.4f} at {end['time_s']:.2f} s of training; launch to exit "
+    text += f"{r['process_wall_s']:.1f} s"
+    return text, "-", None, {"final_accuracy": end["accuracy"], "train_s": end["time_s"], "wall_s": r["process_wall_s"]}
 
 
 def read_tta_mnist(out: Path, toy: bool):
@@ -591,6 +611,27 @@ def plan(ctx: Ctx) -> list[Row]:
                 lambda r=run: read_profile(r),
             )
         )
+    # ab/*: run only when --only names them: cifar_cnn alone (seed --seed), as is and with one suspected one-time
+    # cost of its first epoch taken away, each its own launch: TensorBoard's writer (--report-to none) and cuDNN's
+    # kernel search (--cudnn-benchmark false). The rows' training times side by side say what each costs.
+    for variant, extra in (
+        ("as-is", ""),
+        ("report-to-none", " --report-to none"),
+        ("cudnn-off", " --cudnn-benchmark false"),
+    ):
+        out = w / f"ab-{variant}.json"
+        rows.append(
+            Row(
+                f"ab/cifar_cnn/{variant}",
+                EXTRA_BUDGET_S["ab/"],
+                f"cifar_cnn default{extra or ' (as is)'}, alone (time_to_accuracy.py --baseline off), seed {s}",
+                tta("--recipe", "cifar_cnn", "--dataset", data["cifar_cnn"], "--target", 0.5, "--baseline", "off",
+                    "--seeds", s, "--device", ctx.device, "--accelerate-config", single, "--work-dir",
+                    w / f"ab-{variant}", "--out", out, "--recipe-args",
+                    cache_args + extra + (" --widths 8,16,16 --batch-size 16 --epochs 1" if toy else "")),
+                lambda o=out: read_alone(o),
+            )
+        )  # fmt: skip
     # photos/*: run only when --only names them (a command of their own). 170 training photos (gpu-data's 200 flowers,
     # 15% held out): batches of 32, 6 epochs, windows of 5 steps
     photo_args = ["--epochs", 1 if toy else 6, "--batch-size", 16 if toy else 32, "--workers", 0 if toy else 8]
@@ -887,7 +928,7 @@ def main(argv=None) -> int:
     rows = [
         r
         for r in plan(ctx)
-        if (any(r.name.startswith(p) for p in args.only) if args.only else r.name not in EXTRA_BUDGET_S)
+        if (any(r.name.startswith(p) for p in args.only) if args.only else not r.name.startswith(tuple(EXTRA_BUDGET_S)))
     ]
     if args.dry_run:
         total = sum(r.budget_s for r in rows)

@@ -85,6 +85,7 @@ RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: 
     "report_to",
     "profile",
     "timeout_s",
+    "cudnn_benchmark",  # which kernels compute the same convolutions
     "monitor",  # a changed --monitor or --mode starts the best over, and says so (Checkpointer._best_starts_over)
     "mode",
 }
@@ -104,6 +105,7 @@ EVAL_OWN = {
     "report_to",
     "profile",
     "timeout_s",
+    "cudnn_benchmark",  # which kernels compute the same convolutions
     "monitor",  # a changed --monitor or --mode starts the best over, and says so (Checkpointer._best_starts_over)
     "mode",
 }
@@ -158,6 +160,11 @@ class CommonConfig:
     final_lr: float = knob(0.0, "LR multiplier the schedule ends at (cosine and linear)")
     grad_accum: int = knob(1, "gradient accumulation steps per optimizer step")
     max_grad_norm: float = knob(0.0, "clip the gradient norm to this value (0 = no clipping)")
+    cudnn_benchmark: bool = knob(
+        True,
+        "on a GPU, cuDNN times its convolution kernels for each new shape and keeps the fastest (the first steps "
+        "pay the search; the recipes' shapes are fixed); false: cuDNN's default kernels, no search",
+    )
     label_smoothing: float = knob(0.0, "label smoothing for the cross-entropy loss")
     seed: int = knob(42, "seed for weights, data order, held-out split and augmentation")
     max_steps: int = knob(

@@ -249,7 +249,7 @@ def test_fused_sgd_skipped_first_step_leaves_the_state_of_a_stock_sgd():
 def test_bf16_on_a_gpu_without_native_bf16_falls_back_with_a_note(capability, expected, monkeypatch):
     """A V100 (7.0) or T4 (7.5), where torch.cuda.is_bf16_supported() still says yes (emulation) and cuDNN has no
     bf16 convolutions: fp32 with a NOTE naming the GPU and the fp16 config. Before, bf16 was taken without a word.
-    cudnn.benchmark is on for a GPU run."""
+    cudnn.benchmark follows --cudnn-benchmark for a GPU run (on by default)."""
     import accelerate
 
     made = {}
@@ -261,7 +261,8 @@ def test_bf16_on_a_gpu_without_native_bf16_falls_back_with_a_note(capability, ex
     monkeypatch.setattr(accelerate, "Accelerator", lambda **kwargs: made.update(kwargs) or object())
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    cfg = type("Cfg", (), {"grad_accum": 1, "seed": 0, "report_to": "tensorboard", "timeout_s": 60})()
+    fields = {"grad_accum": 1, "seed": 0, "report_to": "tensorboard", "timeout_s": 60, "cudnn_benchmark": True}
+    cfg = type("Cfg", (), fields)()
     _, note = accelerator_module.make_accelerator(cfg)
     assert made["mixed_precision"] == expected
     if expected == "no":
@@ -269,6 +270,9 @@ def test_bf16_on_a_gpu_without_native_bf16_falls_back_with_a_note(capability, ex
     else:
         assert "bf16" not in note
     assert torch.backends.cudnn.benchmark is True
+    cfg.cudnn_benchmark = False  # --cudnn-benchmark false: cuDNN's default kernels, no search
+    accelerator_module.make_accelerator(cfg)
+    assert torch.backends.cudnn.benchmark is False
 
 
 def test_sync_batchnorm_builds_nothing_from_host_data(monkeypatch):

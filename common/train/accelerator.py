@@ -19,7 +19,8 @@ never from the recipe. Two traps are handled here (docs/launchers.md):
   fp32 and says so in the startup line, which also shows what the CPU has.
 - bf16 on a GPU without native bf16 (compute capability under 8.0: T4, V100) is emulated and has no cuDNN
   convolutions: the run uses fp32 and says so, naming the fp16 config that fits such a GPU.
-- On a GPU ``cudnn.benchmark`` is on: the recipes' batch shapes are fixed, so cuDNN's kernel search pays once.
+- On a GPU ``cudnn.benchmark`` follows --cudnn-benchmark (on by default): the recipes' batch shapes are fixed, so
+  cuDNN's kernel search pays once; benchmarks/gpu_report.py's ab/ rows measure it on and off.
 """
 
 from __future__ import annotations
@@ -300,7 +301,7 @@ def make_accelerator(cfg, launch=None):
         )
     ask_lomo_once()
     if not cpu:  # the recipes' shapes are fixed within a run: cuDNN may pick its fastest kernels once per shape
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
     # said once, by the main process: in the startup line (with --eval-only, a NOTE line of its own)
     note = "; ".join(n for n in (*notes, idle_cores_note(cpu)) if n)
     accelerator = Accelerator(
