@@ -691,3 +691,18 @@ def test_a_loop_without_evaluations_says_best_is_not_written(tmp_path, env, mnis
     assert "the loop made no evaluation during the run, so best/ was not written" in proc.stdout, proc.stdout
     assert "(no evaluation during the run: no best/)" in proc.stdout
     assert not (run / "best").exists() and (run / "final" / "model.safetensors").is_file()
+
+
+def test_a_log_line_moved_above_the_forward_is_not_taken_for_a_missing_track(tmp_path, env, mnist_like):
+    """The log line moved to the top of the batch loop's body (before run.track of the first batch): it logs the
+    window of the updates before it and the run completes; only a loop that goes a whole step without run.track is
+    refused."""
+    log = (
+        "            if log_now:  # the mean loss since the last log, LR, throughput: one sync\n"
+        '                run.log({"train/grad_norm": grad_norm})  # your own scalars go here too\n'
+    )
+    top = (TOP, f"            if run.step % cfg.log_every == 0:\n                run.log()\n{TOP}")
+    copy = edited(tmp_path, "fashion_mnist_mlp", (log, ""), top, name="log_at_top.py")
+    run = tmp_path / "run"
+    check_ok(run_in_process(copy, args("fashion_mnist_mlp", mnist_like, run), env))
+    assert summary(run)["status"] == "completed" and [s for s, _ in rows(run, "train/loss")] == list(range(1, 19))

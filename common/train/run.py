@@ -404,9 +404,10 @@ class TrainingRun:
             self.checks.update_taken()
 
     def check_tracked(self, call: str) -> None:
-        """A loop that reaches its after-update lines (or its end) having handed out batches in this launch and never
-        called run.track is refused: it would train without the update being counted."""
-        if self.tracked or not self.handed:
+        """A loop that reaches its after-update lines once a whole optimizer step's batches went by in this launch
+        without a run.track call is refused: it would train without the update being counted. (A line before
+        run.track in the first batch's body is not such a loop.)"""
+        if self.tracked or self.handed <= self.cfg.grad_accum:
             return
         raise RecipeError(
             f"run.{call}() was reached after {self.handed} batch(es) without a call of run.track(loss) in the loop. "
@@ -441,6 +442,7 @@ class TrainingRun:
         if not count and not own:
             return
         row = {"train/lr": self.meter.lr, **self.meter.read_and_reset(), **own}
+        row = {k: v for k, v in row.items() if v is not None}  # the LR is known once an update was counted
         loss = None
         if count:
             row["train/loss"] = loss = loss_sum / count
@@ -492,8 +494,8 @@ class TrainingRun:
         """Every --checkpoint-every steps, and once --checkpoint-every-s seconds have passed since the last checkpoint
         (on any rank: agreed through the guard at run.track, so every rank answers alike at the same step)."""
         self.check_tracked("checkpoint_due")
-        every = self.cfg.checkpoint_every
-        due = bool(every) and self.ckpt.global_step % every == 0
+        every, step = self.cfg.checkpoint_every, self.ckpt.global_step
+        due = bool(every) and step > 0 and step % every == 0  # (step 0: no update to keep)
         return due or self.checks.checkpoint_wanted
 
     @started_first
