@@ -267,6 +267,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "launch to exit <= this many E (the baseline's first epoch, same run)",
     )
     p.add_argument("--timeout", type=int, default=3600, help="seconds one recipe run may take")
+    p.add_argument(
+        "--recipe-seeds-in-one-process",
+        action="store_true",
+        help="launch the recipe once for every seed (benchmarks/seeds_in_process.py: its main once per seed, in "
+        "one process): the first seed pays the process's one-time costs (cold), the others show a warm run; each "
+        "seed's process_wall_s is then its main's seconds",
+    )
     p.add_argument("--work-dir", type=Path, help="keep the decoded cache, runs and logs here (default: temporary)")
     p.add_argument("--out", type=Path, help="JSON report (default benchmarks/results/time_to_accuracy-<recipe>.json)")
     args = p.parse_args(argv)
@@ -522,26 +529,63 @@ def run_airbench(train, val, target: float, *, seed: int, device: str = "cpu", *
     }
 
 
-def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path) -> dict:
-    own = ["--dataset", args.dataset, "--output-dir", run_dir, "--seed", seed]
-    if args.eval_every_steps:  # only when asked: 0 is the recipes' epoch-end default anyway
-        own += ["--eval-every-steps", args.eval_every_steps]
+def recipe_launch(args, own: list, cache_dir: Path, script=None) -> tuple[list, dict]:
+    """The command that launches the recipe (or ``script``, given ``own`` as its arguments) as a user launches it,
+    and its environment: the benchmark's decoded cache; the recipe's Accelerator sees no GPU on --device cpu."""
     config, threads = (
         args.accelerate_config or ("cpu_2proc.yaml" if args.nproc == 2 else None),
         args.threads // args.nproc,
     )
     cmd = launch_command(
-        args.recipe,
-        [*own, *args.recipe_argv],
+        script or args.recipe,
+        own if script else [*own, *args.recipe_argv],
         nproc=args.nproc if config else 0,
         config=config,
         precision=None,  # the config's precision
         threads=threads,
     )
-    # the benchmark's decoded cache; the recipe's Accelerator sees no GPU on --device cpu
-    env = recipe_env(threads=threads, cache_dir=cache_dir, cpu_only=args.device == "cpu", offline=False)
-    log = run_dir.with_name(run_dir.name + ".log")
-    code, wall = run_logged(cmd, env, log, args.timeout)
+    return cmd, recipe_env(threads=threads, cache_dir=cache_dir, cpu_only=args.device == "cpu", offline=False)
+
+
+def recipe_own_flags(args, seed: int | None, run_dir: Path | None) -> list:
+    own = ["--dataset", args.dataset]
+    if run_dir is not None:
+        own += ["--output-dir", run_dir, "--seed", seed]
+    if args.eval_every_steps:  # only when asked: 0 is the recipes' epoch-end default anyway
+        own += ["--eval-every-steps", args.eval_every_steps]
+    return own
+
+
+def run_recipe_seeds(args, work: Path, cache_dir: Path) -> dict:
+    """--recipe-seeds-in-one-process: one launch of benchmarks/seeds_in_process.py for every seed; returns
+    {seed: (exit code, its main's seconds, the launch's command and log)}."""
+    runs = work / "recipe-seeds"
+    shutil.rmtree(runs, ignore_errors=True)
+    driver = Path(__file__).resolve().with_name("seeds_in_process.py")
+    own = ["--recipe", args.recipe, "--seeds", ",".join(map(str, args.seeds)), "--runs-dir", runs, "--"]
+    cmd, env = recipe_launch(args, [*own, *recipe_own_flags(args, None, None), *args.recipe_argv], cache_dir, driver)
+    log = runs.with_name("recipe-seeds.log")
+    print(f"recipe {args.recipe}: seeds {args.seeds} in one process ...", flush=True)
+    code, wall = run_logged(cmd, env, log, args.timeout * len(args.seeds))
+    done = json.loads((runs / "seeds.json").read_text()) if (runs / "seeds.json").exists() else []
+    found = {d["seed"]: (d["exit_code"], d["main_s"], shlex.join(cmd), log) for d in done}
+    missing = [s for s in args.seeds if s not in found]
+    if missing:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        raise RuntimeError(f"seeds {missing} did not run (launch exit {code}, {wall:.0f} s); the end of {log}:\n{tail}")
+    return found
+
+
+def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path, ran=None) -> dict:
+    """One seed's recipe run: launched now, or (``ran``: its exit code, seconds, command and log) already run in one
+    process with the others, into ``run_dir``."""
+    if ran is None:
+        cmd, env = recipe_launch(args, recipe_own_flags(args, seed, run_dir), cache_dir)
+        log = run_dir.with_name(run_dir.name + ".log")
+        code, wall = run_logged(cmd, env, log, args.timeout)
+        cmd = shlex.join(cmd)
+    else:
+        code, wall, cmd, log = ran
     if code == "timeout":
         raise RuntimeError(
             f"the recipe run for seed {seed} took over --timeout {args.timeout} s and was stopped (its output: {log})."
@@ -550,7 +594,7 @@ def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path) -> dict:
         run = read_recipe_run(run_dir)
     except (RuntimeError, json.JSONDecodeError) as err:
         tail = "\n".join(log.read_text().splitlines()[-40:])
-        raise RuntimeError(f"{err}\ncommand: {shlex.join(cmd)}\nexit {code}; the end of {log}:\n{tail}") from None
+        raise RuntimeError(f"{err}\ncommand: {cmd}\nexit {code}; the end of {log}:\n{tail}") from None
     points = recipe_eval_points(run["rows"], run["train_start"])
     final = (run["summary"].get("final") or {}).get("val/accuracy")
     return {
@@ -561,7 +605,7 @@ def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path) -> dict:
         "exit_code": code,
         "status": run["summary"].get("status", "completed"),
         "global_batch": run["config"].get("batch_size"),
-        "command": shlex.join(cmd),
+        "command": cmd,
         "log": str(log),
         "config": {
             k: run["config"][k]
@@ -670,11 +714,14 @@ def print_report(report: dict) -> None:
             )
 
 
-def run_seed(args, seed: int, work: Path, cache_dir: Path) -> dict:
-    run_dir = work / f"run-seed{seed}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"seed {seed}: recipe {args.recipe} ({args.nproc} process(es)) ...", flush=True)
-    recipe = run_recipe(args, seed, run_dir, cache_dir)
+def run_seed(args, seed: int, work: Path, cache_dir: Path, ran=None) -> dict:
+    if ran is None:
+        run_dir = work / f"run-seed{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"seed {seed}: recipe {args.recipe} ({args.nproc} process(es)) ...", flush=True)
+    else:  # run already, in one process with the other seeds
+        run_dir = work / "recipe-seeds" / f"run-seed{seed}"
+    recipe = run_recipe(args, seed, run_dir, cache_dir, ran)
     if not args.target_from_baseline:
         print(f"  recipe: {fmt_side(recipe)}", flush=True)
     baseline = None
@@ -748,7 +795,8 @@ def main(argv=None) -> int:
         decode_s = time.perf_counter() - t0
         print(f"  {decode_s:.1f} s (excluded from the times below)", flush=True)
         try:
-            per_seed = [run_seed(args, seed, work, cache_dir) for seed in args.seeds]
+            ran = run_recipe_seeds(args, work, cache_dir) if args.recipe_seeds_in_one_process else {}
+            per_seed = [run_seed(args, seed, work, cache_dir, ran.get(seed)) for seed in args.seeds]
         except RuntimeError as err:  # a recipe run that failed or split the data differently: its story, exit 1
             print(f"error: {err}", file=sys.stderr)
             return 1
@@ -769,6 +817,7 @@ def main(argv=None) -> int:
             "device": args.device,
             "threads": args.threads,
             "recipe_args": args.recipe_argv,
+            "recipe_seeds_in_one_process": args.recipe_seeds_in_one_process,
             "accelerate_config": args.accelerate_config,
             "eval_every_steps": args.eval_every_steps,
             "max_baseline_epochs": args.max_baseline_epochs,

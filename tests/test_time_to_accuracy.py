@@ -412,3 +412,25 @@ def test_airbench_baseline_cli(cifar_like, tmp_path, monkeypatch, capsys):
     report = json.loads((tmp_path / "a.json").read_text())
     assert [r["seed"] for r in report["rows"]] == [1, 2] and all(r["steps"] == len(train) // 64 for r in report["rows"])
     assert "mean" in capsys.readouterr().out and report["machine"]["cpu_count"] >= 1
+
+
+def test_seeds_in_one_process_train_what_launches_one_by_one_train(tiny, tmp_path, monkeypatch, capsys):
+    """--recipe-seeds-in-one-process: one launch runs the recipe's main once per seed (Accelerate's state reset
+    between them); each seed's run is the one its own launch makes (the same evaluations, to the last digit), and
+    each seed's process_wall_s is its main's seconds."""
+    common = ["--recipe", "mnist_convnet", "--dataset", str(tiny), "--target", "0.05", "--seeds", "1,2"]
+    common += ["--threads", "1", "--baseline", "off", "--eval-every-steps", "2"]
+    common += ["--recipe-args", "--epochs 1 --batch-size 32 --width 8 --log-every 1 --val-fraction 0.2"]
+    reports = {}
+    for how, extra in (("one-by-one", []), ("in-one-process", ["--recipe-seeds-in-one-process"])):
+        out = tmp_path / f"{how}.json"
+        run_main([*common, *extra, "--work-dir", str(tmp_path / how), "--out", str(out)], tmp_path, monkeypatch, capsys)
+        reports[how] = json.loads(out.read_text())
+    seeds = {how: r["seeds"] for how, r in reports.items()}
+    for alone, together in zip(seeds["one-by-one"], seeds["in-one-process"]):
+        assert alone["seed"] == together["seed"]
+        curve = [(p["step"], p["accuracy"]) for p in alone["recipe"]["curve"]]
+        assert curve and curve == [(p["step"], p["accuracy"]) for p in together["recipe"]["curve"]]
+        assert together["recipe"]["status"] == "completed" and together["recipe"]["process_wall_s"] > 0
+    ran = json.loads((tmp_path / "in-one-process" / "recipe-seeds" / "seeds.json").read_text())
+    assert [d["seed"] for d in ran] == [1, 2] and reports["in-one-process"]["settings"]["recipe_seeds_in_one_process"]
