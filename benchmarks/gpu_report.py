@@ -21,42 +21,46 @@ The data: gpu-data/ (benchmarks/gpu_data.py) is installed first into what the re
 (a folder and its decoded cache with the source index naming it); the photos are read where they are.
 
 Rows, in this order (the speed goals first: a run cut short keeps them), one subprocess each with its own time
-budget (budgets sum to DEADLINE_S less SETUP_S; a row may use what earlier rows left unused, never what later rows
-are budgeted), `accelerate launch --config_file accelerate_configs/single_gpu.yaml` (spelled `python -m
-accelerate.commands.launch`, the report's own Python) unless said. A row that fails, times out or is not reached is
-reported in the table with the tail of its log; the script goes on and always writes the table.
+budget (the default command's budgets sum to DEADLINE_S less SETUP_S: 8 minutes with the data; a row may use what
+earlier rows left unused, never what later rows are budgeted), `accelerate launch --config_file
+accelerate_configs/single_gpu.yaml` (spelled `python -m accelerate.commands.launch`, the report's own Python) unless
+said. A row that fails, times out or is not reached is reported in the table with the tail of its log; the script
+goes on and always writes the table. The default command runs cifar_cnn_vs_airbench94, mnist_convnet_to_99.3, ab/*
+and throughput/*; the others run when --only names them (floor, profile and correct: a command of their own).
 - cifar_cnn_vs_airbench94: time_to_accuracy.py --target baseline --baseline-kind airbench94: cifar_cnn's default
   (bf16) against benchmarks/airbench94.py (this repository's airbench94, written from the paper, not Keller Jordan's
-  file: fp16, uncompiled, one run in its process) on the same split of CIFAR-10 (JPEG copy) and the same GPU, for
-  each of --cifar-seeds (default --seed). One timer for both sides: from just before the first training step to the
-  end of the evaluation that reaches the accuracy (first-step costs inside both: the recipe's cuDNN autotuning, as it
-  sets cudnn.benchmark, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal, judged by the means
-  over the seeds: a mean accuracy at least airbench94's (the paired difference and its spread reported) and a mean
-  time within 1.2x airbench94's.
-- mnist_convnet_to_99.3: time_to_accuracy.py --target 0.993, evaluating every 100 steps (goal: under 2 s).
+  file: fp16, uncompiled) on the same split of CIFAR-10 (JPEG copy) and the same GPU, seeds 1-5 (--cifar-seeds),
+  each side's seeds in one process (--recipe-seeds-in-one-process; airbench94 trains in time_to_accuracy's own): the
+  first seed pays the process's one-time costs and is reported apart. One timer for both sides: from just before the
+  first training step to the end of the evaluation that reaches the accuracy (first-step costs inside both: the
+  recipe's cuDNN autotuning, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal, judged by the
+  means over the seeds: a mean accuracy at least airbench94's (the paired difference and its spread reported) and a
+  mean time within 1.2x airbench94's.
+- mnist_convnet_to_99.3: time_to_accuracy.py --target 0.993, evaluating every 100 steps, seeds 1-3 in one process
+  (goal, by the means: final accuracy >= 99.3%, time to it under 2 s).
+- ab/cifar_cnn/{as-is,report-to-none,cudnn-off}: cifar_cnn alone, as is and without one suspected one-time cost of
+  its first epoch each (TensorBoard's writer; cuDNN's kernel search): the training times side by side.
+- throughput/<recipe>/{host,device}: images/s (median of the metrics.jsonl windows after the first) with
+  --data-on-device false and true; the ratio device / host.
 - floor/mnist_convnet (only with --only floor): benchmarks/floor.py, what mnist_convnet's launch to exit cannot go
   below on this machine (interpreter, torch import, CUDA init, the first optimizer's torch._dynamo import, the data
   read, the launcher), beside the recipe launched for one step: its launch to exit as a multiple of the floor.
-- throughput/<recipe>/{host,device}: images/s (median of the metrics.jsonl windows after the first) with
-  --data-on-device false and true; the ratio device / host.
-- profile/<recipe>: --profile 5 (steps 3-7, no log step among them): the trace, and the synchronising calls in it
-  (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking cudaMemcpy, aten::item).
-- ab/cifar_cnn/{as-is,report-to-none,cudnn-off} (only with --only ab): cifar_cnn alone, as is and without one
-  suspected one-time cost of its first epoch each (TensorBoard's writer; cuDNN's kernel search): the training times
-  side by side.
+- profile/<recipe> (only with --only profile): --profile 5 (steps 3-7, no log step among them): the trace, and the
+  synchronising calls in it (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking
+  cudaMemcpy, aten::item).
 - photos/decode, photos/reference, photos/recipe (only with --only photos: they do not fit the default run's
   deadline): benchmarks/photo_baseline.py (torchvision's reference classification script, written fresh) and the
   photo recipe, each a ResNet-50 at 224 px from scratch, bf16, channels_last, batches of 32 of gpu-data's flower
   photos, 8 DataLoader workers: images/s and the share of time waiting for data on each side; goal: the recipe at
   least the reference. photos/decode times the reference's training loader alone (no model): the CPUs' decode
   ceiling, which the recipe's row names when both sides wait on their data more than half the time.
-- correct/*: 40 optimizer steps each, checked: status completed, 40 steps, a finite validation loss, the precision
-  asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with --max-grad-norm 1; compiled
-  (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/ (else final/) over 48 held-out
-  MNIST images (and its weights checked for `_orig_mod.` keys); finetune_folder --ema-decay 0.99 on 200 flower
-  photos; cifar_cnn --sync-bn on one GPU.
+- correct/* (only with --only correct): 40 optimizer steps each, checked: status completed, 40 steps, a finite
+  validation loss, the precision asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with
+  --max-grad-norm 1; compiled (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/
+  (else final/) over 48 held-out MNIST images (and its weights checked for `_orig_mod.` keys); finetune_folder
+  --ema-decay 0.99 on 200 flower photos; cifar_cnn --sync-bn on one GPU.
 
---rehearse runs every row at toy size on this CPU in an environment made like the GPU machine's: a Python
+--rehearse runs the rows at toy size on this CPU in an environment made like the GPU machine's: a Python
 environment of symbolic links to this one's packages without `datasets` and without this project's install
 (under <out>/work/gpu-env), PYTHONPATH the repository, gpu_data's toy data (a few hundred synthetic images) installed
 as the real data is, the same commands with small models and batches (airbench94 at batch 64 for 1 epoch; the compile
@@ -94,11 +98,29 @@ import torch
 from harness import REPO, bad_input, machine_line, provenance, warn_if_busy  # first: the repo on sys.path
 from launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
 
-DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 500, 20, 540  # the script's deadline, its data install, the run's timeout_s
-# Each row's seconds on the GPU: what it took on an NVIDIA H200 (benchmarks/results/gpu/h200-2026-11-27.json), rounded
-# up by about a second, summing to DEADLINE_S less SETUP_S. Most of a row is its launch (two Python processes importing
-# torch), not the GPU's work.
+DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 480, 20, 540  # the script's deadline, its data install, the run's timeout_s
+# The default command's rows and their seconds on the GPU, summing to at most DEADLINE_S less SETUP_S: what decides
+# the GPU goals. From an NVIDIA H200's report (benchmarks/results/gpu/h200-2026-11-27.json), where one launch of a
+# recipe cost about 30 s before its first step and cifar_cnn trained 9.7 s, mnist_convnet 4.3 s, airbench94 2.8 s; the
+# rows of several seeds run each side's seeds in one process (a launch, then each seed's main: estimated at the
+# first seed's cost plus the training and a few seconds for each later one), with a 25% margin.
 BUDGET_S = {
+    "cifar_cnn_vs_airbench94": 150,  # 5 seeds: the recipe's launch ~45 s + 4 x ~12 s, airbench94 ~15 s + 4 x ~4 s
+    "mnist_convnet_to_99.3": 78,  # 3 seeds: ~46 s (the 1-seed row) + 2 x ~8 s
+    "ab/cifar_cnn/as-is": 45,  # each: cifar_cnn alone, one launch (about 40 s of the 56 s 1-seed row)
+    "ab/cifar_cnn/report-to-none": 45,
+    "ab/cifar_cnn/cudnn-off": 45,
+    "throughput/mnist_convnet/host": 20,
+    "throughput/mnist_convnet/device": 18,
+    "throughput/cifar_cnn/host": 26,
+    "throughput/cifar_cnn/device": 22,
+}
+# Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
+# (the H200 report's seconds, rounded up by about a second)
+EXTRA_BUDGET_S = {
+    "floor/mnist_convnet": 80,
+    "profile/mnist_convnet": 19,
+    "profile/cifar_cnn": 23,
     "correct/bf16": 21,
     "correct/bf16+clip": 16,
     "correct/fp16": 21,
@@ -108,15 +130,12 @@ BUDGET_S = {
     "correct/ema": 46,
     "correct/sync-bn": 25,
     "correct/fsdp2": 45,
-    "cifar_cnn_vs_airbench94": 58,
-    "mnist_convnet_to_99.3": 46,
-    "throughput/mnist_convnet/host": 20,
-    "throughput/mnist_convnet/device": 18,
-    "throughput/cifar_cnn/host": 26,
-    "throughput/cifar_cnn/device": 22,
-    "profile/mnist_convnet": 19,
-    "profile/cifar_cnn": 23,
+    "photos/decode": 30,
+    "photos/reference": 120,
+    "photos/recipe": 150,
 }
+ALL_BUDGET_S = {**BUDGET_S, **EXTRA_BUDGET_S}
+DEFAULT_SEEDS = {"cifar_cnn_vs_airbench94": "1,2,3,4,5", "mnist_convnet_to_99.3": "1,2,3"}
 DEVICE_COMMAND = "PYTHONPATH=$PWD python3 benchmarks/gpu_report.py --out $OUT --work-dir /tmp/gpu-report"
 CARRY = "gpu-data"
 TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
@@ -126,14 +145,6 @@ PRIORITY = (
     "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "floor/", "ab/", "throughput/", "profile/", "correct/",
     "photos/",
 )  # fmt: skip
-# Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
-EXTRA_BUDGET_S = {
-    "floor/mnist_convnet": 80,
-    "photos/decode": 30,
-    "photos/reference": 120,
-    "photos/recipe": 150,
-    "ab/": 45,  # each ab/cifar_cnn/* row: cifar_cnn alone took about 40 s of the cifar row's 56 s on an H200
-}
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
 TOY = {  # rehearsal: small models and batches (last on the command line: they win)
     "mnist_convnet": "--width 8 --hidden 32 --batch-size 8".split(),
@@ -180,7 +191,7 @@ class Ctx:
     seed: int
     toy: bool
     device: str  # cuda, or cpu in the rehearsal
-    cifar_seeds: str = ""  # the cifar_cnn_vs_airbench94 row's seeds (default: seed)
+    cifar_seeds: str = ""  # the cifar_cnn_vs_airbench94 row's seeds (default: DEFAULT_SEEDS)
 
 
 # --- reading what a row wrote ---------------------------------------------------------------------------------------
@@ -269,8 +280,11 @@ def read_tta_cifar(out: Path, toy: bool):
     diffs = [r - b for r, b in zip(r_acc, b_acc)]  # paired: the same seed's split and order on both sides
     time_ratio = statistics.mean(r_time) / statistics.mean(b_time)
     ratios = [s["recipe"]["time_to_target_s"] / b["time_s"] for s, (_, b) in zip(seeds, ends) if s["recipe"]["reached"]]
+    cold = (
+        f"; the first seed {r_time[0]:.1f} s, the others {statistics.mean(r_time[1:]):.1f} s" if len(seeds) > 1 else ""
+    )
     text = (
-        f"{len(seeds)} seed(s): cifar_cnn {spread(r_acc, 4)} in {spread(r_time, 1)} s (launch to exit "
+        f"{len(seeds)} seed(s): cifar_cnn {spread(r_acc, 4)} in {spread(r_time, 1)} s{cold} (launch to exit or main "
         f"{statistics.mean(s['recipe']['process_wall_s'] for s in seeds):.1f} s); airbench94 {spread(b_acc, 4)} in "
         f"{spread(b_time, 1)} s; paired accuracy difference {spread(diffs, 4)}; mean times {time_ratio:.2f}x "
         f"airbench94's; per seed, cifar_cnn to airbench's accuracy reached in {len(ratios)} of {len(seeds)}"
@@ -301,15 +315,22 @@ def read_alone(out: Path):
 
 
 def read_tta_mnist(out: Path, toy: bool):
-    r = json.loads(out.read_text())["seeds"][0]["recipe"]
-    t = r["time_to_target_s"]
-    reached = (
-        f"to 99.3%: {t:.2f} s (step {r['step']}, {r['accuracy']:.4f})"
-        if r["reached"]
-        else f"99.3% not reached (best {r['best_accuracy']})"
+    """The seeds of the row (in one process: the first pays its one-time costs, reported apart): each seed's time to
+    99.3% and final accuracy. The goal, judged by the means: a mean final accuracy of at least 99.3% and a mean time
+    to 99.3%, over the seeds that reached it, under 2 s."""
+    seeds = [s["recipe"] for s in json.loads(out.read_text())["seeds"]]
+    times = [r["time_to_target_s"] for r in seeds if r["reached"]]
+    finals = [r["final_accuracy"] for r in seeds if r["final_accuracy"] is not None]
+    each = ", ".join(f"{r['time_to_target_s']:.2f} s" if r["reached"] else "not reached" for r in seeds)
+    text = (
+        f"{len(seeds)} seed(s) to 99.3%: {each} (reached in {len(times)} of {len(seeds)}"
+        + (f", mean {statistics.mean(times):.2f} s" if times else "")
+        + f"); final accuracy mean {statistics.mean(finals):.4f}" * bool(finals)
+        + f"; the first seed's main {seeds[0]['process_wall_s']:.1f} s"
+        + (f", the others' {statistics.mean(r['process_wall_s'] for r in seeds[1:]):.1f} s" if len(seeds) > 1 else "")
     )
-    text = f"{reached}; final {r['final_accuracy']}; launch to exit {r['process_wall_s']:.1f} s"
-    return text, "< 2 s to 99.3%", None if toy else bool(r["reached"] and t < 2), r
+    met = bool(times) and bool(finals) and statistics.mean(finals) >= 0.993 and statistics.mean(times) < 2
+    return text, "mean final >= 99.3%, mean time to 99.3% < 2 s", None if toy else met, {"seeds": seeds}
 
 
 def windows(run_dir: Path) -> dict:
@@ -429,7 +450,7 @@ def plan(ctx: Ctx) -> list[Row]:
             rows.append(
                 Row(
                     name,
-                    BUDGET_S[name],
+                    ALL_BUDGET_S[name],
                     f"mnist_convnet {precision}{', --max-grad-norm 1' if clip else ''}, {STEPS} steps",
                     launch(ctx, "mnist_convnet", args("mnist_convnet", run.name, *flags, report=not clip), precision),
                     lambda r=run, p=precision: read_correct(r, p, toy),
@@ -439,7 +460,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "correct/compile",
-            BUDGET_S["correct/compile"],
+            ALL_BUDGET_S["correct/compile"],
             f"mnist_convnet bf16 under --dynamo_backend {backend}, {STEPS} steps; weights without _orig_mod.",
             launch(ctx, "mnist_convnet", args("mnist_convnet", run.name, *steps), extra=("--dynamo_backend", backend)),
             lambda r=run: read_correct(r, "bf16", toy, compiled=True),
@@ -449,7 +470,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "correct/compile/predict",
-            BUDGET_S["correct/compile/predict"],
+            ALL_BUDGET_S["correct/compile/predict"],
             "python -m common.tools.predict on the compiled run's best/ (else final/), 48 held-out images",
             [
                 ctx.py,
@@ -478,7 +499,7 @@ def plan(ctx: Ctx) -> list[Row]:
         rows.append(
             Row(
                 name,
-                BUDGET_S[name],
+                ALL_BUDGET_S[name],
                 f"{what}, {STEPS} steps",
                 launch(ctx, recipe, args(recipe, run.name, *flags)),
                 lambda r=run: read_correct(r, "bf16", toy),
@@ -492,7 +513,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "correct/fsdp2",
-            BUDGET_S["correct/fsdp2"],
+            ALL_BUDGET_S["correct/fsdp2"],
             f"finetune_folder under --use_fsdp --fsdp_version 2 (block by block), 200 flower photos, {STEPS} steps",
             launch(ctx, "finetune_folder", args("finetune_folder", run.name, *flags), extra=fsdp,
                    through=(REPO / "tests" / "standins" / "fsdp_on_cpu.py",) if toy else ()),
@@ -508,10 +529,11 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "cifar_cnn_vs_airbench94",
-            BUDGET_S["cifar_cnn_vs_airbench94"],
+            ALL_BUDGET_S["cifar_cnn_vs_airbench94"],
             f"cifar_cnn default (single_gpu.yaml, bf16) vs airbench94 = benchmarks/airbench94.py (blob "
             f"{blob_id(REPO / 'benchmarks' / 'airbench94.py')}: this repository's, from the paper arXiv 2404.00498, "
-            "not Keller Jordan's file; fp16, uncompiled), same split and GPU",
+            "not Keller Jordan's file; fp16, uncompiled), same split and GPU, seeds "
+            f"{ctx.cifar_seeds or DEFAULT_SEEDS['cifar_cnn_vs_airbench94']}, each side's seeds in one process",
             tta(
                 "--recipe",
                 "cifar_cnn",
@@ -522,7 +544,8 @@ def plan(ctx: Ctx) -> list[Row]:
                 "--baseline-kind",
                 "airbench94",
                 "--seeds",
-                ctx.cifar_seeds or s,
+                ctx.cifar_seeds or DEFAULT_SEEDS["cifar_cnn_vs_airbench94"],
+                "--recipe-seeds-in-one-process",
                 "--device",
                 ctx.device,
                 "--accelerate-config",
@@ -541,8 +564,9 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "mnist_convnet_to_99.3",
-            BUDGET_S["mnist_convnet_to_99.3"],
-            "time_to_accuracy.py, mnist_convnet default (single_gpu.yaml, bf16), evaluating every 100 steps",
+            ALL_BUDGET_S["mnist_convnet_to_99.3"],
+            "time_to_accuracy.py, mnist_convnet default (single_gpu.yaml, bf16), evaluating every 100 steps, seeds "
+            f"{DEFAULT_SEEDS['mnist_convnet_to_99.3']} in one process",
             tta(
                 "--recipe",
                 "mnist_convnet",
@@ -553,7 +577,8 @@ def plan(ctx: Ctx) -> list[Row]:
                 "--baseline",
                 "off",
                 "--seeds",
-                s,
+                DEFAULT_SEEDS["mnist_convnet_to_99.3"],
+                "--recipe-seeds-in-one-process",
                 "--device",
                 ctx.device,
                 "--accelerate-config",
@@ -575,7 +600,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "floor/mnist_convnet",
-            EXTRA_BUDGET_S["floor/mnist_convnet"],
+            ALL_BUDGET_S["floor/mnist_convnet"],
             "benchmarks/floor.py: what mnist_convnet's launch to exit cannot go below (interpreter, torch import, CUDA "
             "init, first optimizer, data read, launcher), beside the recipe launched for one step",
             [ctx.py, REPO / "benchmarks" / "floor.py", "--recipe", "mnist_convnet", "--dataset", data["mnist_convnet"],
@@ -593,7 +618,7 @@ def plan(ctx: Ctx) -> list[Row]:
             rows.append(
                 Row(
                     name,
-                    BUDGET_S[name],
+                    ALL_BUDGET_S[name],
                     f"{recipe} bf16, --data-on-device {on}, {n} steps, windows of {every}",
                     launch(ctx, recipe, args(recipe, run.name, *flags)),
                     lambda r=run: read_rate(r),
@@ -605,7 +630,7 @@ def plan(ctx: Ctx) -> list[Row]:
         rows.append(
             Row(
                 f"profile/{recipe}",
-                BUDGET_S[f"profile/{recipe}"],
+                ALL_BUDGET_S[f"profile/{recipe}"],
                 f"{recipe} bf16 --profile 5 (steps 3-7)",
                 launch(ctx, recipe, args(recipe, run.name, *flags)),
                 lambda r=run: read_profile(r),
@@ -623,7 +648,7 @@ def plan(ctx: Ctx) -> list[Row]:
         rows.append(
             Row(
                 f"ab/cifar_cnn/{variant}",
-                EXTRA_BUDGET_S["ab/"],
+                ALL_BUDGET_S[f"ab/cifar_cnn/{variant}"],
                 f"cifar_cnn default{extra or ' (as is)'}, alone (time_to_accuracy.py --baseline off), seed {s}",
                 tta("--recipe", "cifar_cnn", "--dataset", data["cifar_cnn"], "--target", 0.5, "--baseline", "off",
                     "--seeds", s, "--device", ctx.device, "--accelerate-config", single, "--work-dir",
@@ -639,7 +664,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "photos/decode",
-            EXTRA_BUDGET_S["photos/decode"],
+            ALL_BUDGET_S["photos/decode"],
             "photo_baseline.py --decode-only: the reference's training loader alone (PIL decode, RandomResizedCrop, "
             "flip, ToTensor, Normalize in the DataLoader workers), no model: the CPUs' ceiling in images/s",
             [ctx.py, REPO / "benchmarks" / "photo_baseline.py", "--data", data["finetune_folder"], "--crop",
@@ -650,7 +675,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "photos/reference",
-            EXTRA_BUDGET_S["photos/reference"],
+            ALL_BUDGET_S["photos/reference"],
             "benchmarks/photo_baseline.py (torchvision's reference train.py, written fresh): "
             + ("resnet18 at 32 px" if toy else "resnet50 at 224 px")
             + ", bf16, channels_last, the flower photos",
@@ -666,7 +691,7 @@ def plan(ctx: Ctx) -> list[Row]:
     rows.append(
         Row(
             "photos/recipe",
-            EXTRA_BUDGET_S["photos/recipe"],
+            ALL_BUDGET_S["photos/recipe"],
             "finetune_folder the same way (single_gpu.yaml: bf16): images/s and data wait beside the reference's",
             launch(ctx, "finetune_folder", [*args("finetune_folder", run.name), *flags]),
             lambda r=run, o=reference, d=decode: read_photo_recipe(r, o, toy, d),
@@ -889,8 +914,8 @@ def parse(argv):
     p.add_argument(
         "--cifar-seeds",
         default="",
-        help="the cifar_cnn_vs_airbench94 row's seeds, comma-separated (default: --seed); five take about 4 minutes "
-        "on an H200: a command of their own, --only cifar_cnn_vs_airbench94,floor --cifar-seeds 1,2,3,4,5",
+        help="the cifar_cnn_vs_airbench94 row's seeds, comma-separated (default: 1,2,3,4,5, each side's in one "
+        "process)",
     )
     p.add_argument("--deadline-s", type=float, help=f"stop rows after this (default {DEADLINE_S}; rehearsal 1500)")
     p.add_argument("--jobs", type=int, help="rows at a time (default 1; rehearsal 2): timings want 1")
@@ -925,11 +950,7 @@ def main(argv=None) -> int:
     toy, device = args.rehearse, "cpu" if args.rehearse else "cuda"
     pack = work / "gpu-data-toy" if toy else args.data.resolve()
     ctx = Ctx(sys.executable, work, gpu_data.installed_paths(pack, work), args.seed, toy, device, args.cifar_seeds)
-    rows = [
-        r
-        for r in plan(ctx)
-        if (any(r.name.startswith(p) for p in args.only) if args.only else not r.name.startswith(tuple(EXTRA_BUDGET_S)))
-    ]
+    rows = [r for r in plan(ctx) if (any(r.name.startswith(p) for p in args.only) if args.only else r.name in BUDGET_S)]
     if args.dry_run:
         total = sum(r.budget_s for r in rows)
         print(

@@ -18,10 +18,15 @@ import pytest
 from helpers import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_report.py")
-ROWS = [  # the speed goals first, the correctness checks last
+ROWS = [  # the default command: the speed goals first, then what takes the first epoch's costs apart, throughput
     "cifar_cnn_vs_airbench94",
     "mnist_convnet_to_99.3",
+    "ab/cifar_cnn/as-is",
+    "ab/cifar_cnn/report-to-none",
+    "ab/cifar_cnn/cudnn-off",
     *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),
+]
+CHECKS = [  # --only profile,correct: a command of its own
     "profile/mnist_convnet",
     "profile/cifar_cnn",
     "correct/bf16",
@@ -45,6 +50,9 @@ def run(*args, tmp_path, env=None, timeout=300):
 
 
 def test_dry_run_lists_every_row_in_order_within_the_runs_timeout(tmp_path):
+    """The default command: the rows that decide the GPU goals, in order, within 8 minutes of budgets including the
+    data (the run's timeout_s 540 and the session's 15 minutes with the machine's start); the cifar and MNIST rows
+    run 5 and 3 seeds, each side's in one process. The checks are a command of their own (--only profile,correct)."""
     proc = run("--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = re.findall(r"^\[(\S+)\] budget (\d+) s, seed 7: [^\n]*\n  (.+)$", proc.stdout, re.M)
@@ -52,8 +60,19 @@ def test_dry_run_lists_every_row_in_order_within_the_runs_timeout(tmp_path):
     budgets, cmds = {n: int(b) for n, b, _ in rows}, {n: c for n, _, c in rows}
     head = re.search(r"budgets (\d+) s \+ (\d+) s for the data = (\d+) s of the (\d+) s deadline", proc.stdout)
     total, setup, _, deadline = map(int, head.groups())
-    assert total == sum(budgets.values()) and total + setup <= deadline <= 540 - 30  # the run's timeout_s is 540
+    assert total == sum(budgets.values()) and total + setup <= deadline <= 480  # 8 minutes
     assert "--out $OUT" in proc.stdout and "timeout_s 540" in proc.stdout and "carry ['gpu-data']" in proc.stdout
+    assert "--seeds 1,2,3,4,5 --recipe-seeds-in-one-process" in cmds["cifar_cnn_vs_airbench94"]
+    assert "--seeds 1,2,3 --recipe-seeds-in-one-process" in cmds["mnist_convnet_to_99.3"]
+    assert "--report-to none" in cmds["ab/cifar_cnn/report-to-none"]
+    assert "--cudnn-benchmark false" in cmds["ab/cifar_cnn/cudnn-off"]
+    checks = run(
+        "--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", "--only", "profile,correct", tmp_path=tmp_path
+    )
+    assert checks.returncode == 0, checks.stderr
+    more = re.findall(r"^\[(\S+)\] budget (\d+) s, seed 7: [^\n]*\n  (.+)$", checks.stdout, re.M)
+    assert [name for name, _, _ in more] == CHECKS
+    cmds.update({n: c for n, _, c in more})
     for name, cmd in cmds.items():
         assert "shared/data" not in cmd and f"{tmp_path / 'work'}" in cmd  # nothing from ../shared; all in the work dir
         if name.startswith(("correct/", "throughput/", "profile/")) and name != "correct/compile/predict":
@@ -128,16 +147,18 @@ def test_rehearsal_passes_every_row_and_writes_only_under_its_out_folder(tmp_pat
     home.mkdir(), tmp.mkdir()
     before = git_status()
     env = {"HOME": str(home), "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1"}
-    proc = run("--rehearse", "--out", "out", tmp_path=tmp_path, env=env, timeout=1500)
+    # the default command's rows and the checks' (--only profile,correct), in one rehearsal
+    only = "cifar_cnn_vs_airbench94,mnist_convnet_to_99.3,ab/,throughput/,profile/,correct/"
+    proc = run("--rehearse", "--only", only, "--out", "out", tmp_path=tmp_path, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_report.json").read_text())
-    assert report["rehearsal"] and [r["name"] for r in report["rows"]] == ROWS
+    assert report["rehearsal"] and [r["name"] for r in report["rows"]] == ROWS + CHECKS
     failed = {r["name"]: (r["status"], r["result"], r.get("tail", [])[-5:]) for r in report["rows"]}
     assert {k: v for k, v in failed.items() if v[0] not in ("PASS", "ok")} == {}
     table = (out / "gpu_report.md").read_text()
-    assert all(f"| {name} |" in table for name in ROWS) and "rehearsal on CPU" in table
+    assert all(f"| {name} |" in table for name in ROWS + CHECKS) and "rehearsal on CPU" in table
     with tarfile.open(out / "logs.tar.gz") as tar:
-        assert {f"logs/{n.replace('/', '-')}.log" for n in ROWS} <= set(tar.getnames())
+        assert {f"logs/{n.replace('/', '-')}.log" for n in ROWS + CHECKS} <= set(tar.getnames())
     with tarfile.open(out / "traces.tar.gz") as tar:
         assert any(n.endswith(".json") for n in tar.getnames())
     assert sorted(os.listdir(out)) == ["gpu_report.json", "gpu_report.md", "logs.tar.gz", "traces.tar.gz", "work"]
@@ -239,3 +260,21 @@ def test_the_floor_row_runs_only_when_named_and_sums_its_parts(tmp_path):
     assert parts["torch_import"] > 0.1 and parts["launcher"] > 0.1  # really timed: each costs a good part of a second
     assert floor["one_step_run_s"] > parts["interpreter"] + parts["torch_import"]
     assert row["result"].startswith(f"floor {floor['floor_s']:.2f} s (interpreter") and "x the floor)" in row["result"]
+
+
+def test_the_mnist_row_judges_the_means_over_its_seeds(tmp_path):
+    """Three seeds in one process: each seed's time to 99.3% reported, the first seed's cost apart; the goal by the
+    means (final accuracy >= 99.3%, time to it < 2 s), so a seed just short of 99.3% does not fail an equal recipe."""
+    import gpu_report  # benchmarks/ is on pytest's pythonpath
+
+    def seed(t, final, wall):
+        return {"recipe": {"reached": t is not None, "time_to_target_s": t, "final_accuracy": final,
+                           "process_wall_s": wall}}  # fmt: skip
+
+    out = tmp_path / "tta.json"
+    out.write_text(json.dumps({"seeds": [seed(1.9, 0.9938, 31.0), seed(None, 0.9928, 6.0), seed(1.7, 0.9941, 6.2)]}))
+    text, goal, met, _ = gpu_report.read_tta_mnist(out, toy=False)
+    assert "3 seed(s) to 99.3%: 1.90 s, not reached, 1.70 s (reached in 2 of 3, mean 1.80 s)" in text, text
+    assert "the first seed's main 31.0 s, the others' 6.1 s" in text and met is True
+    out.write_text(json.dumps({"seeds": [seed(2.3, 0.9938, 31.0), seed(2.1, 0.9935, 6.0)]}))
+    assert gpu_report.read_tta_mnist(out, toy=False)[2] is False
