@@ -52,6 +52,7 @@ HYP = dict(
     bn_momentum=0.6,
     scale=1 / 9,
     lookahead_every=5,
+    foreach=None,  # torch's default: the multi-tensor SGD on a GPU, a loop over the parameters on a CPU
 )
 
 
@@ -203,6 +204,7 @@ def train_once(train_images, train_labels, val_images, val_labels, seed: int, de
         ],
         momentum=HYP["momentum"],
         nesterov=True,
+        foreach=HYP["foreach"],
     )
     steps_per_epoch = len(train) // HYP["batch_size"]
     if not steps_per_epoch:
