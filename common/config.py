@@ -105,9 +105,6 @@ EVAL_OWN = {
     "report_to",
     "profile",
     "timeout_s",
-    "cudnn_benchmark",  # which kernels compute the same convolutions
-    "monitor",  # a changed --monitor or --mode starts the best over, and says so (Checkpointer._best_starts_over)
-    "mode",
 }
 DECIDES_SPLIT = {"val_fraction", "seed"}
 
