@@ -120,8 +120,8 @@ def test_the_eta_counts_the_evaluations_the_loop_made():
     progress.begin(0)
     t0 = progress.t_start
     assert progress.eta(10, 0, t0 + 10) == "1m30s + evaluations"  # 1 step/s, no evaluation yet
-    progress.note_eval(2.0, 5)
-    progress.note_eval(2.0, 10)
+    progress.note_eval(2.0)
+    progress.note_eval(2.0)
     # 10 steps in 10 s of training (14 s with the two evaluations): 90 s left, then 2 per 10 steps for the 90 steps
     # left (18) and the final one, 2 s each
     assert progress.eta(10, 0, t0 + 14) == format_duration(90 + 19 * 2.0)

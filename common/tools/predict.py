@@ -46,15 +46,13 @@ from common.train.metrics import tta_logits
 
 
 def repository_recipe(card: dict, ours: Path) -> bool:
-    """Whether the run was trained by ``ours``, this repository's ``recipes/<name>.py``: the file model.json records is
-    ``ours`` (in this clone: the file as it is now), or its bytes (``recipe_sha256``) are ``ours``' (a run trained in
-    another clone, or on another machine). A copy named like a recipe, edited to build another model, is not taken for
-    it; nor is a run trained elsewhere by another version of the recipe, whose model this file may build otherwise."""
-    import hashlib
-
-    recorded, digest = card.get("recipe_file"), card.get("recipe_sha256")
-    if digest:  # the bytes decide, in this clone too: the file may have been edited since the run trained
-        return digest == hashlib.sha256(ours.read_bytes()).hexdigest()
+    """Whether the run was trained by ``ours``, this repository's ``recipes/<name>.py``: its bytes are the ones
+    model.json records (``recipe_sha256``: in this clone, another clone or on another machine); for a card without
+    them, the file model.json records is ``ours``. A copy named like a recipe, edited to build another model, is not
+    taken for it; nor is ``ours`` edited since, or another version of the recipe, whose model it may build otherwise."""
+    recorded = card.get("recipe_file")
+    if card.get("recipe_sha256"):  # the bytes decide, in this clone too: the file may have been edited since
+        return not changed_since(card, ours)
     if recorded and Path(recorded).resolve() == ours.resolve():
         return True
     if not recorded:
@@ -105,10 +103,9 @@ def load_recipe(card: dict, recipe_file=None):
         and repository_recipe(card, recipes_dir / f"{name}.py")
     ):
         path = recipes_dir / f"{name}.py"
-    elif changed_since(card, recipes_dir / f"{name}.py") and Path(recorded).resolve() == (recipes_dir / f"{name}.py"):
-        ours = recipes_dir / f"{name}.py"
+    elif Path(recorded).resolve() == (ours := recipes_dir / f"{name}.py") and (changed := changed_since(card, ours)):
         raise RecipeError(
-            f"{ours} {changed_since(card, ours)}: its build_model may build another model than the one whose weights "
+            f"{ours} {changed}: its build_model may build another model than the one whose weights "
             f"these are, and importing it runs it. Pass --recipe {ours} to build from the file as it is now, or "
             "--recipe with the version the run trained with (git show <commit>:recipes/"
             f"{name}.py > {name}_then.py)."

@@ -18,9 +18,11 @@ A recipe reads like this (recipes/mnist_convnet.py is a whole one)::
                     ...forward, loss...
                     accelerator.backward(loss)
                     run.track(loss)                # counts the update; the guard's all-reduce; no sync
-                    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+                    optimizer.step(); optimizer.zero_grad()
                 if not accelerator.sync_gradients: # a --grad-accum micro-batch
                     continue
+                if not accelerator.optimizer_step_was_skipped:  # fp16 loss scaling may skip an update
+                    scheduler.step()
                 if run.step % cfg.log_every == 0:
                     run.log({...})                 # the loss, LR, throughput and the loop's own scalars
                 if run.stop_requested():           # a signal or a lost launcher, on any rank
@@ -373,11 +375,11 @@ class TrainingRun:
     @started_first
     def track(self, loss: torch.Tensor) -> None:
         """After ``accelerator.backward(loss)``, before ``optimizer.step()``; the one call the loop cannot leave out (a
-        loop without it is refused at its first step). The loss joins the step's sums; at an optimizer step
-        (``accelerator.sync_gradients``) the update is counted (``run.step`` moves on, and with it the position a
-        checkpoint records) and the guard does its one small all-reduce (``common.train.guard``): a non-finite loss on
-        any rank is masked out of this update and stops every rank at the next step; stop and checkpoint requests are
-        agreed on. No device sync (fp16: one, the loss scale, for the update before)."""
+        loop that goes a whole optimizer step without it is refused: ``check_tracked``). The loss joins the step's sums;
+        at an optimizer step (``accelerator.sync_gradients``) the update is counted (``run.step`` moves on, and with it
+        the position a checkpoint records) and the guard does its one small all-reduce (``common.train.guard``): a
+        non-finite loss on any rank is masked out of this update and stops every rank at the next step; stop and
+        checkpoint requests are agreed on. No device sync (fp16: one, the loss scale, for the update before)."""
         self.tracked += 1
         self.checks.track(loss)
         if not self.accelerator.sync_gradients:
@@ -463,7 +465,7 @@ class TrainingRun:
         metrics = validate(loader)  # a stop request meanwhile is acted on at the next step (checkpoint, exit 75)
         self.evaluator.record(metrics, c.global_step, c.epoch, pictures)
         self.scored = (c.global_step, metrics)
-        self.progress.note_eval(self.evaluator.seconds, c.global_step)
+        self.progress.note_eval(self.evaluator.seconds)
 
     @started_first
     def stop_requested(self) -> bool:
@@ -479,10 +481,7 @@ class TrainingRun:
         self.checks.settle(self.ckpt.epoch)
         path = self.checkpoint()
         self.ckpt.wait_written()  # complete on disk before exit 75 says so (a failure there ends the run with it)
-        damaged = self.data.damaged if self.data is not None else None
-        error = damaged.stop_error(self.accelerator) if damaged is not None else None  # every rank is at this step
-        if error is not None:  # too many damaged photos on some rank: every rank ends with the same paragraph
-            raise error
+        self._damaged_past_share()  # a stop for too many damaged photos on some rank: their paragraph
         raise Preempted(
             f"stopped by {self.stop.reason or 'a stop request on another process'} at step "
             f"{self.ckpt.global_step}: checkpoint written to {path}. Rerun the same command with "
@@ -512,6 +511,13 @@ class TrainingRun:
         path = self.ckpt.save(self.model, self.best, self.checks.skipped)
         self.last_checkpoint_t = time.time()
         return path
+
+    def _damaged_past_share(self) -> None:
+        """Every rank's damaged photos gathered (a collective: every rank calls it at the same point); past
+        --max-damaged, every rank ends with the same paragraph naming them."""
+        error = self.data.damaged.stop_error(self.accelerator) if self.data.damaged is not None else None
+        if error is not None:
+            raise error
 
     def _say_epoch_line(self) -> None:
         """The line of the epoch the loop was in (its training loss, the evaluation made after it, its time), said
@@ -687,10 +693,7 @@ class TrainingRun:
             metrics = validate(loader)  # while the main process completes the checkpoint in a thread
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.ckpt.wait_written()
-        if self.data.damaged is not None:  # every rank's damaged photos (every rank is here), held to --max-damaged
-            error = self.data.damaged.stop_error(self.accelerator)  # as in training: no score of what is left
-            if error is not None:
-                raise error
+        self._damaged_past_share()  # held to --max-damaged as in training: no score of what is left
         split, final, confusion = self.evaluator.final(metrics, c.global_step, c.epochs_completed)
         if self.best is None and not (self.dir.path / "best").is_dir():
             say(
@@ -716,8 +719,6 @@ class TrainingRun:
         self.scoring.load(self.accelerator, model, self.data)
         metrics = validate(loader)
         self.stop.interruptible(None)
-        error = self.data.damaged.stop_error(self.accelerator) if self.data.damaged is not None else None
-        if error is not None:  # more damaged photos than --max-damaged allows: no score of what is left
-            raise error
+        self._damaged_past_share()  # held to --max-damaged: no score of what is left
         if self.scoring.report(self.accelerator, self.data, metrics):
             self.status = "target_missed"

@@ -309,8 +309,8 @@ class Progress:
         self.t_start, self.step_start, self.last_line, self.epoch_t0 = time.time(), None, time.time(), time.time()
         self.eval_s, self.evals = 0.0, 0  # evaluation time and evaluations made since the start (or resume)
 
-    def note_eval(self, seconds: float | None, step: int) -> None:
-        """The loop made an evaluation of ``seconds`` at ``step``: the ETA counts evaluation time apart from training
+    def note_eval(self, seconds: float | None) -> None:
+        """The loop made an evaluation of ``seconds``: the ETA counts evaluation time apart from training
         and expects the loop to go on evaluating as often as it has so far."""
         if seconds is not None:
             self.eval_s += seconds
