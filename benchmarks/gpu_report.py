@@ -25,35 +25,42 @@ budget (the default command's budgets sum to DEADLINE_S less SETUP_S: 8 minutes 
 earlier rows left unused, never what later rows are budgeted), `accelerate launch --config_file
 accelerate_configs/single_gpu.yaml` (spelled `python -m accelerate.commands.launch`, the report's own Python) unless
 said. A row that fails, times out or is not reached is reported in the table with the tail of its log; the script
-goes on and always writes the table. The default command runs cifar_cnn_vs_airbench94, mnist_convnet_to_99.3, ab/*
-and throughput/*; the others run when --only names them (floor, profile and correct: a command of their own).
+goes on and always writes the table, and a run cut short keeps every row before the cut. The default command runs
+cifar_cnn_vs_airbench94, mnist_convnet_to_99.3, ab/*, profile/cifar_cnn and photos/*, in that order; the others run
+when --only names them (floor, throughput, profile/mnist_convnet and correct: a command of their own).
 - cifar_cnn_vs_airbench94: time_to_accuracy.py --target baseline --baseline-kind airbench94: cifar_cnn's default
   (bf16) against benchmarks/airbench94.py (this repository's airbench94, written from the paper, not Keller Jordan's
   file: fp16, uncompiled) on the same split of CIFAR-10 (JPEG copy) and the same GPU, seeds 1-5 (--cifar-seeds),
   each side's seeds in one process (--recipe-seeds-in-one-process; airbench94 trains in time_to_accuracy's own): the
-  first seed pays the process's one-time costs and is reported apart. One timer for both sides: from just before the
+  first seed pays the process's one-time costs and is reported apart, with its first steps' phases (set-up, the
+  first update, the first log window, the later windows' ms a step). One timer for both sides: from just before the
   first training step to the end of the evaluation that reaches the accuracy (first-step costs inside both: the
   recipe's cuDNN autotuning, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal, judged by the
   means over the seeds: a mean accuracy at least airbench94's (the paired difference and its spread reported) and a
   mean time within 1.2x airbench94's.
 - mnist_convnet_to_99.3: time_to_accuracy.py --target 0.993, evaluating every 100 steps, seeds 1-3 in one process
   (goal, by the means: final accuracy >= 99.3%, time to it under 2 s).
-- ab/cifar_cnn/{as-is,report-to-none,cudnn-off}: cifar_cnn alone, as is and without one suspected one-time cost of
-  its first epoch each (TensorBoard's writer; cuDNN's kernel search): the training times side by side.
-- throughput/<recipe>/{host,device}: images/s (median of the metrics.jsonl windows after the first) with
-  --data-on-device false and true; the ratio device / host.
+- ab/cifar_cnn/{report-to-none,cudnn-off}: cifar_cnn alone (seed 1, a launch each) without one suspected one-time
+  cost of its first epoch (TensorBoard's writer; cuDNN's kernel search), its training time and phases beside the
+  cifar row's first seed (the recipe as is, in a fresh process, on the same timer): what each cost saves.
+- profile/<recipe> (profile/cifar_cnn by default): --profile 5 (steps 3-7, no log step among them): the trace, the
+  synchronising calls in it (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking
+  cudaMemcpy, aten::item), and a step's host time (its ProfilerStep span, the profiler's own overhead included)
+  beside the device's busy time (kernels, copies and fills over the steps): a step whose host time exceeds the
+  device's is bound by the host.
+- photos/decode, photos/reference, photos/recipe: benchmarks/photo_baseline.py (torchvision's reference
+  classification script, written fresh) and the photo recipe, each a ResNet-50 at 224 px from scratch, bf16,
+  channels_last, batches of 32 of gpu-data's 170 training flower photos (5 steps an epoch), 16 epochs, 8 DataLoader
+  workers kept across epochs on both sides: images/s and the share of time waiting for data over windows of 20 steps
+  spanning epochs (the median of those after the first; the recipe evaluates once, after its windows); goal: the
+  recipe at least the reference. photos/decode times the reference's training loader alone (no model): the CPUs'
+  decode ceiling, which the recipe's row names when both sides wait on their data more than half the time. The three
+  budgets are estimates (no GPU has run these rows).
 - floor/mnist_convnet (only with --only floor): benchmarks/floor.py, what mnist_convnet's launch to exit cannot go
   below on this machine (interpreter, torch import, CUDA init, the first optimizer's torch._dynamo import, the data
   read, the launcher), beside the recipe launched for one step: its launch to exit as a multiple of the floor.
-- profile/<recipe> (only with --only profile): --profile 5 (steps 3-7, no log step among them): the trace, and the
-  synchronising calls in it (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking
-  cudaMemcpy, aten::item).
-- photos/decode, photos/reference, photos/recipe (only with --only photos: they do not fit the default run's
-  deadline): benchmarks/photo_baseline.py (torchvision's reference classification script, written fresh) and the
-  photo recipe, each a ResNet-50 at 224 px from scratch, bf16, channels_last, batches of 32 of gpu-data's flower
-  photos, 8 DataLoader workers: images/s and the share of time waiting for data on each side; goal: the recipe at
-  least the reference. photos/decode times the reference's training loader alone (no model): the CPUs' decode
-  ceiling, which the recipe's row names when both sides wait on their data more than half the time.
+- throughput/<recipe>/{host,device} (only with --only throughput): images/s (median of the metrics.jsonl windows
+  after the first) with --data-on-device false and true; the ratio device / host.
 - correct/* (only with --only correct): 40 optimizer steps each, checked: status completed, 40 steps, a finite
   validation loss, the precision asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with
   --max-grad-norm 1; compiled (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/
@@ -107,20 +114,24 @@ DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 480, 20, 540  # the script's deadline, its 
 BUDGET_S = {
     "cifar_cnn_vs_airbench94": 150,  # 5 seeds: the recipe's launch ~45 s + 4 x ~12 s, airbench94 ~15 s + 4 x ~4 s
     "mnist_convnet_to_99.3": 78,  # 3 seeds: ~46 s (the 1-seed row) + 2 x ~8 s
-    "ab/cifar_cnn/as-is": 45,  # each: cifar_cnn alone, one launch (about 40 s of the 56 s 1-seed row)
-    "ab/cifar_cnn/report-to-none": 45,
+    "ab/cifar_cnn/report-to-none": 45,  # each: cifar_cnn alone, one launch (about 40 s of the 56 s 1-seed row)
     "ab/cifar_cnn/cudnn-off": 45,
-    "throughput/mnist_convnet/host": 20,
-    "throughput/mnist_convnet/device": 18,
-    "throughput/cifar_cnn/host": 26,
-    "throughput/cifar_cnn/device": 22,
+    "profile/cifar_cnn": 23,  # the H200 report's 22.4 s
+    # photos/*: never run on a GPU yet; estimated from the recipes' launches (~25 s to the first step), 80 steps of
+    # 32 photos at ~1,500 images/s (8 workers' decoding), a ResNet-50's build and the reference's torch import
+    "photos/decode": 20,
+    "photos/reference": 45,
+    "photos/recipe": 50,
 }
 # Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
 # (the H200 report's seconds, rounded up by about a second)
 EXTRA_BUDGET_S = {
     "floor/mnist_convnet": 80,
+    "throughput/mnist_convnet/host": 20,
+    "throughput/mnist_convnet/device": 18,
+    "throughput/cifar_cnn/host": 26,
+    "throughput/cifar_cnn/device": 22,
     "profile/mnist_convnet": 19,
-    "profile/cifar_cnn": 23,
     "correct/bf16": 21,
     "correct/bf16+clip": 16,
     "correct/fp16": 21,
@@ -130,9 +141,6 @@ EXTRA_BUDGET_S = {
     "correct/ema": 46,
     "correct/sync-bn": 25,
     "correct/fsdp2": 45,
-    "photos/decode": 30,
-    "photos/reference": 120,
-    "photos/recipe": 150,
 }
 ALL_BUDGET_S = {**BUDGET_S, **EXTRA_BUDGET_S}
 DEFAULT_SEEDS = {"cifar_cnn_vs_airbench94": "1,2,3,4,5", "mnist_convnet_to_99.3": "1,2,3"}
@@ -142,8 +150,8 @@ TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
 STEPS = 40  # optimizer steps of each correctness row
 # The rows' order: what the speed goals need first (a run cut short keeps them), the correctness checks last
 PRIORITY = (
-    "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "floor/", "ab/", "throughput/", "profile/", "correct/",
-    "photos/",
+    "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "ab/", "profile/", "photos/", "floor/", "throughput/",
+    "correct/",
 )  # fmt: skip
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
 TOY = {  # rehearsal: small models and batches (last on the command line: they win)
@@ -283,6 +291,7 @@ def read_tta_cifar(out: Path, toy: bool):
     cold = (
         f"; the first seed {r_time[0]:.1f} s, the others {statistics.mean(r_time[1:]):.1f} s" if len(seeds) > 1 else ""
     )
+    cold += f" (the first seed's {fmt_phases(seeds[0]['recipe'].get('phases'))})"
     text = (
         f"{len(seeds)} seed(s): cifar_cnn {spread(r_acc, 4)} in {spread(r_time, 1)} s{cold} (launch to exit or main "
         f"{statistics.mean(s['recipe']['process_wall_s'] for s in seeds):.1f} s); airbench94 {spread(b_acc, 4)} in "
@@ -304,14 +313,35 @@ def read_tta_cifar(out: Path, toy: bool):
     return text, goal, None if toy else met, {"seeds": seeds, "judged": judged}
 
 
-def read_alone(out: Path):
+def fmt_phases(p: dict | None) -> str:
+    """time_to_accuracy's ``phases`` of a recipe run in a line."""
+    if not p:
+        return "phases not recorded"
+    parts = [f"set-up {p['setup_s']:.2f} s" if p.get("setup_s") is not None else None]
+    parts.append(f"first update {p['first_update_s']:.2f} s" if p.get("first_update_s") is not None else None)
+    if p.get("first_window"):
+        parts.append(f"then {p['first_window']['steps']} steps in {p['first_window']['s']:.2f} s")
+    if p.get("later_ms_per_step") is not None:
+        parts.append(f"then {p['later_ms_per_step']:.2f} ms a step")
+    return ", ".join(x for x in parts if x) or "phases not recorded"
+
+
+def read_alone(out: Path, as_is: Path | None = None):
     """A recipe run alone (an ab/ row): its final accuracy, its training time from just before the first step to the
-    end of the evaluation that gave it (the one timer of the cifar row), and its launch to exit."""
+    end of the evaluation that gave it (the one timer of the cifar row), its first steps' phases and its launch to
+    exit; beside it, ``as_is``'s (the cifar row's) first seed, the recipe as is in a fresh process, when it ran."""
     r = json.loads(out.read_text())["seeds"][0]["recipe"]
     end = r["curve"][-1]
-    text = f"final accuracy {end['accuracy']:.4f} at {end['time_s']:.2f} s of training; launch to exit "
-    text += f"{r['process_wall_s']:.1f} s"
-    return text, "-", None, {"final_accuracy": end["accuracy"], "train_s": end["time_s"], "wall_s": r["process_wall_s"]}
+    text = f"final accuracy {end['accuracy']:.4f} at {end['time_s']:.2f} s of training ({fmt_phases(r.get('phases'))})"
+    text += f"; launch to exit {r['process_wall_s']:.1f} s"
+    data = {"final_accuracy": end["accuracy"], "train_s": end["time_s"], "wall_s": r["process_wall_s"]}
+    data["phases"] = r.get("phases")
+    if as_is is not None and as_is.exists():
+        first = json.loads(as_is.read_text())["seeds"][0]["recipe"]
+        t = first["curve"][-1]["time_s"]
+        text += f"; as is (the cifar row's first seed): {t:.2f} s ({fmt_phases(first.get('phases'))})"
+        data.update(as_is_train_s=t, as_is_phases=first.get("phases"), saved_s=t - end["time_s"])
+    return text, "-", None, data
 
 
 def read_tta_mnist(out: Path, toy: bool):
@@ -361,14 +391,21 @@ def read_floor(out: Path):
 
 
 def read_photo_reference(out: Path):
+    """The reference's images/s and data wait over its windows (the steady state), and over all its epochs."""
     r = json.loads(out.read_text())
-    text = f"{r['images_per_s']:,.0f} images/s, data wait {r['data_wait_share']:.0%} ({r['model']}, {r['crop']} px)"
+    if r.get("steady_images_per_s") is None:
+        raise RuntimeError(f"{out}: fewer than two windows of {r.get('window')} steps, none after the first")
+    text = (
+        f"{r['steady_images_per_s']:,.0f} images/s, data wait {r['steady_data_wait_share']:.0%} over windows of "
+        f"{r['window']} steps ({r['model']}, {r['crop']} px); all epochs {r['images_per_s']:,.0f} images/s"
+    )
     return text, "-", None, r
 
 
 def read_photo_decode(out: Path):
     r = json.loads(out.read_text())
-    text = f"{r['images_per_s']:,.0f} images/s ({r['images']} images, {r['workers']} workers, {r['crop']} px)"
+    text = f"{r['images_per_s']:,.0f} images/s ({r['images']} images, {r['workers']} workers kept across epochs, "
+    text += f"{r['crop']} px)"
     return text, "-", None, r
 
 
@@ -379,9 +416,11 @@ def read_photo_recipe(run_dir: Path, reference: Path, toy: bool, decode: Path | 
     if not reference.exists():
         return text + "; the reference row left no result", ">= the reference's images/s", None, w
     ref = json.loads(reference.read_text())
-    ratio = w["samples_per_s"] / ref["images_per_s"]
-    text += f"; {ratio:.2f}x the reference's {ref['images_per_s']:,.0f} images/s"
-    if (w["data_wait"] or 0) > 0.5 and ref["data_wait_share"] > 0.5:
+    if ref.get("steady_images_per_s") is None:
+        return text + "; the reference row has no steady-state windows", ">= the reference's images/s", None, w
+    ratio = w["samples_per_s"] / ref["steady_images_per_s"]
+    text += f"; {ratio:.2f}x the reference's {ref['steady_images_per_s']:,.0f} images/s (windows of the same steps)"
+    if (w["data_wait"] or 0) > 0.5 and ref["steady_data_wait_share"] > 0.5:
         ceiling = json.loads(decode.read_text())["images_per_s"] if decode and decode.exists() else None
         text += "; both wait on their data more than half the time" + (
             f": the CPUs decode {ceiling:,.0f} images/s the reference's way (photos/decode)" if ceiling else ""
@@ -394,14 +433,26 @@ def read_profile(run_dir: Path):
     if not traces:
         raise RuntimeError(f"no trace in {run_dir / 'profile'}")
     calls, mib = Counter(), sum(t.stat().st_size for t in traces) / 2**20
+    steps, device_us = [], 0.0
     for t in traces:
         for e in json.loads(t.read_text()).get("traceEvents", []):
             name = str(e.get("name", ""))
-            if e.get("ph") == "X" and any(name == s or name.startswith(s + "_") for s in SYNC_CALLS):
+            if e.get("ph") != "X":
+                continue
+            if any(name == s or name.startswith(s + "_") for s in SYNC_CALLS):
                 calls[name] += 1
+            if name.startswith("ProfilerStep#") and e.get("cat") == "user_annotation":
+                steps.append(float(e.get("dur", 0)))  # the host's time for the step
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+                device_us += float(e.get("dur", 0))  # the device busy
     found = ", ".join(f"{k} x{v}" for k, v in calls.most_common()) or "none"
+    host_ms = statistics.mean(steps) / 1000 if steps else None
+    device_ms = device_us / len(steps) / 1000 if steps and device_us else None
     text = f"{len(traces)} trace(s), {mib:.1f} MiB; synchronising calls in 5 steps: {found}"
-    return text, "-", None, {"trace_mib": mib, "sync_calls": dict(calls)}
+    if host_ms is not None:
+        text += f"; a step: host {host_ms:.2f} ms, device busy " + (f"{device_ms:.2f} ms" if device_ms else "-")
+    data = {"trace_mib": mib, "sync_calls": dict(calls), "host_ms_per_step": host_ms, "device_ms_per_step": device_ms}
+    return text, "-", None, data
 
 
 # --- the rows -------------------------------------------------------------------------------------------------------
@@ -636,14 +687,10 @@ def plan(ctx: Ctx) -> list[Row]:
                 lambda r=run: read_profile(r),
             )
         )
-    # ab/*: run only when --only names them: cifar_cnn alone (seed --seed), as is and with one suspected one-time
-    # cost of its first epoch taken away, each its own launch: TensorBoard's writer (--report-to none) and cuDNN's
-    # kernel search (--cudnn-benchmark false). The rows' training times side by side say what each costs.
-    for variant, extra in (
-        ("as-is", ""),
-        ("report-to-none", " --report-to none"),
-        ("cudnn-off", " --cudnn-benchmark false"),
-    ):
+    # ab/*: cifar_cnn alone (seed --seed), each its own launch, with one suspected one-time cost of its first epoch
+    # taken away: TensorBoard's writer (--report-to none), cuDNN's kernel search (--cudnn-benchmark false). Each is
+    # read beside the cifar row's first seed (the same recipe as is, in a fresh process, on the same timer).
+    for variant, extra in (("report-to-none", " --report-to none"), ("cudnn-off", " --cudnn-benchmark false")):
         out = w / f"ab-{variant}.json"
         rows.append(
             Row(
@@ -654,12 +701,15 @@ def plan(ctx: Ctx) -> list[Row]:
                     "--seeds", s, "--device", ctx.device, "--accelerate-config", single, "--work-dir",
                     w / f"ab-{variant}", "--out", out, "--recipe-args",
                     cache_args + extra + (" --widths 8,16,16 --batch-size 16 --epochs 1" if toy else "")),
-                lambda o=out: read_alone(o),
+                lambda o=out, c=w / "tta-cifar.json": read_alone(o, c),
             )
         )  # fmt: skip
-    # photos/*: run only when --only names them (a command of their own). 170 training photos (gpu-data's 200 flowers,
-    # 15% held out): batches of 32, 6 epochs, windows of 5 steps
-    photo_args = ["--epochs", 1 if toy else 6, "--batch-size", 16 if toy else 32, "--workers", 0 if toy else 8]
+    # photos/*: 170 training photos (gpu-data's 200 flowers, 15% held out): batches of 32 (5 steps an epoch), 16
+    # epochs, images/s over windows of 20 steps spanning epochs (the median of those after the first), each side's
+    # training workers kept across epochs; the recipe evaluates once, at the end (outside its windows)
+    epochs, window = (2, 4) if toy else (16, 20)
+    photo_args = ["--epochs", epochs, "--batch-size", 16 if toy else 32, "--workers", 0 if toy else 8]
+    reference_args = [*photo_args, "--persistent-workers", "--window", window]
     decode, reference = w / "photos-decode.json", w / "photos-reference.json"
     rows.append(
         Row(
@@ -668,7 +718,7 @@ def plan(ctx: Ctx) -> list[Row]:
             "photo_baseline.py --decode-only: the reference's training loader alone (PIL decode, RandomResizedCrop, "
             "flip, ToTensor, Normalize in the DataLoader workers), no model: the CPUs' ceiling in images/s",
             [ctx.py, REPO / "benchmarks" / "photo_baseline.py", "--data", data["finetune_folder"], "--crop",
-             32 if toy else 224, *photo_args, "--seed", s, "--decode-only", "--out", decode],
+             32 if toy else 224, *reference_args, "--seed", s, "--decode-only", "--out", decode],
             lambda o=decode: read_photo_decode(o),
         )
     )  # fmt: skip
@@ -680,14 +730,14 @@ def plan(ctx: Ctx) -> list[Row]:
             + ("resnet18 at 32 px" if toy else "resnet50 at 224 px")
             + ", bf16, channels_last, the flower photos",
             [ctx.py, REPO / "benchmarks" / "photo_baseline.py", "--data", data["finetune_folder"], "--model",
-             "resnet18" if toy else "resnet50", "--crop", 32 if toy else 224, *photo_args, "--device", ctx.device,
+             "resnet18" if toy else "resnet50", "--crop", 32 if toy else 224, *reference_args, "--device", ctx.device,
              "--bf16", "--channels-last", "--seed", s, "--out", reference],
             lambda o=reference: read_photo_reference(o),
         )
     )  # fmt: skip
     run = w / "runs" / "photos-recipe"
     flags = ["--model", "resnet18" if toy else "resnet50", "--image-size", 32 if toy else 224, "--start-image-size"]
-    flags += [0, *photo_args, "--log-every", 5, "--channels-last", "true"]
+    flags += [0, *photo_args, "--log-every", window, "--eval-every", epochs, "--channels-last", "true"]
     rows.append(
         Row(
             "photos/recipe",

@@ -12,7 +12,9 @@ then CosineAnnealingLR to 0); cross-entropy with label smoothing; torchvision.mo
 from scratch; DistributedDataParallel (gloo) with DistributedSampler under torchrun. Left out: weight EMA,
 mixup/cutmix, auto-augment policies, random erasing, AMP (fp32 only), channels_last, torch.compile, checkpoints,
 no-decay for norm layers, repeated augmentation, GPUs, and the reference's padded evaluation (each rank evaluates
-val[rank::world] here, so no image counts twice).
+val[rank::world] here, so no image counts twice). Added for measuring: --persistent-workers keeps both loaders' workers
+across epochs (the reference starts them anew every epoch), --window N reports images/s over windows of N training
+steps (steady_images_per_s: the median of the windows after the first; evaluation time left out).
 
 The split is the project's own: the folder read by common.data.folders.scan, its validation split if it has one, else
 common.data.splits.hold_out(--val-fraction, --seed) as the recipes hold it out. wall_s: from the launch (torchrun's
@@ -24,6 +26,7 @@ epochs, DataLoader worker start-up included, evaluation excluded. images_per_s: 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -127,6 +130,18 @@ def parse(argv=None):
     p.add_argument("--label-smoothing", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    p.add_argument(
+        "--persistent-workers",
+        action="store_true",
+        help="keep the training loader's workers across epochs (the reference restarts them every epoch)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="also report images/s over windows of N training steps (spanning epochs, evaluation time left out): "
+        "the median of the windows after the first, as the recipes' metrics.jsonl windows",
+    )
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each rank its LOCAL_RANK's GPU)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forward pass (the loss in fp32)")
     p.add_argument("--channels-last", action="store_true", help="channels_last memory format for model and batches")
@@ -166,9 +181,16 @@ def main(argv=None) -> int:
     sampler = torch.utils.data.DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     per_rank = args.batch_size // world
     train_loader = torch.utils.data.DataLoader(
-        train_ds, per_rank, sampler=sampler, num_workers=args.workers, pin_memory=args.device == "cuda"
+        train_ds,
+        per_rank,
+        sampler=sampler,
+        num_workers=args.workers,
+        pin_memory=args.device == "cuda",
+        persistent_workers=args.persistent_workers and args.workers > 0,
     )
-    val_loader = torch.utils.data.DataLoader(val_ds, per_rank, num_workers=args.workers)
+    val_loader = torch.utils.data.DataLoader(
+        val_ds, per_rank, num_workers=args.workers, persistent_workers=args.persistent_workers and args.workers > 0
+    )
     print(
         f"rank {rank} of world size {world}: {len(sampler)} training images per epoch, {len(val_ds)} validation "
         f"images, {torch.get_num_threads()} threads",
@@ -219,6 +241,7 @@ def main(argv=None) -> int:
         return t.tolist()
 
     train_s, eval_s, trained, curve, waited = 0.0, 0.0, 0, [], 0.0
+    marks, mine = [], 0  # per training step: (training seconds, data-wait seconds, this rank's images) so far
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
         ddp.train()
@@ -239,6 +262,8 @@ def main(argv=None) -> int:
             loss_sum += loss.item() * len(labels)
             seen += len(labels)
             asked = time.perf_counter()
+            mine += len(labels)
+            marks.append((train_s + asked - t0, waited, mine))
         scheduler.step()
         loss_sum, seen = reduced(loss_sum, seen)  # also the point where the ranks meet: t1 is the slowest rank's
         t1 = time.perf_counter()
@@ -281,6 +306,8 @@ def main(argv=None) -> int:
         "eval_s": round(eval_s, 2),
         "images_per_s": round(trained / train_s, 2),
         "data_wait_share": round(waited / train_s, 3),  # this rank's time waiting for the next batch
+        **steady(marks, args.window, world),
+        "persistent_workers": args.persistent_workers,
         "bf16": args.bf16,
         "channels_last": args.channels_last,
         "processes": world,
@@ -294,6 +321,26 @@ def main(argv=None) -> int:
         "data": str(args.data),
     }
     return finish(result, args.out, main_rank, world)
+
+
+def steady(marks: list, window: int, world: int) -> dict:
+    """images/s and data-wait share over windows of ``window`` steps (this rank's steps and waits; images of all
+    ranks, as every rank takes the same number of steps): the median of the windows after the first."""
+    if window <= 0:
+        return {}
+    ends = [marks[i] for i in range(window - 1, len(marks), window)]
+    if len(ends) < 2:
+        return {"window": window, "windows": [], "steady_images_per_s": None, "steady_data_wait_share": None}
+    rates, waits = [], []
+    for (t0, w0, n0), (t1, w1, n1) in zip(ends, ends[1:]):
+        rates.append((n1 - n0) * world / (t1 - t0))
+        waits.append((w1 - w0) / (t1 - t0))
+    return {
+        "window": window,
+        "windows": [round(r, 2) for r in rates],
+        "steady_images_per_s": round(statistics.median(rates), 2),
+        "steady_data_wait_share": round(statistics.median(waits), 3),
+    }
 
 
 def finish(result: dict, out: Path | None, main_rank: bool, world: int) -> int:

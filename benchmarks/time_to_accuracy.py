@@ -612,8 +612,34 @@ def run_recipe(args, seed: int, run_dir: Path, cache_dir: Path, ran=None) -> dic
             for k in ("val_fraction", "channels", "image_size", "seed", "epochs", "batch_size")
             if k in run["config"]
         },
+        "phases": phases(run),
         "curve": points,
     }
+
+
+def phases(run: dict) -> dict:
+    """Where a recipe run's first steps went, from its summary.json and metrics.jsonl: set-up (from the run's
+    start, TrainingRun's constructor, to just before the first training step: the accelerator, the data, the
+    model, ``run.start``), the first update (from there to the end of the first optimizer step on the host), the
+    first log window (steps and seconds, from that first update to its row) and the later windows' median ms a step
+    (their rows' times; an evaluation or checkpoint inside a window counts in it). Seconds on the host clock (the
+    device runs ahead between the log rows' syncs)."""
+    summary, timing = run["summary"], run["summary"].get("timing") or {}
+    train_start, first = timing.get("train_start"), timing.get("first_step_at")
+    out = {"setup_s": None, "first_update_s": None, "first_window": None, "later_ms_per_step": None}
+    if train_start is not None and summary.get("wall_time_s") is not None and timing.get("train_s") is not None:
+        out["setup_s"] = round(summary["wall_time_s"] - timing["train_s"], 3)
+    if train_start is None or first is None:
+        return out
+    out["first_update_s"] = round(first - train_start, 3)
+    marks = [(1, first)] + [(r["step"], r["time"]) for r in run["rows"] if "train/samples_per_sec" in r]
+    if len(marks) > 1:
+        (s0, t0), (s1, t1) = marks[0], marks[1]
+        out["first_window"] = {"steps": s1 - s0, "s": round(t1 - t0, 3)}
+    later = [(t1 - t0) / (s1 - s0) * 1000 for (s0, t0), (s1, t1) in zip(marks[1:], marks[2:]) if s1 > s0]
+    if later:
+        out["later_ms_per_step"] = round(statistics.median(later), 3)
+    return out
 
 
 def fmt_side(side: dict | None, epochs: bool = False) -> str:

@@ -46,6 +46,44 @@ def test_resumes_exactly_with_decoding_in_a_worker_process(reference_run, tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def crop_of(side):
+    """A module-level transform (worker processes may import it): a seeded random crop to ``side``."""
+    from torchvision.transforms import v2
+
+    return v2.RandomResizedCrop(side, antialias=True)
+
+
+def test_training_workers_kept_across_epochs_draw_each_epochs_crops_at_its_side(tmp_path):
+    """The training loader's workers persist across epochs (no start-up every epoch), yet each epoch's crops and
+    crop side (progressive resizing) are the epoch's: a persistent worker reads the epoch the main process set, and
+    hands out exactly what decoding in the main process gives, epoch after epoch."""
+    from common.data.photos import PhotoDataset, PhotoSplit
+
+    from helpers import write_photo_folder
+
+    files = sorted(str(p) for p in write_photo_folder(tmp_path / "d", 4).rglob("*.*"))
+    split = PhotoSplit(files, torch.zeros(len(files), dtype=torch.int64), 24)
+    sides = lambda epoch: (16, 20, 24)[epoch]  # noqa: E731
+
+    def epochs(workers):
+        data = PhotoDataset(split, seed=5, train_view=crop_of, sides=sides)
+        loader = torch.utils.data.DataLoader(
+            data, batch_size=4, num_workers=workers, persistent_workers=workers > 0, collate_fn=lambda b: b
+        )
+        out = []
+        for epoch in range(3):
+            data.set_epoch(epoch)
+            out.append(torch.stack([image for batch in loader for image, _, _ in batch]))
+        return out, getattr(loader, "_iterator", None)
+
+    inline, _ = epochs(0)
+    kept, iterator = epochs(1)
+    assert iterator is not None and iterator._persistent_workers  # one set of workers served all three epochs
+    assert [tuple(x.shape[-2:]) for x in kept] == [(16, 16), (20, 20), (24, 24)]
+    assert all(torch.equal(a, b) for a, b in zip(inline, kept))
+    assert not torch.equal(kept[0][:, :, :16, :16], kept[1][:, :, :16, :16])  # each epoch draws its own crops
+
+
 def test_predict_export_and_eval_only_take_photos_of_any_size(reference_run, tmp_path, env, capsys):
     from common.tools import export, predict
 

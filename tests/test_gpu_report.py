@@ -1,5 +1,6 @@
-"""benchmarks/gpu_report.py without a GPU: the dry run lists every row in order (correctness first, then airbench94,
-MNIST to 99.3%, throughput, profiler traces) with budgets that fit the run's timeout and the commands the rows need;
+"""benchmarks/gpu_report.py without a GPU: the dry run lists every row in order (airbench94, MNIST to 99.3%, the
+first epoch's costs taken apart, a profiled step, the photos; the checks a command of their own) with budgets that
+fit the run's timeout and the commands the rows need;
 a real run refuses in one paragraph (exit 2, no traceback) without a GPU or without its data; gpu_data's toy data,
 installed, is read without `datasets`; and (integration) the rehearsal runs every row at toy size in an environment
 like the GPU machine's, every row passing, nothing written outside its --out folder."""
@@ -18,17 +19,19 @@ import pytest
 from helpers import REPO
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_report.py")
-ROWS = [  # the default command: the speed goals first, then what takes the first epoch's costs apart, throughput
+ROWS = [  # the default command: the speed goals first, what takes the first epoch's costs apart, host vs device, photos
     "cifar_cnn_vs_airbench94",
     "mnist_convnet_to_99.3",
-    "ab/cifar_cnn/as-is",
     "ab/cifar_cnn/report-to-none",
     "ab/cifar_cnn/cudnn-off",
-    *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),
-]
-CHECKS = [  # --only profile,correct: a command of its own
-    "profile/mnist_convnet",
     "profile/cifar_cnn",
+    "photos/decode",
+    "photos/reference",
+    "photos/recipe",
+]
+CHECKS = [  # --only throughput,profile/mnist,correct: a command of its own
+    "profile/mnist_convnet",
+    *(f"throughput/{r}/{lever}" for r in ("mnist_convnet", "cifar_cnn") for lever in ("host", "device")),
     "correct/bf16",
     "correct/bf16+clip",
     "correct/fp16",
@@ -52,7 +55,8 @@ def run(*args, tmp_path, env=None, timeout=300):
 def test_dry_run_lists_every_row_in_order_within_the_runs_timeout(tmp_path):
     """The default command: the rows that decide the GPU goals, in order, within 8 minutes of budgets including the
     data (the run's timeout_s 540 and the session's 15 minutes with the machine's start); the cifar and MNIST rows
-    run 5 and 3 seeds, each side's in one process. The checks are a command of their own (--only profile,correct)."""
+    run 5 and 3 seeds, each side's in one process; the photo rows measure windows of 20 steps with workers kept across
+    epochs on both sides. The checks are a command of their own (--only throughput,profile/mnist,correct)."""
     proc = run("--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = re.findall(r"^\[(\S+)\] budget (\d+) s, seed 7: [^\n]*\n  (.+)$", proc.stdout, re.M)
@@ -66,9 +70,13 @@ def test_dry_run_lists_every_row_in_order_within_the_runs_timeout(tmp_path):
     assert "--seeds 1,2,3 --recipe-seeds-in-one-process" in cmds["mnist_convnet_to_99.3"]
     assert "--report-to none" in cmds["ab/cifar_cnn/report-to-none"]
     assert "--cudnn-benchmark false" in cmds["ab/cifar_cnn/cudnn-off"]
+    for name in ("photos/decode", "photos/reference"):
+        assert "--persistent-workers --window 20" in cmds[name] and "--epochs 16" in cmds[name]
+    assert "--log-every 20 --eval-every 16" in cmds["photos/recipe"] and "--epochs 16" in cmds["photos/recipe"]
     checks = run(
-        "--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", "--only", "profile,correct", tmp_path=tmp_path
-    )
+        "--work-dir", tmp_path / "work", "--seed", 7, "--dry-run", "--only", "throughput,profile/mnist,correct",
+        tmp_path=tmp_path,
+    )  # fmt: skip
     assert checks.returncode == 0, checks.stderr
     more = re.findall(r"^\[(\S+)\] budget (\d+) s, seed 7: [^\n]*\n  (.+)$", checks.stdout, re.M)
     assert [name for name, _, _ in more] == CHECKS
@@ -147,14 +155,26 @@ def test_rehearsal_passes_every_row_and_writes_only_under_its_out_folder(tmp_pat
     home.mkdir(), tmp.mkdir()
     before = git_status()
     env = {"HOME": str(home), "TMPDIR": str(tmp), "PYTHONDONTWRITEBYTECODE": "1"}
-    # the default command's rows and the checks' (--only profile,correct), in one rehearsal
-    only = "cifar_cnn_vs_airbench94,mnist_convnet_to_99.3,ab/,throughput/,profile/,correct/"
+    # the default command's rows and the checks', in one rehearsal (in the rows' order of priority)
+    only = "cifar_cnn_vs_airbench94,mnist_convnet_to_99.3,ab/,profile/,photos/,throughput/,correct/"
     proc = run("--rehearse", "--only", only, "--out", "out", tmp_path=tmp_path, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_report.json").read_text())
-    assert report["rehearsal"] and [r["name"] for r in report["rows"]] == ROWS + CHECKS
+    order = [*ROWS[:4], "profile/mnist_convnet", *ROWS[4:], *CHECKS[1:]]
+    assert report["rehearsal"] and [r["name"] for r in report["rows"]] == order
     failed = {r["name"]: (r["status"], r["result"], r.get("tail", [])[-5:]) for r in report["rows"]}
     assert {k: v for k, v in failed.items() if v[0] not in ("PASS", "ok")} == {}
+    rows = {r["name"]: r for r in report["rows"]}
+    assert "over windows of 4 steps" in rows["photos/reference"]["result"]
+    assert "x the reference's" in rows["photos/recipe"]["result"]
+    assert re.match(
+        r"[\d,]+ images/s \(\d+ images, 0 workers kept across epochs, 32 px\)", rows["photos/decode"]["result"]
+    )
+    assert (
+        "ms a step" in rows["ab/cifar_cnn/cudnn-off"]["result"]
+        and "as is (the cifar row's first seed)" in (rows["ab/cifar_cnn/cudnn-off"]["result"])
+    )
+    assert "a step: host " in rows["profile/cifar_cnn"]["result"]
     table = (out / "gpu_report.md").read_text()
     assert all(f"| {name} |" in table for name in ROWS + CHECKS) and "rehearsal on CPU" in table
     with tarfile.open(out / "logs.tar.gz") as tar:
@@ -215,31 +235,13 @@ def test_the_photo_recipes_row_names_the_decode_ceiling_only_when_both_sides_wai
     rows = [{"step": 5 * i, "train/samples_per_sec": 880.0, "train/data_wait_fraction": 0.7} for i in range(1, 5)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ref, decode = tmp_path / "reference.json", tmp_path / "decode.json"
-    ref.write_text(json.dumps({"images_per_s": 800.0, "data_wait_share": 0.6}))
+    ref.write_text(json.dumps({"steady_images_per_s": 800.0, "steady_data_wait_share": 0.6}))
     decode.write_text(json.dumps({"images_per_s": 1000.0}))
     text, goal, met, _ = gpu_report.read_photo_recipe(run_dir, ref, toy=False, decode=decode)
     assert met is True and goal == ">= the reference's images/s" and "1.10x the reference's 800 images/s" in text
     assert "both wait on their data more than half the time: the CPUs decode 1,000 images/s" in text
-    ref.write_text(json.dumps({"images_per_s": 800.0, "data_wait_share": 0.2}))  # the reference is not data-bound
+    ref.write_text(json.dumps({"steady_images_per_s": 800.0, "steady_data_wait_share": 0.2}))  # not data-bound
     assert "decode" not in gpu_report.read_photo_recipe(run_dir, ref, toy=False, decode=decode)[0]
-
-
-@pytest.mark.integration
-def test_the_photo_rows_run_only_when_named_and_rehearse(tmp_path):
-    """photos/decode, photos/reference and photos/recipe (the reference's loader alone; the photo recipe beside
-    photo_baseline.py, the reference's way, bf16, channels_last): not in the default run (its deadline), run by --only
-    photos; rehearsed, all end ok, the decode row gives images/s and the recipe's row its images/s as a multiple of the
-    reference's."""
-    proc = run("--work-dir", tmp_path / "work", "--dry-run", tmp_path=tmp_path)
-    assert "photos/" not in proc.stdout
-    proc = run("--rehearse", "--only", "photos", "--out", "out", tmp_path=tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "out" / "gpu_report.json").read_text())
-    rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["photos/decode", "photos/reference", "photos/recipe"], list(rows)
-    assert all(r["status"] in ("PASS", "ok") for r in rows.values()), {k: r["result"] for k, r in rows.items()}
-    assert "data wait" in rows["photos/reference"]["result"] and "x the reference's" in rows["photos/recipe"]["result"]
-    assert re.match(r"[\d,]+ images/s \(\d+ images, 0 workers, 32 px\)", rows["photos/decode"]["result"])
 
 
 @pytest.mark.integration

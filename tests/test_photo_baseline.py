@@ -2,6 +2,7 @@
 image folder."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from common.data.splits import ImageSplit, hold_out
 from helpers import REPO, check_ok, recipe_env
 
 
-def test_photo_baseline_trains_one_epoch_on_the_recipes_split(tmp_path):
+def test_photo_baseline_trains_on_the_recipes_split_and_measures_windows(tmp_path):
     data = tmp_path / "photos"
     rng = np.random.default_rng(0)
     for k, cls in enumerate(("ants", "bees")):  # mixed sizes and formats, as users' photos are
@@ -31,13 +32,16 @@ def test_photo_baseline_trains_one_epoch_on_the_recipes_split(tmp_path):
         "--data",
         str(data),
         "--epochs",
-        "1",
+        "2",
         "--crop",
         "32",
         "--batch-size",
         "8",
         "--workers",
-        "0",
+        "1",
+        "--persistent-workers",
+        "--window",
+        "3",
         "--seed",
         "3",
         "--out",
@@ -50,7 +54,11 @@ def test_photo_baseline_trains_one_epoch_on_the_recipes_split(tmp_path):
     assert line == json.loads(out.read_text())
     _, val = hold_out(ImageSplit(torch.zeros(40, 1, 1, 1, dtype=torch.uint8), torch.zeros(40)), 0.15, 3)
     assert line["val_count"] == len(val) == 6 and line["train_count"] == 34
-    assert 0.0 <= line["val_accuracy"] <= 1.0 and line["processes"] == 1 and line["epochs"] == 1
+    assert 0.0 <= line["val_accuracy"] <= 1.0 and line["processes"] == 1 and line["epochs"] == 2
     assert line["model"] == "resnet18" and line["crop"] == 32 and line["batch"] == 8 and line["lr"] == 0.1 * 8 / 64
     assert line["wall_s"] >= line["train_s"] > 0 and line["images_per_s"] > 0
-    assert "rank 0 of world size 1" in proc.stdout and "epoch 1/1:" in proc.stdout
+    assert "rank 0 of world size 1" in proc.stdout and "epoch 2/2:" in proc.stdout
+    # 10 steps (5 an epoch, the last batch of each 2 images): windows of 3 steps end at steps 3, 6 and 9, across the
+    # epoch boundary; the first is left out of the median
+    assert line["persistent_workers"] and line["window"] == 3 and len(line["windows"]) == 2
+    assert line["steady_images_per_s"] == round(statistics.median(line["windows"]), 2) > 0

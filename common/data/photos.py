@@ -126,12 +126,23 @@ class PhotoDataset(torch.utils.data.Dataset):
 
     def __init__(self, split: PhotoSplit, seed: int, train_view=None, sides=None):
         self.split, self.seed, self.views, self.sides = split, seed, train_view, sides
+        # The epoch lives in shared memory: persistent DataLoader workers (kept across epochs) read the one the main
+        # process set before the epoch's iterator sent them its first index.
+        self.shared_epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self.epoch = None
         self.set_epoch(0)
 
-    def set_epoch(self, epoch: int) -> None:  # called before each epoch's iterator (and its workers) starts
-        self.epoch = epoch
-        self.side = self.sides(epoch) if self.sides else self.split.image_size
-        self.train_view = self.views(self.side) if self.sides and self.views else self.views
+    def set_epoch(self, epoch: int) -> None:  # called before each epoch's iterator hands the workers an index
+        self.shared_epoch.fill_(epoch)
+        self.follow_epoch()
+
+    def follow_epoch(self) -> None:
+        """This process's copy of the epoch, its crop side and its transform, brought up to the shared epoch."""
+        epoch = int(self.shared_epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.side = self.sides(epoch) if self.sides else self.split.image_size
+            self.train_view = self.views(self.side) if self.sides and self.views else self.views
 
     def __len__(self):
         return len(self.split)
@@ -141,6 +152,7 @@ class PhotoDataset(torch.utils.data.Dataset):
         evaluation with a black image and the label ``SKIPPED``, in training with another photo of the split, drawn at
         random (seeded by the run's seed, the epoch and the photo), in its place."""
         size = self.split.image_size
+        self.follow_epoch()
         if self.train_view is None:
             image, damaged = self.split.try_read(i, resize_side(size))
             if image is None:
@@ -205,8 +217,9 @@ def photo_loader(
     if workers < 0:  # this process's share of the node's cores, less the one the training loop runs on
         local = int(os.environ.get("LOCAL_WORLD_SIZE", n))
         workers = min(8, max(0, len(os.sched_getaffinity(0)) // max(1, local) - 1))
-    # Workers start anew each epoch (not persistent): they copy the dataset after set_epoch, so every epoch
-    # draws its own crops. The loader's own generator keeps the shuffle off the global RNG (exact resume).
+    # Training workers are kept across epochs (PhotoDataset reads the epoch from shared memory, so every epoch still
+    # draws its own crops); evaluation's start for each evaluation. The loader's own generator keeps the shuffle off
+    # the global RNG (exact resume).
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch,
@@ -216,6 +229,7 @@ def photo_loader(
         pin_memory=accelerator.device.type == "cuda",
         generator=torch.Generator().manual_seed(0),
         prefetch_factor=4 if workers else None,
+        persistent_workers=bool(workers) and train,
         collate_fn=collate,
     )
 
