@@ -6,8 +6,8 @@ left alone). A file holds its ``machine`` (name, description, ``lscpu`` flags, p
 ``rows``; a row holds the recipe, its setting and the flags that give it (``default``: the recipe's defaults;
 ``readme``: shown in README.md), the data, the seeds with their validation accuracy and wall seconds (launch to
 exit; ``wall_s_range`` where only a range was recorded; ``shared_machine`` per seed), the baseline measured beside
-it (seconds, and its accuracy where recorded), the date and versions where recorded, the script that measures it
-and its command. Means are computed here from the seeds' figures.
+it (seconds, and its accuracy where recorded), the date, versions and git revision where recorded (each table names
+the revision, or says it was not recorded), the script that measures it and its command. Means are computed here from the seeds' figures.
 
     python benchmarks/results_table.py            # print README's table
     python benchmarks/results_table.py --all      # print docs/results.md's table (every row)
@@ -120,6 +120,7 @@ def _baseline(row: dict) -> str:
 def _machine(row: dict) -> str:
     parts = [f"{row['machine']['name']}, {row['machine']['precision']}"]
     parts += [row["date"]] if row.get("date") else []
+    parts += [f"revision {row['revision']}" if row.get("revision") else "revision not recorded"]
     parts += [f"{name} {version}" for name, version in sorted(row.get("versions", {}).items())]
     return ", ".join(parts)
 
@@ -184,7 +185,8 @@ def _readme_line(row: dict) -> str:
         wall = _wall(row)
     b = row.get("baseline")
     beside = f"{b['short']}: {_median(b['wall_s'])} s" if b else ""
-    machine = f"{row['machine']['name']}: 2 processes, {row['machine']['precision']}"
+    machine = f"{row['machine']['name']}: 2 processes, {row['machine']['precision']}, "
+    machine += f"revision {row['revision']}" if row.get("revision") else "revision not recorded"
     return "| " + " | ".join([_setting(row), accuracy, wall, beside, machine]) + " |"
 
 
