@@ -7,7 +7,8 @@ left alone). A file holds its ``machine`` (name, description, ``lscpu`` flags, p
 ``readme``: shown in README.md), the data, the seeds with their validation accuracy and wall seconds (launch to
 exit; ``wall_s_range`` where only a range was recorded; ``shared_machine`` per seed), the baseline measured beside
 it (seconds, and its accuracy where recorded), the date, versions and git revision where recorded (each table names
-the revision, or says it was not recorded), the script that measures it and its command. Means are computed here from the seeds' figures.
+the revision, or says it was not recorded), the script that measures it and its command. Means are computed here
+from the seeds' figures.
 
     python benchmarks/results_table.py            # print README's table
     python benchmarks/results_table.py --all      # print docs/results.md's table (every row)
