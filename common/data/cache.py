@@ -43,45 +43,31 @@ def cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
 
 
 def _read_cache(path: Path) -> ImageSplit:
-    """Open a cache file written by ``_write_cache``; FileNotFoundError if absent, _Damaged if not intact."""
-    import numpy as np
+    """Open a cache file written by ``_write_cache``; FileNotFoundError if absent, _Damaged if not intact.
+    safetensors checks the header and that the tensors cover the file exactly, and maps the file (copy-on-write: the
+    pages are the page cache's, shared by every process of the node until one writes to them, and nothing here does:
+    batches are gathered copies); the labels and the images' last bytes are checked against their CRCs. One open
+    does all of it, so what is checked is what is mapped, whatever a peer renames over the name meanwhile. NOTE: the
+    file must never be rewritten in place (a truncated mapped file faults its readers); writers rename a new file over
+    it."""
+    from safetensors import SafetensorError, safe_open
 
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise _Damaged(f"{size} bytes, shorter than a header")
-        hlen = int.from_bytes(head, "little")
-        if hlen > min(size - 8, 1 << 26):
-            raise _Damaged(f"header of {hlen} bytes in a {size}-byte file")
-        try:
-            header = json.loads(f.read(hlen))
-            meta = header["__metadata__"]
-            assert meta["format"] == CACHE_FORMAT
-            lab, img = header["labels"], header["images"]
-            assert lab["dtype"] == "I64" and img["dtype"] == "U8" and len(img["shape"]) == 4
-            n = img["shape"][0]
-            n_img = n * img["shape"][1] * img["shape"][2] * img["shape"][3]
-            assert lab["shape"] == [n] and lab["data_offsets"] == [0, 8 * n]
-            assert img["data_offsets"] == [8 * n, 8 * n + n_img]
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise _Damaged("unreadable header") from None
-        start = 8 + hlen
-        if size != start + 8 * n + n_img:
-            raise _Damaged(f"{size} bytes, expected {start + 8 * n + n_img}")
-        labels = f.read(8 * n)
-        f.seek(start + 8 * n + n_img - min(TAIL_BYTES, n_img))
-        tail = f.read(TAIL_BYTES)
-        if f"{zlib.crc32(labels):08x}" != meta["labels_crc32"] or f"{zlib.crc32(tail):08x}" != meta["tail_crc32"]:
-            raise _Damaged("checksum mismatch")
-        shape = tuple(img["shape"])
-        # Mapped through the descriptor that was checked, not the name, which a peer may rename over.
-        # Copy-on-write mapping: pages are the page cache's, shared by every process of the node until one
-        # writes to them (nothing here does: batches are gathered copies). NOTE: the file must never be
-        # rewritten in place (a truncated mapped file faults its readers); writers rename a new file over it.
-        images = np.memmap(f, dtype=np.uint8, mode="c", offset=start + 8 * n, shape=shape)
-    labels = torch.from_numpy(np.frombuffer(labels, dtype="<i8").astype(np.int64))
-    return ImageSplit(torch.from_numpy(images), labels, note=meta.get("note", ""))
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != CACHE_FORMAT or set(f.keys()) != {"images", "labels"}:
+                raise _Damaged("not a decoded split of this version")
+            images, labels = f.get_tensor("images"), f.get_tensor("labels")
+    except SafetensorError as err:
+        raise _Damaged(str(err)) from None
+    n = images.shape[0] if images.dim() == 4 else -1
+    if images.dtype != torch.uint8 or labels.dtype != torch.int64 or tuple(labels.shape) != (n,):
+        raise _Damaged("tensors of the wrong type or shape")
+    tail = images.reshape(-1)[-TAIL_BYTES:]
+    crcs = f"{zlib.crc32(labels.numpy().tobytes()):08x}", f"{zlib.crc32(tail.numpy()):08x}"
+    if crcs != (meta.get("labels_crc32"), meta.get("tail_crc32")):
+        raise _Damaged("checksum mismatch")
+    return ImageSplit(images, labels, note=meta.get("note", ""))
 
 
 def _write_cache(path: Path, split: ImageSplit, class_names):
