@@ -146,25 +146,6 @@ def test_memory_measures_both_modes_on_a_local_dataset(tmp_path):
     assert [row[:3] for row in rows if len(row) == 9] == [["copy", "1", "0"], ["mmap", "1", "0"]]
 
 
-@pytest.mark.integration
-def test_between_steps_times_a_run_on_both_trees(tmp_path):
-    """benchmarks/between_steps.py on a tiny MNIST-like set: both trees run the recipe (warm-up rows, then A B A B),
-    each row's parts add up within its wall time, and the two trees train the same run."""
-    write_parquet_dataset(tmp_path / "data" / "mnist", {"train": 320})
-    out = tmp_path / "between.json"
-    cmd = [sys.executable, "benchmarks/between_steps.py", "--recipes", "mnist_convnet", "--epochs", "1"]
-    cmd += ["--threads", "1", "--data", str(tmp_path / "data"), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\nOUT:\n{proc.stdout[-4000:]}\nERR:\n{proc.stderr[-6000:]}"
-    report = json.loads(out.read_text())
-    rows = report["rows"]
-    assert [r["tree"] for r in rows] == ["before", "after", "before", "after"] and "lscpu flags" in proc.stdout
-    for r in rows:
-        parts = r["startup_s"] + r["steps_s"] + r["evaluations_during_s"] + r["final_evaluation_s"] + r["end_s"]
-        assert r["status"] == "completed" and 0 < parts <= r["wall_s"] * 1.001 and 0 <= r["outside_share"] < 1, r
-    assert len({json.dumps(r["accuracy"], sort_keys=True) for r in rows}) == 1  # the same run on both trees
-
-
 @pytest.mark.parametrize(
     "study, argv, says",
     [
