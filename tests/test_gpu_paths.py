@@ -275,6 +275,35 @@ def test_bf16_on_a_gpu_without_native_bf16_falls_back_with_a_note(capability, ex
     assert torch.backends.cudnn.benchmark is False
 
 
+@pytest.mark.parametrize("macos_14", [True, False])
+def test_a_macs_gpu_is_used_as_accelerate_would_with_the_precision_it_takes(macos_14, monkeypatch):
+    """On a Mac with MPS (mocked here: torch built with it, available, macOS 14 or not), the run goes to the GPU
+    (Accelerate's device, not cpu=True), bf16 is kept where MPS takes it (macOS 14+) and otherwise falls back to fp32
+    with a NOTE naming fp16, and the startup line names the Apple GPU. Before, MPS was not counted as a GPU: a Mac
+    trained on its CPU."""
+    import accelerate
+
+    made = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
+    monkeypatch.setattr(torch.backends.mps, "is_macos_or_newer", lambda major, minor: macos_14)
+    monkeypatch.setattr(accelerate, "Accelerator", lambda **kwargs: made.update(kwargs) or object())
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert accelerator_module.has_accelerator_device()
+    fields = {"grad_accum": 1, "seed": 0, "report_to": "tensorboard", "timeout_s": 60, "cudnn_benchmark": True}
+    _, note = accelerator_module.make_accelerator(type("Cfg", (), fields)())
+    assert made["cpu"] is False
+    if macos_14:
+        assert made["mixed_precision"] == "bf16" and "bf16" not in note
+    else:
+        assert made["mixed_precision"] == "no" and "macOS 14" in note and "fp16" in note
+    accelerator = type("A", (), {"device": torch.device("mps"), "num_processes": 1, "mixed_precision": "bf16"})()
+    accelerator.distributed_type, accelerator.state = type("D", (), {"value": "NO"})(), object()
+    cfg = type("Cfg", (), {"batch_size": 32, "grad_accum": 1, "lr": 0.1})()
+    assert "device=mps (Apple GPU, Metal Performance Shaders)" in accelerator_module.startup_line(accelerator, cfg, 10)
+
+
 def test_sync_batchnorm_builds_nothing_from_host_data(monkeypatch):
     """--sync-bn on CPU processes (CPUSyncBatchNorm, 2 ranks mocked): its per-forward count was a tensor made from a
     Python float on the device (a host-to-device copy each BatchNorm layer each step); now a fill on the device.

@@ -39,7 +39,19 @@ CPU_2PROC_CONFIG = "accelerate_configs/cpu_2proc.yaml"
 
 
 def has_accelerator_device() -> bool:
-    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+    """A GPU Accelerate would train on: CUDA, Intel XPU, or a Mac's (MPS)."""
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) or mps_available()
+
+
+def mps_available() -> bool:
+    """An Apple GPU that torch can use (Accelerate's own test: built with MPS, and available on this Mac)."""
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps and mps.is_available() and mps.is_built())
+
+
+def mps_bf16() -> bool:
+    """Whether this Mac's GPU computes bf16: macOS 14 or later (Accelerate refuses bf16 on MPS before)."""
+    return bool(torch.backends.mps.is_macos_or_newer(14, 0))
 
 
 @lru_cache(maxsize=1)
@@ -299,6 +311,12 @@ def make_accelerator(cfg, launch=None):
             f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; bf16 needs 8.0+): using fp32 instead. For "
             "mixed precision on this GPU use fp16: accelerate_configs/multi_gpu_fp16.yaml"
         )
+    if not cpu and precision == "bf16" and not torch.cuda.is_available() and mps_available() and not mps_bf16():
+        precision = "no"
+        notes.append(
+            "bf16 was asked for but this Mac's GPU (MPS) takes bf16 from macOS 14 on: using fp32 instead. For mixed "
+            "precision on it use fp16 (accelerate launch --mixed_precision fp16)"
+        )
     ask_lomo_once()
     if not cpu:  # the recipes' shapes are fixed within a run: cuDNN may pick its fastest kernels once per shape
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
@@ -351,6 +369,10 @@ def startup_line(accelerator, cfg, steps_per_epoch: int, note: str = "", sharded
     dev = accelerator.device
     if dev.type == "cuda":
         name = torch.cuda.get_device_name(dev)
+    elif dev.type == "mps":
+        name = "Apple GPU, Metal Performance Shaders"
+    elif dev.type != "cpu":
+        name = dev.type
     else:
         native = cpu_bf16_support()
         name = f"cpu x{torch.get_num_threads()} threads, " + (f"native bf16: {native}" if native else "no native bf16")

@@ -275,13 +275,17 @@ def png_summary(tag: str, png: bytes, height: int, width: int):
 
 
 def peak_memory_mb(device) -> float:
-    """Peak CUDA memory allocated by this process, or its peak resident set size on a CPU."""
+    """Peak CUDA memory allocated by this process; on a Mac's GPU (MPS, which keeps no peak) the memory its Metal
+    driver holds for the process now; on a CPU the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory() / 2**20
     try:
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
     except ImportError:  # pragma: no cover
         return math.nan
 
