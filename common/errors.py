@@ -59,6 +59,14 @@ class StorageError(RecipeError):
     status = "storage_error"
 
 
+class OutOfMemory(RecipeError):
+    """The GPU ran out of memory: the message names the batch that did not fit and the setting that keeps the run
+    the same in smaller batches."""
+
+    exit_code = 1
+    status = "out_of_memory"
+
+
 class NonFiniteLoss(RecipeError):
     exit_code = EXIT_NONFINITE
     status = "nonfinite_loss"
@@ -159,5 +167,8 @@ EXIT_CODES = {
     "completed": EXIT_OK,
     "target_missed": EXIT_TARGET_MISSED,
     "crashed": 1,
-    **{end.status: end.exit_code for end in (RecipeError, StorageError, NonFiniteLoss, Unfinished, Preempted)},
+    **{
+        end.status: end.exit_code
+        for end in (RecipeError, StorageError, OutOfMemory, NonFiniteLoss, Unfinished, Preempted)
+    },
 }

@@ -326,3 +326,48 @@ def test_sync_batchnorm_builds_nothing_from_host_data(monkeypatch):
     x = torch.randn(8, 4, 5, 5)
     torch.testing.assert_close(bn.train()(x), reference.train()(x), rtol=1e-4, atol=1e-5)  # same statistics
     assert made_from_python == []
+
+
+@pytest.mark.parametrize("where", ["training", "evaluation"])
+def test_a_gpu_out_of_memory_ends_in_one_paragraph_naming_the_setting_that_keeps_the_run(
+    where, tmp_path, env, mnist_like, monkeypatch
+):
+    """A CUDA out-of-memory error (raised here by a stand-in for the loss, in the third training step or in the first
+    evaluation) ends the run with one paragraph, no traceback, exit 1 and summary.json's out_of_memory: in training it
+    names the micro-batch that did not fit and the --grad-accum that keeps the global batch (32 over 1 process: 16 per
+    micro-batch with --grad-accum 2); in evaluation, the --eval-batch-size to resume with."""
+    import torch.nn.functional as F
+
+    real, calls = F.cross_entropy, []
+
+    def cross_entropy(*args, **kwargs):
+        training = torch.is_grad_enabled()
+        calls.append(training)
+        if (where == "training" and training and calls.count(True) == 3) or (where == "evaluation" and not training):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 15.77 GiB total)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "cross_entropy", cross_entropy)
+    run = tmp_path / "run"
+    args = ["--dataset", mnist_like, "--epochs", 1, "--batch-size", 32, "--hidden", 32, "--output-dir", run]
+    args += ["--eval-batch-size", 64]
+    proc = run_in_process("fashion_mnist_mlp", args, env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    [paragraph] = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "The GPU ran out of memory in " + where in paragraph and "CUDA out of memory" in paragraph, paragraph
+    if where == "training":
+        assert "at step 2" in paragraph and "micro-batch of 32 images per process did not fit" in paragraph, paragraph
+        assert (
+            "start it again in a new --output-dir with --grad-accum 2" in paragraph
+            and "micro-batches of 16" in paragraph
+        ), paragraph
+    else:
+        assert "evaluation batch of 64 images per process" in paragraph, paragraph
+        assert "--resume-from latest" in paragraph and "--eval-batch-size 32" in paragraph, paragraph
+    assert json.loads((run / "summary.json").read_text())["status"] == "out_of_memory"
+    monkeypatch.setattr(F, "cross_entropy", real)  # the false positive: any other RuntimeError is still a crash
+    monkeypatch.setattr(
+        F, "cross_entropy", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch in the loss"))
+    )
+    crashed = run_in_process("fashion_mnist_mlp", [*args[:-2], "--output-dir", tmp_path / "other"], env)
+    assert crashed.returncode == 1 and "Traceback" in crashed.stderr and "out of memory" not in crashed.stderr

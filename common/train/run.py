@@ -81,10 +81,10 @@ import torch
 
 from common.console import say
 from common.data.augment import batch_generator
-from common.data.batches import loader_batch
+from common.data.batches import loader_batch, per_process_batch
 from common.data.damaged import unpack
 from common.data.decoded import load_image_data, place_on_device
-from common.errors import EXIT_CODES, Preempted, RecipeError, Unfinished, report
+from common.errors import EXIT_CODES, OutOfMemory, Preempted, RecipeError, Unfinished, report
 from common.optimizers import zero_momentum_before_first_step
 from common.schedules import batch_larger_than_split
 from common.train import checkpoint as ckpt
@@ -224,6 +224,7 @@ class TrainingRun:
         self.finished, self.ended_early, self.last_checkpoint_t = False, "", time.time()
         self.scoring, self.exit_code = None, None
         self.scored = None  # (step, metrics) of the last validation run.evaluate made
+        self.validating = False  # inside the recipe's validate(): an out-of-memory error there is evaluation's
         self.tracked = self.handed = 0  # run.track calls and batches handed out in this launch (check_tracked)
         self.skip_unread = False  # fp16: an update whose loss-scale verdict is not read yet
         try:
@@ -273,15 +274,69 @@ class TrainingRun:
                 say(str(caught))
         elif caught is not None:
             storage = storage_error(caught, self.dir.path if self.dir else None)  # a full or read-only disk
-            if storage is None:
+            ending = storage or self._out_of_memory(caught)
+            if ending is None:
                 err, self.status, handled = caught, "crashed", False
             else:
-                err, self.status = storage, storage.status
+                err, self.status = ending, ending.status
         self._close(err)
         self.exit_code = EXIT_CODES[self.status]
         if not handled and caught is not arrived:
             raise caught
         return handled
+
+    def _out_of_memory(self, caught) -> OutOfMemory | None:
+        """A GPU out-of-memory error (CUDA's, or MPS's RuntimeError) as one paragraph: the batch that did not fit and
+        what keeps the run the same in smaller batches (training: --grad-accum, the same global batch in smaller
+        micro-batches, in a new run, as a resume keeps its own; evaluation: --eval-batch-size, which a resume may
+        change). None for any other error."""
+        text = str(caught).strip()
+        oom = isinstance(caught, torch.OutOfMemoryError) or (
+            isinstance(caught, RuntimeError) and "out of memory" in text.lower() and "MPS" in text
+        )
+        if not oom or self.accelerator is None:
+            return None
+        cfg, n = self.cfg, self.accelerator.num_processes
+        said = f"({type(caught).__name__}: {text.splitlines()[0] if text else 'out of memory'})"
+        if self.validating:
+            batch = loader_batch(cfg, n, train=False)
+            smaller = max(1, cfg.eval_batch_size // 2)
+            how = (
+                "run --eval-only again"
+                if cfg.eval_only
+                else "rerun the same command with --resume-from latest (the last complete checkpoint)"
+            )
+            return OutOfMemory(
+                f"The GPU ran out of memory in evaluation {said}: an evaluation batch of {batch} images per process "
+                f"did not fit (--eval-batch-size {cfg.eval_batch_size} over {n} process(es)). The scores do not "
+                f"depend on it: {how} with --eval-batch-size {smaller}."
+            )
+        batch = per_process_batch(cfg, n)
+        step = f" at step {self.ckpt.global_step}" if self.ckpt is not None else ""
+        fit = (
+            f"A training micro-batch of {batch} images per process did not fit (--batch-size {cfg.batch_size} over "
+            f"{n} process(es) and --grad-accum {cfg.grad_accum})"
+        )
+        factor = next((m for m in range(2, batch + 1) if batch % m == 0), None)
+        if factor is None:
+            return OutOfMemory(
+                f"The GPU ran out of memory in training{step} {said}. {fit}: one image does not fit. Train a smaller "
+                "model or --image-size, or on a GPU with more memory."
+            )
+        return OutOfMemory(
+            f"The GPU ran out of memory in training{step} {said}. {fit}. The same run in micro-batches of "
+            f"{batch // factor}: start it again in a new --output-dir with --grad-accum {cfg.grad_accum * factor} "
+            "(the global batch, the learning rate and the schedule stay as they are; a resume keeps the run's own "
+            "--grad-accum, as its saved data position counts micro-batches). Or lower --batch-size (the LR follows "
+            "the LR rule) or --image-size, which changes the run."
+        )
+
+    def _validate(self, validate, loader):
+        """``validate(loader)``, the recipe's evaluation; while it runs an out-of-memory error is evaluation's."""
+        self.validating = True
+        metrics = validate(loader)
+        self.validating = False
+        return metrics
 
     def _close(self, err) -> None:
         if err is not None:
@@ -462,7 +517,7 @@ class TrainingRun:
         if loader is None or self.evaluator.evaluated_step == c.global_step:
             return
         self.checks.settle(c.epoch)  # nothing is evaluated or recorded after a non-finite loss
-        metrics = validate(loader)  # a stop request meanwhile is acted on at the next step (checkpoint, exit 75)
+        metrics = self._validate(validate, loader)  # a stop request meanwhile: acted on at the next step (exit 75)
         self.evaluator.record(metrics, c.global_step, c.epoch, pictures)
         self.scored = (c.global_step, metrics)
         self.progress.note_eval(self.evaluator.seconds)
@@ -690,7 +745,7 @@ class TrainingRun:
             metrics = self.scored[1]  # the final split is validation, scored at these weights already: not again
         else:
             self.stop.interruptible("running the final evaluation")
-            metrics = validate(loader)  # while the main process completes the checkpoint in a thread
+            metrics = self._validate(validate, loader)  # while the main process completes the checkpoint (a thread)
         self.stop.interruptible(None)  # final/ and summary.json are written whole
         self.ckpt.wait_written()
         self._damaged_past_share()  # held to --max-damaged as in training: no score of what is left
@@ -717,7 +772,7 @@ class TrainingRun:
         save)."""
         self.stop.interruptible("evaluating (--eval-only)")
         self.scoring.load(self.accelerator, model, self.data)
-        metrics = validate(loader)
+        metrics = self._validate(validate, loader)
         self.stop.interruptible(None)
         self._damaged_past_share()  # held to --max-damaged: no score of what is left
         if self.scoring.report(self.accelerator, self.data, metrics):

@@ -1,7 +1,7 @@
 """summary.json: how a run ended (``status``: running, completed, target_missed, preempted, nonfinite_loss,
-bad_input, storage_error, unfinished, crashed), which start wrote it, what it reached, its timing and the versions
-it ran with; and the summary table printed at the end. Written atomically at the start of training and at every
-ending."""
+bad_input, storage_error, out_of_memory, unfinished, crashed), which start wrote it, what it reached, its timing and
+the versions it ran with; and the summary table printed at the end. Written atomically at the start of training and
+at every ending."""
 
 from __future__ import annotations
 
