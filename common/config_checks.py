@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from common.errors import ConfigError
 
-MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min"}  # what evaluation produces, and which way is better
+# what evaluation produces, and which way is better (top-5 accuracy: with more than TOP_K classes)
+MONITOR_MODES = {"eval/accuracy": "max", "eval/loss": "min", "eval/top5_accuracy": "max"}
 
 
 def check(cfg) -> None:

@@ -174,6 +174,7 @@ def report(cfg, accelerator, weights: Path, note: str, data, metrics: dict | Non
         "dataset": data.source,
         "loss": metrics["loss"],
         "accuracy": metrics["accuracy"],
+        **({"top5_accuracy": metrics["top5_accuracy"]} if "top5_accuracy" in metrics else {}),
         "count": metrics["count"],
         "per_class_accuracy": dict(zip(data.class_names, metrics["per_class_accuracy"])),
         "processes": accelerator.num_processes,

@@ -16,7 +16,9 @@ import threading
 import time
 
 from common.console import say
+from common.errors import ConfigError
 from common.train import checkpoint as ckpt
+from common.train.metrics import TOP_K
 
 
 class Evaluator:
@@ -31,6 +33,11 @@ class Evaluator:
         self.evaluated_step = None  # the step whose weights were evaluated last
         self.epoch_result = None  # (step, metrics) of the last evaluation, for the epoch's line or its own
         self.seconds = None  # how long the last evaluation took
+        if cfg.monitor == "eval/top5_accuracy" and data.num_classes <= TOP_K:
+            raise ConfigError(
+                f"--monitor eval/top5_accuracy needs more than {TOP_K} classes, and {data.source} has "
+                f"{data.num_classes}: every image's top {TOP_K} would hold its class. Use --monitor eval/accuracy."
+            )
 
     @property
     def best(self):
@@ -97,7 +104,12 @@ class Evaluator:
             for name, acc in zip(self.data.class_names, metrics.get("per_class_accuracy", []))
         }
         self.log.log(
-            {f"{split}/loss": metrics["loss"], f"{split}/accuracy": metrics["accuracy"], **per_class},
+            {
+                f"{split}/loss": metrics["loss"],
+                f"{split}/accuracy": metrics["accuracy"],
+                **({f"{split}/top5_accuracy": metrics["top5_accuracy"]} if "top5_accuracy" in metrics else {}),
+                **per_class,
+            },
             step=step,
             extra={f"{split}_time": round(time.time(), 3), f"{split}_seconds": round(metrics["seconds"], 3)},
         )
@@ -121,7 +133,7 @@ class Evaluator:
             confusion = self.log_result(
                 split, metrics, self.data.test if split == "test" else self.data.val, step, final=True
             )
-            final = {f"{split}/{k}": metrics[k] for k in ("loss", "accuracy", "count")}
+            final = {f"{split}/{k}": metrics[k] for k in ("loss", "accuracy", "top5_accuracy", "count") if k in metrics}
         ckpt.save_model_dir(
             self.accelerator,
             self.model,

@@ -40,26 +40,29 @@ def tta_logits(model, x: torch.Tensor, level: int = 0) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int = 0) -> dict | None:
-    """Loss, accuracy, per-class accuracy and the confusion matrix over the whole split, exactly once per
-    image on any number of processes; a damaged photo is left out (``damaged``: how many). ``loader`` None (no such
-    split) gives None."""
+    """Loss, accuracy (and top-5 accuracy with more than ``TOP_K`` classes), per-class accuracy and the confusion
+    matrix over the whole split, exactly once per image on any number of processes; a damaged photo is left out
+    (``damaged``: how many). ``loader`` None (no such split) gives None."""
     if loader is None:
         return None
     t0 = time.perf_counter()
     share_buffers(accelerator, model)  # FSDP2: every process evaluates the same BatchNorm statistics
     was_training = model.training
     model.eval()
-    preds, labels_all, losses = [], [], []
+    preds, labels_all, losses, in_top = [], [], [], []
+    top = num_classes > TOP_K
     for batch in tqdm(loader, desc="eval", disable=not on_terminal(accelerator), leave=False):
         images, labels = unpack(loader, batch)  # a damaged photo's row: label SKIPPED (common.data.damaged)
         x = transform.eval(images)
         with accelerator.autocast():  # the run's precision also for a model prepare() did not wrap
             logits = tta_logits(model, x, tta)
         loss = F.cross_entropy(logits, labels, reduction="none")
-        pred, labels, loss = accelerator.gather_for_metrics((logits.argmax(1), labels, loss))
+        hits = ((logits.topk(TOP_K, dim=1).indices == labels[:, None]).any(1),) if top else ()
+        pred, labels, loss, *hits = accelerator.gather_for_metrics((logits.argmax(1), labels, loss, *hits))
         preds.append(pred)  # kept on the device: one copy to the host at the end, not three per batch
         labels_all.append(labels)
         losses.append(loss)
+        in_top.extend(hits)
     model.train(was_training)
     labels = torch.cat(labels_all).cpu() if labels_all else torch.zeros(0, dtype=torch.int64)
     scored = labels != SKIPPED
@@ -71,11 +74,14 @@ def evaluate(accelerator, model, loader, transform, num_classes: int, tta: int =
         )
     preds = torch.cat(preds).cpu()
     metrics = summarize(preds[scored], labels[scored], torch.cat(losses).cpu()[scored], num_classes)
+    if top:
+        metrics["top5_accuracy"] = torch.cat(in_top).cpu()[scored].double().mean().item()
     if not scored.all():  # the rows stay in place (positions in the split): labels SKIPPED where not scored
         metrics.update(damaged=int((~scored).sum()), preds=preds, labels=labels)
     return {**metrics, "seconds": time.perf_counter() - t0}
 
 
+TOP_K = 5  # top-5 accuracy, reported (and selectable by --monitor) where there are more classes than this
 CONFUSION_MAX_CLASSES = 100  # a heatmap with more rows than this is no longer readable, and costs C^2
 
 
