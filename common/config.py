@@ -75,6 +75,7 @@ RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: 
     "eval_every",
     "eval_every_steps",
     "target_accuracy",
+    "patience",  # when the run gives up, not what it computes; the count so far is the checkpoint's
     "output_dir",
     "resume_from",
     "checkpoint_every",
@@ -173,6 +174,11 @@ class CommonConfig:
     eval_every: int = knob(1, "evaluate on the validation split every N epochs")
     eval_every_steps: int = knob(0, "also evaluate on the validation split every N optimizer steps (0 = off)")
     target_accuracy: float = knob(0.0, "exit non-zero if the final accuracy is below this (0 = no check), e.g. 0.99")
+    patience: int = knob(
+        0,
+        "end the run after N evaluations in a row without a --monitor improvement (0 = off): the loop's break "
+        "lines ask run.no_improvement(); the count is kept in checkpoints",
+    )
     eval_only: bool = knob(False, "only evaluate the weights in --checkpoint on the test split")
     checkpoint: str = knob("", "run, best/, final/ or checkpoint directory whose weights --eval-only evaluates")
     # --- checkpoint ---

@@ -47,6 +47,7 @@ def check(cfg) -> None:
         f"--checkpoint-every-s must be >= 0 (got {cfg.checkpoint_every_s}); 0 turns it off.",
     )
     need(cfg.max_steps >= 0, f"--max-steps must be >= 0 (got {cfg.max_steps}).")
+    need(cfg.patience >= 0, f"--patience takes a number of evaluations, >= 0 (got {cfg.patience}); 0 turns it off.")
     need(
         0 <= cfg.target_accuracy <= 1,
         f"--target-accuracy is a fraction in [0, 1] (got {cfg.target_accuracy}); pass e.g. 0.99 for 99%.",

@@ -111,7 +111,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
     run.start(model, optimizer, scheduler, train_loader, data, transform)  # or resume exactly
     last_step = cfg.max_steps or math.inf  # --max-steps: this launch stops there
     for epoch in range(run.epoch, cfg.epochs):
-        if run.step >= last_step:
+        if run.step >= last_step or run.no_improvement():  # --max-steps; --patience
             break
         model.train()
         for images, labels in run.batches(train_loader, epoch):  # a resumed epoch skips ahead
@@ -138,7 +138,7 @@ def train(cfg: Config, run: TrainingRun) -> None:
                 run.preempt()  # checkpoint, exit 75
             if run.checkpoint_due():  # --checkpoint-every-s (and --checkpoint-every)
                 run.checkpoint()
-            if run.step >= last_step:
+            if run.step >= last_step or run.no_improvement():
                 break
         if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
             run.evaluate(validate, val_loader)  # not twice for the same weights

@@ -134,13 +134,14 @@ def names_a_reader_learns(recipe) -> tuple[set[str], set[str]]:
 
 
 def test_the_loop_teaches_few_names_and_each_exists():
-    """The loop's *how* stays small: mnist_convnet's common.api imports and run.* members together are at most 32
-    (39 when main had three fixed calls and the loop end_epoch, updated and max_steps_reached); every recipe's loop
+    """The loop's *how* stays small: mnist_convnet's common.api imports and run.* members together are at most 33
+    (39 when main had three fixed calls and the loop end_epoch, updated and max_steps_reached; 32 before --patience's
+    run.no_improvement joined the break lines); every recipe's loop
     uses the same run.* calls (the photo recipe adds ``resuming``), each one of TrainingRun's."""
     from common.train.run import TrainingRun
 
     imported, members = names_a_reader_learns(REPO / "recipes" / "mnist_convnet.py")
-    assert len(imported) + len(members) <= 32, (sorted(imported), sorted(members))
+    assert len(imported) + len(members) <= 33, (sorted(imported), sorted(members))
     instance_only = {"accelerator", "exit_code"}  # set in the constructor
     for recipe in sorted((REPO / "recipes").glob("*.py")):
         used = names_a_reader_learns(recipe)[1]

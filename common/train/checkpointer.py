@@ -122,6 +122,7 @@ class Checkpointer:
         if self.accelerator.is_main_process:
             ckpt.restore_interrupted_swaps(self.run_dir)
         state = {"epoch": 0, "batches_in_epoch": 0, "global_step": 0, "best": None, "skipped_steps": 0}
+        state["stale_evaluations"] = 0  # --patience's count: evaluations since --monitor last improved
         if self.resume_path is not None:
             state = self._resume_newest_readable(model, optimizer, scheduler)
             self._finish_interrupted_swap()
@@ -237,7 +238,7 @@ class Checkpointer:
         old = (saved.get("monitor", cfg.monitor), saved.get("mode", cfg.mode))
         if old == (cfg.monitor, cfg.mode) or state.get("best") is None:
             return []
-        state["best"] = None
+        state["best"], state["stale_evaluations"] = None, 0
         best, name = self.run_dir / "best", f"best-{old[0].replace('/', '_')}-{old[1]}"
         moved = on_main(self.accelerator, lambda: move_aside(best, name).name if best.is_dir() else None)
         kept = f"; the run's best/ (by {old[0]}) was renamed {moved}" if moved else ""
@@ -278,7 +279,7 @@ class Checkpointer:
 
     # --- writing ---------------------------------------------------------------------------------
 
-    def save(self, model, best, skipped_steps: int) -> Path:
+    def save(self, model, best, skipped_steps: int, stale_evaluations: int = 0) -> Path:
         """A crash-safe checkpoint of everything prepared and the position (``common.train.checkpoint``). Returns once
         every rank's files are written; the main process completes it in a thread (``wait_written``)."""
         share_buffers(self.accelerator, model)  # FSDP2: one model's BatchNorm statistics on every process
@@ -289,6 +290,7 @@ class Checkpointer:
             "global_step": step,
             "best": best,
             "skipped_steps": skipped_steps,
+            "stale_evaluations": stale_evaluations,
             "data_fingerprint": self.data_fingerprint,
             "files_fingerprint": self.files_fingerprint,
             **checkpoint_meta(self.cfg, self.accelerator, model),

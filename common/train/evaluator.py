@@ -25,9 +25,11 @@ class Evaluator:
     """Owns the best --monitor value and best/, and the epoch's evaluation result. ``model``: the module scored and
     saved (the trained model, or an EMA copy); ``card``: model.json's fields for best/ and final/."""
 
-    def __init__(self, cfg, accelerator, model, data, log, card: dict, run_dir, best):
+    def __init__(self, cfg, accelerator, model, data, log, card: dict, run_dir, best, stale: int = 0):
         self.cfg, self.accelerator, self.model = cfg, accelerator, model
         self.data, self.log, self.card, self.run_dir, self._best = data, log, card, run_dir, best
+        # evaluations since --monitor last improved (--patience): from the gathered metrics, so the same on every rank
+        self.stale = stale
         self.writing = None  # a best/ being written in the background (BestWrite)
         self.failed = None  # ... that failed: raised at the next evaluation or at the end
         self.evaluated_step = None  # the step whose weights were evaluated last
@@ -78,8 +80,9 @@ class Evaluator:
         self.evaluated_step = step
         value = metrics[cfg.monitor.split("/", 1)[1]]
         best = self.best
-        improved = best is None or (value > best if cfg.mode == "max" else value < best)
-        if improved and value == value:  # a NaN is never the best
+        improved = (best is None or (value > best if cfg.mode == "max" else value < best)) and value == value
+        self.stale = 0 if improved else self.stale + 1
+        if improved:  # a NaN is never the best
             card = {**self.card, "metrics": {cfg.monitor: value}, "epoch": epoch + 1, "step": step}
             weights = ckpt.whole_weights(self.accelerator, self.model, copy=True)  # FSDP2: gathered by every rank
             if self.accelerator.is_main_process:  # (save_model_dir writes on the main process only)

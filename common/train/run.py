@@ -160,6 +160,7 @@ class EpochBatches:
         run, c = self.run, self.run.ckpt
         if self.ended:
             raise StopIteration
+        run.check_patience()
         t_wait = time.perf_counter()
         try:
             images, labels = unpack(self.loader, next(self.it))  # a photo loader's damaged photos: to its tally
@@ -225,6 +226,7 @@ class TrainingRun:
         self.scoring, self.exit_code = None, None
         self.scored = None  # (step, metrics) of the last validation run.evaluate made
         self.validating = False  # inside the recipe's validate(): an out-of-memory error there is evaluation's
+        self.patience_heard = False  # the loop asked run.no_improvement() and heard True
         self.tracked = self.handed = 0  # run.track calls and batches handed out in this launch (check_tracked)
         self.skip_unread = False  # fp16: an update whose loss-scale verdict is not read yet
         try:
@@ -523,6 +525,29 @@ class TrainingRun:
         self.progress.note_eval(self.evaluator.seconds)
 
     @started_first
+    def no_improvement(self) -> bool:
+        """--patience: True once that many evaluations in a row did not improve --monitor (never without --patience).
+        The loop's break lines ask it (beside --max-steps'), so the run ends as a ``break`` ends it: run.finish, the
+        final evaluation, ``ended_early`` said. The count comes from the gathered metrics, the same on every rank, and
+        is kept in checkpoints: a resume continues it."""
+        out = bool(self.cfg.patience) and self.evaluator.stale >= self.cfg.patience
+        self.patience_heard = self.patience_heard or out
+        return out
+
+    def check_patience(self) -> None:
+        """A loop that takes another batch after --patience ran out without asking ``run.no_improvement()`` (its break
+        lines were edited away) would train on silently: refused, naming the line."""
+        cfg = self.cfg
+        if cfg.patience and not self.patience_heard and self.evaluator.stale >= cfg.patience:
+            raise RecipeError(
+                f"--patience {cfg.patience}: {self.evaluator.stale} evaluations in a row without a {cfg.monitor} "
+                f"improvement, at step {self.ckpt.global_step}, but the loop took another batch without asking "
+                "run.no_improvement(). Its break lines end the run there (`if run.step >= last_step or "
+                "run.no_improvement(): break`, docs/loop.md): put them back, or run without --patience. The "
+                "checkpoints written so far are intact."
+            )
+
+    @started_first
     def stop_requested(self) -> bool:
         """A stop request (a signal, a lost launcher, too many damaged photos) on any rank, agreed by every rank at the
         same step (read with the guard's flags at run.track: no sync of its own, and the same answer on every rank
@@ -563,7 +588,7 @@ class TrainingRun:
         self.checks.checkpoint_written()
         if self.ckpt.saved == self.ckpt.position():  # nothing trained since: that one
             return self.ckpt.saved_path
-        path = self.ckpt.save(self.model, self.best, self.checks.skipped)
+        path = self.ckpt.save(self.model, self.best, self.checks.skipped, self.evaluator.stale)
         self.last_checkpoint_t = time.time()
         return path
 
@@ -685,9 +710,9 @@ class TrainingRun:
         self.log_file = MetricsLog(
             acc, self.dir.path, resumed, self.recipe, sanitize_for_hparams(dataclasses.asdict(cfg))
         )
-        self.evaluator = Evaluator(
-            cfg, acc, model if scored is None else scored, data, self.log_file, card, self.dir.path, state["best"]
-        )
+        stale = state.get("stale_evaluations", 0)  # --patience's count (none in a checkpoint written before it)
+        evaluated = model if scored is None else scored
+        self.evaluator = Evaluator(cfg, acc, evaluated, data, self.log_file, card, self.dir.path, state["best"], stale)
         # the guard (common.train.guard)
         self.checks = StepChecks(acc, optimizer, self.dir.path, state["skipped_steps"])
         zero_momentum_before_first_step(optimizer)  # a fused SGD's skipped first step keeps no garbage momentum
@@ -740,6 +765,11 @@ class TrainingRun:
             self.ended_early = (
                 f"the loop ended the run at step {c.global_step} of {c.steps_per_epoch * self.cfg.epochs}"
             )
+            if self.patience_heard:
+                self.ended_early += (
+                    f": --patience {self.cfg.patience}, {self.evaluator.stale} evaluations in a row without a "
+                    f"{self.cfg.monitor} improvement"
+                )
             say(f"NOTE: {self.ended_early} (final evaluation, final/, summary.json).")
         if self.data.test is None and self.scored is not None and self.scored[0] == c.global_step:
             metrics = self.scored[1]  # the final split is validation, scored at these weights already: not again
