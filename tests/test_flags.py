@@ -42,6 +42,14 @@ def refused(recipe, args, env, tmp_path) -> str:
         ),
         ("mnist_convnet", ["--learning_rate", "0.1"], ["--learning_rate is Hugging Face's Trainer's flag; here: --lr"]),
         ("mnist_convnet", ["--model-ema"], ["here: --ema-decay (the decay per optimizer step; 0 = off) (a knob of"]),
+        (
+            "finetune_folder",
+            ["--reprob", "0.25", "--drop-path", "0.1"],
+            [
+                "--reprob is timm's training script's flag; here: --random-erase (the probability per training photo)",
+                "--drop-path is timm's training script's flag; here: none yet",
+            ],
+        ),
     ],
 )
 def test_a_flag_the_recipe_lacks_gets_its_closest_flags_and_the_recipe_that_has_it(
