@@ -125,3 +125,42 @@ def test_the_eta_counts_the_evaluations_the_loop_made():
     # 10 steps in 10 s of training (14 s with the two evaluations): 90 s left, then 2 per 10 steps for the 90 steps
     # left (18) and the final one, 2 s each
     assert progress.eta(10, 0, t0 + 14) == format_duration(90 + 19 * 2.0)
+
+
+def test_a_resumed_run_reports_to_the_same_wandb_run(tmp_path):
+    """W&B gets a run id kept in the run directory: a fresh start makes one, every resume passes the same id with
+    resume="allow", so the curves of a run stopped and resumed stay one W&B run (before, each restart opened a new
+    run). A file that holds no id is not used. (wandb itself is not installed here: what Accelerate is asked for is
+    what is checked.)"""
+    from common.train.tracking import WANDB_ID_FILE, MetricsLog
+
+    class Accelerator:
+        is_main_process = True
+
+        def __init__(self, trackers):
+            self.log_with, self.trackers, self.asked = [type("T", (), {"name": n})() for n in trackers], [], []
+
+        def init_trackers(self, project, init_kwargs):
+            self.asked.append(init_kwargs["wandb"])
+
+    run = tmp_path / "run"
+    run.mkdir()
+    first = Accelerator(["wandb"])
+    MetricsLog(first, run, None)
+    (kwargs,) = first.asked
+    assert kwargs["resume"] == "allow" and kwargs["name"] == "run" and len(kwargs["id"]) == 8
+    assert (run / WANDB_ID_FILE).read_text().strip() == kwargs["id"]
+    again = Accelerator(["wandb"])
+    MetricsLog(again, run, 40)  # resumed at step 40
+    assert again.asked[0]["id"] == kwargs["id"]
+    fresh = Accelerator(["wandb"])
+    MetricsLog(fresh, run, None)  # a fresh start in the folder: a new W&B run
+    assert fresh.asked[0]["id"] != kwargs["id"]
+    (run / WANDB_ID_FILE).write_text("../../etc\n")
+    damaged = Accelerator(["wandb"])
+    MetricsLog(damaged, run, 40)
+    assert damaged.asked[0]["id"] not in ("../../etc", kwargs["id"]) and len(damaged.asked[0]["id"]) == 8
+    other = tmp_path / "other"
+    other.mkdir()
+    MetricsLog(Accelerator(["tensorboard"]), other, None)
+    assert not (other / WANDB_ID_FILE).exists()  # only a run that reports to W&B keeps an id

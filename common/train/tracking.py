@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 
 from common import console
 from common.errors import ConfigError
+from common.files import write_atomic
 from common.train import plots
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
@@ -133,6 +136,29 @@ def metrics_file():
     return MetricsFile()
 
 
+WANDB_ID_FILE = "wandb-run-id"  # in the run directory: one W&B run for the training run, across its resumes
+WANDB_ID = re.compile(r"[a-z0-9]{8,64}")
+
+
+def wandb_run_id(run_dir: Path, resumed: bool) -> str:
+    """The W&B run id of this training run: a new one at a fresh start, written to the run directory; at a resume the
+    one written there (``resume="allow"`` then continues that W&B run's curves instead of opening a new run at every
+    restart). A file that does not hold an id (edited, damaged) is not used: a new id, said in a NOTE."""
+    path = run_dir / WANDB_ID_FILE
+    if resumed:
+        try:
+            kept = path.read_text().strip()
+        except OSError:
+            kept = ""
+        if WANDB_ID.fullmatch(kept):
+            return kept
+        if path.exists():
+            console.say(f"NOTE: {path} holds no W&B run id; this resume reports to a new W&B run.")
+    new = secrets.token_hex(4)  # 8 characters from [0-9a-f], as W&B's own ids
+    write_atomic(path, (new + "\n").encode())
+    return new
+
+
 class MetricsLog:
     """The trackers, ``metrics.jsonl`` among them (``metrics_file``; an evaluation row also carries ``eval_time``, when
     the evaluation finished, and ``eval_seconds``). Main process only; other ranks no-op.
@@ -154,12 +180,12 @@ class MetricsLog:
             if getattr(tracker, "name", None) == "tensorboard":
                 tracker.logging_dir_param = str(run_dir)
                 tracker.init_kwargs = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
+        wandb = {"name": Path(run_dir).name, "dir": str(run_dir)}
+        if any(getattr(t, "name", None) == "wandb" for t in accelerator.log_with):
+            wandb.update(id=wandb_run_id(Path(run_dir), resume_step is not None), resume="allow")
         accelerator.init_trackers(
             project or TENSORBOARD_DIR,
-            init_kwargs={
-                "mlflow": {"run_name": Path(run_dir).name},
-                "wandb": {"name": Path(run_dir).name, "dir": str(run_dir)},
-            },
+            init_kwargs={"mlflow": {"run_name": Path(run_dir).name}, "wandb": wandb},
         )
         for tracker in accelerator.trackers:
             if tracker.name not in ("tensorboard", METRICS_FILE) and hparams:  # TensorBoard's: at the end
