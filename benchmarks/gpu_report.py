@@ -72,8 +72,9 @@ environment of symbolic links to this one's packages without `datasets` and with
 (under <out>/work/gpu-env), PYTHONPATH the repository, gpu_data's toy data (a few hundred synthetic images) installed
 as the real data is, the same commands with small models and batches (airbench94 at batch 64 for 1 epoch; the compile
 row under --dynamo_backend eager: inductor's C++ compile takes minutes on 2 cores and is not the code a GPU runs), two
-rows at a time, no goal judged that only a GPU can meet. It takes about 280 CPU seconds (each of the 14 launches costs
-about 15: two torch imports, torch._dynamo imported by the optimizer, the figures), 2.5-5 minutes on 2 cores.
+rows at a time (a row that reads another's output after it), no goal judged that only a GPU can meet. Every row
+(the default command's and the checks', 21) took 4.2 to 4.9 minutes on a 2-core CPU (machine B, 2026-12-02): most of
+it is the launches (two torch imports each, torch._dynamo imported by the optimizer, the figures).
 """
 
 import argparse
