@@ -61,4 +61,5 @@ def test_photo_baseline_trains_on_the_recipes_split_and_measures_windows(tmp_pat
     # 10 steps (5 an epoch, the last batch of each 2 images): windows of 3 steps end at steps 3, 6 and 9, across the
     # epoch boundary; the first is left out of the median
     assert line["persistent_workers"] and line["window"] == 3 and len(line["windows"]) == 2
-    assert line["steady_images_per_s"] == round(statistics.median(line["windows"]), 2) > 0
+    # the median of the windows (each rounded to 0.01 in the file, the median from the unrounded ones)
+    assert abs(line["steady_images_per_s"] - statistics.median(line["windows"])) <= 0.01 and line["windows"][1] > 0
