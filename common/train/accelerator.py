@@ -39,18 +39,16 @@ CPU_2PROC_CONFIG = "accelerate_configs/cpu_2proc.yaml"
 
 
 def has_accelerator_device() -> bool:
-    """A GPU Accelerate would train on: CUDA, Intel XPU, or a Mac's (MPS)."""
-    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) or mps_available()
+    """A GPU Accelerate would train on: CUDA, Intel XPU, or a Mac's (MPS, by Accelerate's own test)."""
+    from accelerate.utils import is_mps_available
 
-
-def mps_available() -> bool:
-    """An Apple GPU that torch can use (Accelerate's own test: built with MPS, and available on this Mac)."""
-    mps = getattr(torch.backends, "mps", None)
-    return bool(mps and mps.is_available() and mps.is_built())
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) or is_mps_available()
 
 
 def mps_bf16() -> bool:
-    """Whether this Mac's GPU computes bf16: macOS 14 or later (Accelerate refuses bf16 on MPS before)."""
+    """Whether this Mac's GPU computes bf16: macOS 14 or later, the rule of Accelerate's ``is_bf16_available`` for MPS
+    (asked directly: that function finds the device through ``torch.accelerator``, which a CUDA build without a GPU
+    answers otherwise)."""
     return bool(torch.backends.mps.is_macos_or_newer(14, 0))
 
 
@@ -289,7 +287,7 @@ def make_accelerator(cfg, launch=None):
     ``launch``, what ``launcher_answers`` returned (read here when not given). Returns (accelerator, note), the note
     being '' or a one-line warning."""
     from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration, is_mps_available
 
     cpu = not has_accelerator_device()
     precision, notes, sharded = launch if launch is not None else launcher_answers(cfg, cpu)
@@ -311,7 +309,7 @@ def make_accelerator(cfg, launch=None):
             f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; bf16 needs 8.0+): using fp32 instead. For "
             "mixed precision on this GPU use fp16: accelerate_configs/multi_gpu_fp16.yaml"
         )
-    if not cpu and precision == "bf16" and not torch.cuda.is_available() and mps_available() and not mps_bf16():
+    if not cpu and precision == "bf16" and not torch.cuda.is_available() and is_mps_available() and not mps_bf16():
         precision = "no"
         notes.append(
             "bf16 was asked for but this Mac's GPU (MPS) takes bf16 from macOS 14 on: using fp32 instead. For mixed "
