@@ -62,6 +62,7 @@ RESUME_MUST_MATCH = {  # another value is refused, for this reason
     "weights": "the run was started from them: they decide its normalisation and crop",
     "image_size": "it sets the pixels the model was trained on",
     "start_image_size": "it sets the crops of every epoch (progressive resizing)",
+    "layer_decay": "it sets the optimizer's parameter groups, whose state the checkpoint holds",
 }
 RESUME_APPLIED = {"lr", "weight_decay", "momentum", "betas"}  # put over the restored optimizer state, and printed
 RESUME_FREE = {  # how the run is watched, stored or fed, not what it computes: accepted without a word

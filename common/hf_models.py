@@ -142,9 +142,13 @@ def config(folder: Path, num_classes: int | None = None):
     return cfg
 
 
-def build(folder: Path, num_classes: int, image_size: int | None) -> nn.Module:
+def build(folder: Path, num_classes: int, image_size: int | None, drop_path: float | None = None) -> nn.Module:
     transformers = transformers_module(folder)
     cfg = config(folder, num_classes)
+    if drop_path is not None:
+        if not hasattr(cfg, "drop_path_rate"):
+            raise TypeError(f"a {cfg.model_type} model has no drop_path_rate")
+        cfg.drop_path_rate = drop_path
     try:
         with quiet(transformers):
             model = transformers.AutoModelForImageClassification.from_config(cfg, trust_remote_code=False)

@@ -67,13 +67,43 @@ def sgd_with_bias_groups(
     )
 
 
-def param_groups(model: nn.Module, num_classes: int, lr: float, backbone_scale: float) -> list[dict]:
-    """The head at ``lr``, every other parameter at ``lr * backbone_scale``."""
+def decays(name: str, p: torch.Tensor, exempt=()) -> bool:
+    """Whether weight decay applies: not to norms' weights, biases and other 1-d parameters, nor to what the model
+    names in ``no_weight_decay()`` (timm's: position embeddings, class tokens), as timm's and transformers' trainers
+    do."""
+    return p.ndim > 1 and not name.endswith(".bias") and name not in exempt
+
+
+def param_groups(
+    model: nn.Module, num_classes: int, lr: float, backbone_scale: float, weight_decay: float, layer_decay: float = 0
+) -> list[dict]:
+    """The head at ``lr``, every other parameter at ``lr * backbone_scale``; weight decay only where ``decays``.
+    ``layer_decay`` (a timm model): instead of the backbone scale, timm's layer-wise decay
+    (``timm.optim.param_groups_layer_decay``): the head at ``lr``, each layer below it at ``layer_decay`` times the
+    layer above."""
+    exempt = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    if layer_decay:
+        from timm.optim import param_groups_layer_decay
+
+        groups = param_groups_layer_decay(model, weight_decay, exempt, layer_decay=layer_decay)
+        return [{**g, "lr": lr * g["lr_scale"]} for g in groups]
     head_name, _ = head(model, num_classes)
-    head_params, body = [], []
+    groups = {}
     for name, p in model.named_parameters():
-        (head_params if name.startswith(head_name + ".") else body).append(p)
-    return [{"params": body, "lr": lr * backbone_scale}, {"params": head_params, "lr": lr}]
+        part = "head" if name.startswith(head_name + ".") else "backbone"
+        decay = decays(name, p, exempt)
+        group = groups.setdefault(
+            (part, decay),
+            {
+                "name": part if decay else f"{part}_no_decay",
+                "params": [],
+                "lr": lr if part == "head" else lr * backbone_scale,
+                "weight_decay": weight_decay if decay else 0.0,
+            },
+        )
+        group["params"].append(p)
+    order = [("backbone", True), ("backbone", False), ("head", True), ("head", False)]  # group 0: the logged LR
+    return [groups[k] for k in order if k in groups]
 
 
 def zero_momentum_before_first_step(optimizer) -> None:

@@ -178,10 +178,12 @@ def size_args(src: Source, image_size: int | None) -> dict:
     return {"img_size": image_size} if fixed and image_size else {}
 
 
-def build(src: Source, num_classes: int, image_size: int | None) -> nn.Module:
-    """From scratch (timm's own initialisation; its ResNets start their residual branches at zero)."""
+def build(src: Source, num_classes: int, image_size: int | None, drop_path: float | None = None) -> nn.Module:
+    """From scratch (timm's own initialisation; its ResNets start their residual branches at zero); ``drop_path``:
+    timm's ``drop_path_rate`` (None: the model's own)."""
+    extra = {} if drop_path is None else {"drop_path_rate": drop_path}
     return timm_module().create_model(
-        src.create, pretrained=False, num_classes=num_classes, **size_args(src, image_size)
+        src.create, pretrained=False, num_classes=num_classes, **size_args(src, image_size), **extra
     )
 
 

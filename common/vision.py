@@ -109,19 +109,29 @@ def timm_source(name: str) -> timm_models.Source:
 AUX_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's and inception_v3's auxiliary classifiers
 
 
-def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Module:
+def build(name: str, num_classes: int, image_size: int | None = None, drop_path: float | None = None) -> nn.Module:
     """``torchvision.models.get_model(name)`` from scratch, its classifier sized for ``num_classes``; ResNets with
     their residual branches' last BatchNorm at zero. googlenet and inception_v3 without their auxiliary classifiers
     (they return a tuple in training, which no loss takes; torchvision's reference script drops them too); a vision
-    transformer built for ``image_size`` (its patch grid, and the position embedding, follow the image size)."""
+    transformer built for ``image_size`` (its patch grid, and the position embedding, follow the image size).
+    ``drop_path``: the residual branches' drop rate (stochastic depth: timm's ``drop_path_rate``, torchvision's
+    ``stochastic_depth_prob``, a transformers config's ``drop_path_rate``); None keeps the model's own; a model
+    without one is refused."""
     from torchvision import models
 
     family = check_name(name)
-    if family == "timm":
-        return prepared_for_cpus_and_sharding(timm_models.build(timm_source(name), num_classes, image_size))
-    if family == "transformers":
-        return prepared_for_cpus_and_sharding(hf_models.build(model_folder(name), num_classes, image_size))
-    kwargs = {}
+    if family in ("timm", "transformers"):
+        try:
+            if family == "timm":
+                model = timm_models.build(timm_source(name), num_classes, image_size, drop_path)
+            else:
+                model = hf_models.build(model_folder(name), num_classes, image_size, drop_path)
+        except TypeError as err:  # a model class without drop_path_rate
+            if drop_path is None or "drop_path_rate" not in str(err):
+                raise
+            raise no_drop_path(name, f"{family}'s model has no drop_path_rate") from None
+        return prepared_for_cpus_and_sharding(model)
+    kwargs = {} if drop_path is None else {"stochastic_depth_prob": drop_path}
     if name in ("googlenet", "inception_v3"):
         kwargs.update(aux_logits=False, init_weights=True)
     if name.startswith("vit_") and image_size:
@@ -137,8 +147,35 @@ def build(name: str, num_classes: int, image_size: int | None = None) -> nn.Modu
         # al. 2017); the large early losses of a from-scratch start are gone. Other families have no such switch.
         model = models.get_model(name, weights=None, num_classes=num_classes, zero_init_residual=True, **kwargs)
     except TypeError:
-        model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+        try:
+            model = models.get_model(name, weights=None, num_classes=num_classes, **kwargs)
+        except TypeError:
+            if drop_path is None:
+                raise
+            raise no_drop_path(name, "torchvision's stochastic_depth_prob") from None
     return prepared_for_cpus_and_sharding(model)
+
+
+def no_drop_path(name: str, what: str) -> ConfigError:
+    return ConfigError(
+        f"--drop-path: --model {name} takes no drop path ({what}). Among torchvision's models convnext_*, "
+        "efficientnet_*, swin_* and maxvit_t take one; most of timm's do (convnext_tiny, vit_small_patch16_224, "
+        "resnet50d, ...). Leave --drop-path out for this model."
+    )
+
+
+def check_regularisers(name: str, drop_path: float | None, layer_decay: float) -> None:
+    """Before any data is read: --layer-decay needs a timm model (its layers are timm's ``group_matcher``'s), and a
+    --drop-path a model that takes one (built on the meta device: no memory, no initialisation)."""
+    if layer_decay and check_name(name) != "timm":
+        raise ConfigError(
+            f"--layer-decay needs a timm model (its layers as timm's group_matcher orders them); --model {name} is "
+            f"{check_name(name)}'s. Use a timm model (e.g. --model convnext_tiny.fb_in1k, vit_small_patch16_224), "
+            "or --backbone-lr-scale for one lower rate below the head."
+        )
+    if drop_path is not None:
+        with torch.device("meta"):
+            build(name, 2, None, drop_path)
 
 
 def prepared_for_cpus_and_sharding(model: nn.Module) -> nn.Module:
@@ -352,3 +389,44 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, im
             else ""
         )
     )
+
+
+EVAL_CROP = 0.875  # the evaluation crop: this share of the resized shorter side, for every family (torchvision's)
+
+
+def library_files(model: nn.Module, mean, std, side: int, class_names) -> dict:
+    """The files that make a run's best/ and final/ a folder the model's own library opens, beside its
+    model.safetensors (``common.train.checkpoint.save_model_dir`` writes them): for a timm model timm's config.json
+    (``timm.models._hub.save_config_for_hf``: architecture, classes, and a pretrained_cfg with the run's mean, std,
+    input size and crop), which ``timm.create_model("local-dir:<folder>", pretrained=True)`` reads; for a transformers
+    model its config.json with the classes as labels and a preprocessor_config.json (the run's resize, crop and
+    normalisation), with ``weights_prefix``: the weights saved under the model's own names, as ``from_pretrained``
+    reads them. {} for a torchvision model (docs/data.md: how to open it)."""
+    if isinstance(model, hf_models.ImageClassifier):
+        import transformers
+
+        config = model.model.config.to_dict()
+        config["id2label"] = {str(i): name for i, name in enumerate(class_names)}
+        config["label2id"] = {name: i for i, name in enumerate(class_names)}
+        processor = transformers.BitImageProcessor(  # resize the shorter side, crop the centre, normalise
+            size={"shortest_edge": round(side / EVAL_CROP)},
+            crop_size={"height": side, "width": side},
+            image_mean=list(mean),
+            image_std=list(std),
+        )
+        return {
+            "config.json": json.dumps(config, indent=2, sort_keys=True),
+            "preprocessor_config.json": processor.to_json_string(),
+            "weights_prefix": "model.",
+        }
+    if type(model).__module__.startswith("timm.") and hasattr(model, "pretrained_cfg"):
+        import tempfile
+
+        from timm.models._hub import save_config_for_hf
+
+        data = {"input_size": (3, side, side), "mean": tuple(mean), "std": tuple(std), "crop_pct": EVAL_CROP}
+        data["interpolation"] = "bilinear"
+        with tempfile.TemporaryDirectory() as tmp:
+            save_config_for_hf(model, f"{tmp}/config.json", {"label_names": list(class_names)}, data_config=data)
+            return {"config.json": Path(tmp, "config.json").read_text()}
+    return {}

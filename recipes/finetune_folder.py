@@ -89,7 +89,17 @@ class Config(CommonConfig):
     shards = True  # takes the launcher's FSDP version 2 answer on GPUs (a plain class attribute, as lr_rule)
     backbone_lr_scale: float = knob(0.1, "with --weights, the backbone learns at this times --lr (from scratch: 1)")
     momentum: float = knob(0.9, "SGD momentum (Nesterov)")
-    weight_decay: float = knob(5e-4, "SGD weight decay")
+    weight_decay: float = knob(5e-4, "SGD weight decay, on weight matrices and kernels only: not on norms, biases")
+    layer_decay: float = knob(
+        0.0,
+        "layer-wise LR decay of a timm model: each layer below the head learns at this times the one above "
+        "(timm's --layer-decay, e.g. 0.75; replaces --backbone-lr-scale; 0 = off)",
+    )
+    drop_path: float = knob(
+        -1.0,
+        "drop rate of the residual branches (stochastic depth: timm's --drop-path, torchvision's "
+        "stochastic_depth_prob, e.g. 0.1; -1 = the model's own: none for timm, 0.1 for torchvision's convnext_tiny)",
+    )
     warmup_fraction: float = knob(0.1, "fraction of optimizer steps spent warming the LR up linearly")
     label_smoothing: float = 0.1
     min_crop_scale: float = knob(0.25, "smallest area share of a random resized crop (torchvision's default: 0.08)")
@@ -132,6 +142,11 @@ class Config(CommonConfig):
     def __post_init__(self):
         if not 0 <= self.max_damaged <= 1:
             raise ConfigError(f"--max-damaged is a share of the photos, from 0 to 1 (got {self.max_damaged}).")
+        if not 0 <= self.layer_decay < 1 or not (self.drop_path == -1 or 0 <= self.drop_path < 1):
+            raise ConfigError(
+                f"--layer-decay must be in [0, 1) (got {self.layer_decay}) and --drop-path in [0, 1), or -1 for the "
+                f"model's own (got {self.drop_path})."
+            )
         if self.start_image_size < 0:
             raise ConfigError(
                 f"--start-image-size must be >= 0 (got {self.start_image_size}); 0 trains every epoch at --image-size."
@@ -147,6 +162,11 @@ class Config(CommonConfig):
             self.image_size = vision.resolve(self.model, self.weights).crop or self.image_size
         if "start_image_size" not in self.explicit:  # pretrained weights: at their own size throughout
             self.start_image_size = 0 if self.weights else self.image_size // 2
+        vision.check_regularisers(self.model, drop_path(self), self.layer_decay)  # a model without them: refused
+
+
+def drop_path(cfg: Config) -> float | None:
+    return None if cfg.drop_path < 0 else cfg.drop_path
 
 
 def crop_side(cfg: Config, epoch: int) -> int:
@@ -174,15 +194,15 @@ def train_view(cfg: Config, mean: list[float], side: int):
 
 def build_model(cfg: Config, in_shape, num_classes: int) -> torch.nn.Module:
     """The model this recipe trains; predict, export and --eval-only rebuild it from here (weights from files)."""
-    return vision.build(cfg.model, num_classes, in_shape[-1])
+    return vision.build(cfg.model, num_classes, in_shape[-1], drop_path(cfg))
 
 
 def build_optimizer(cfg: Config, model: torch.nn.Module, num_classes: int, fused: bool = True) -> torch.optim.Optimizer:
-    """SGD with Nesterov momentum; ``fused``: one kernel per step, which masks a NaN step on the device (no wait for
-    it); torch's sharded parameters (FSDP2) take the unfused one only."""
+    """SGD with Nesterov momentum, no weight decay on norms and biases; ``fused``: one kernel per step, which masks a
+    NaN step on the device (no wait for it); torch's sharded parameters (FSDP2) take the unfused one only."""
     scale = cfg.backbone_lr_scale if cfg.weights else 1.0
     return torch.optim.SGD(
-        param_groups(model, num_classes, cfg.lr, scale),
+        param_groups(model, num_classes, cfg.lr, scale, cfg.weight_decay, cfg.layer_decay),
         lr=cfg.lr,
         momentum=cfg.momentum,
         nesterov=True,

@@ -44,12 +44,13 @@ def refused(recipe, args, env, tmp_path) -> str:
         ("mnist_convnet", ["--model-ema"], ["here: --ema-decay (the decay per optimizer step; 0 = off) (a knob of"]),
         (
             "finetune_folder",
-            ["--reprob", "0.25", "--drop-path", "0.1"],
+            ["--reprob", "0.25", "--clip-grad", "1"],
             [
                 "--reprob is timm's training script's flag; here: --random-erase (the probability per training photo)",
-                "--drop-path is timm's training script's flag; here: none yet",
+                "--clip-grad is timm's training script's flag; here: --max-grad-norm",
             ],
         ),
+        ("cifar_cnn", ["--drop-path", "0.1"], ["here: --drop-path (a knob of finetune_folder)"]),
     ],
 )
 def test_a_flag_the_recipe_lacks_gets_its_closest_flags_and_the_recipe_that_has_it(

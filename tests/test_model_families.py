@@ -64,11 +64,44 @@ def test_a_timm_model_trains_resumes_exactly_and_predict_export_and_eval_only_lo
     """timm's registry name as the Hub spells it (timm/<architecture>.<tag>), from scratch: timm's own network (not
     a torchvision one of the same name), rebuilt by predict and export from model.json's config alone."""
     proc, card = trains_resumes_scores_predicts_and_exports(
-        ["--model", "timm/test_resnet.r160_in1k"], photos_like, tmp_path, env, capsys
+        ["--model", "timm/test_resnet.r160_in1k", "--drop-path", 0.1, "--layer-decay", 0.75],
+        photos_like,
+        tmp_path,
+        env,
+        capsys,
     )
     assert "model: ResNet" in proc.stdout and card["input_shape"] == [3, 32, 32]
     assert card["config"]["model"] == "timm/test_resnet.r160_in1k"
     assert "fc.weight" in load_file(str(tmp_path / "full" / "final" / "model.safetensors"))  # timm's names
+    opens_in_its_own_library("timm", tmp_path / "full", card)
+
+
+def opens_in_its_own_library(library: str, run, card):
+    """best/ and final/ open in the model's own library, with the run's classes and preprocessing, and compute what
+    the recipe's model computes (predict's loader: the same logits)."""
+    from common.tools.predict import load_predictor
+
+    x = torch.randn(2, 3, 32, 32)
+    for folder in (run / "best", run / "final"):
+        ours = load_predictor(folder)
+        if library == "timm":
+            import timm
+
+            model = timm.create_model(f"local-dir:{folder}", pretrained=True).eval()
+            data = timm.data.resolve_data_config(model=model)
+            assert list(data["mean"]) == card["mean"] and list(data["std"]) == card["std"]
+            assert data["input_size"] == (3, 32, 32) and model.pretrained_cfg["label_names"] == card["class_names"]
+            theirs = model(x)
+        else:
+            import transformers
+
+            model = transformers.AutoModelForImageClassification.from_pretrained(str(folder)).eval()
+            processor = transformers.AutoImageProcessor.from_pretrained(str(folder))
+            assert list(processor.image_mean) == card["mean"] and processor.crop_size == {"height": 32, "width": 32}
+            assert [model.config.id2label[i] for i in range(3)] == card["class_names"]
+            theirs = model(pixel_values=x).logits
+        with torch.no_grad():
+            assert torch.allclose(theirs, ours.model(x), atol=1e-5), folder
 
 
 def test_a_transformers_folder_trains_resumes_exactly_and_predict_export_and_eval_only_load_it(
@@ -80,6 +113,7 @@ def test_a_transformers_folder_trains_resumes_exactly_and_predict_export_and_eva
     proc, card = trains_resumes_scores_predicts_and_exports(["--model", folder], photos_like, tmp_path, env, capsys)
     assert "weights DEFAULT: " in proc.stdout and "model.classifier.weight (5, 16) -> (3, 16)" in proc.stdout
     assert card["mean"] == [0.5, 0.5, 0.5] and card["config"]["weights"] == "DEFAULT"
+    opens_in_its_own_library("transformers", tmp_path / "full", card)
 
 
 def tiny_vit(folder):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from common import vision
 from common.data.splits import data_record
 from common.errors import RecipeError
 from common.files import fsync_dir as _fsync_dir
@@ -40,6 +41,7 @@ from common.train.sharding import plain_class, share_buffers
 MARKER = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 WEIGHTS = "model.safetensors"
+LIBRARY_FILES = "library_files"  # a card's files for the model's own library: {name: text}, and the weights' prefix
 MODEL_CARD = "model.json"
 STEP_DIR = re.compile(r"^step-\d{8}$")
 
@@ -447,6 +449,8 @@ def model_card(recipe: str, recipe_file: str, model, data, transform, cfg) -> di
         "config": dataclasses.asdict(cfg),
         "data": data_record(data),
         **({"preprocess": data.train.preprocess} if hasattr(data.train, "preprocess") else {}),
+        # a timm or transformers model's own files (config.json, ...), written beside: not part of model.json
+        LIBRARY_FILES: vision.library_files(model, transform.mean, transform.std, data.shape[-1], data.class_names),
     }
 
 
@@ -474,12 +478,17 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
         return
     from safetensors.torch import save_file
 
+    own = dict(card.get(LIBRARY_FILES) or {})
+    prefix = own.pop("weights_prefix", "")  # a transformers model's names, as from_pretrained reads them
+    card = {k: v for k, v in card.items() if k != LIBRARY_FILES} | ({"weights_prefix": prefix} if prefix else {})
     out_dir = Path(out_dir)
     tmp, old = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f".old-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(state, str(tmp / WEIGHTS))
+    save_file({k.removeprefix(prefix): v for k, v in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
     follow_umask(tmp / WEIGHTS)
+    for name, text in own.items():  # config.json (timm's or transformers'), preprocessor_config.json
+        _fsync_write(tmp / name, text)
     _fsync_write(tmp / MODEL_CARD, json.dumps(card, indent=2, sort_keys=True))
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -514,10 +523,18 @@ def find_model_dir(path: Path) -> Path:
 
 def load_model_dir(path: Path):
     """Returns (state_dict, card) from a folder written by ``save_model_dir``."""
+    model_dir = find_model_dir(path)
+    return read_weights(model_dir / WEIGHTS), json.loads((model_dir / MODEL_CARD).read_text())
+
+
+def read_weights(file: Path) -> dict:
+    """A weights file under the recipe's model's names: those of a model folder whose model.json names a
+    ``weights_prefix`` (a transformers model's, saved as from_pretrained reads them) get it back."""
     from safetensors.torch import load_file
 
-    model_dir = find_model_dir(path)
-    return load_file(str(model_dir / WEIGHTS)), json.loads((model_dir / MODEL_CARD).read_text())
+    card = Path(file).with_name(MODEL_CARD)
+    prefix = json.loads(card.read_text()).get("weights_prefix", "") if card.is_file() else ""
+    return {f"{prefix}{k}": v for k, v in load_file(str(file)).items()}
 
 
 def model_signature(model: torch.nn.Module) -> dict:

@@ -217,7 +217,16 @@ class Checkpointer:
         extra = ckpt.not_loaded(path)
         if extra:
             notes.append(f"{path} also holds {', '.join(extra)}: not read by the resume, left as it is.")
-        acc.load_state(str(path))
+        try:
+            acc.load_state(str(path))
+        except ValueError as err:  # torch's optimizer: "... different number of parameter groups", "... group ..."
+            if "parameter group" not in str(err):
+                raise
+            raise RecipeError(
+                f"The checkpoint {path} holds an optimizer whose parameter groups differ from this run's ({err}): "
+                "it was written by another version of the recipe or with another --layer-decay. Resume it with "
+                "the version and settings that wrote it, or start a new run with a new --output-dir."
+            ) from None
         changes = apply_hyperparameters(optimizer, scheduler, fresh, cfg)
         notes += self._best_starts_over(state)
         for note in notes:

@@ -68,8 +68,13 @@ def adopt_run_config(cfg) -> str:
     """Take the dataset, split and model settings from the run's config.json, so the weights are scored on
     the images the run held out; refuse overrides that would change the split. Returns a note ('' if none)."""
     root = Path(cfg.checkpoint).expanduser()
-    found = next(
-        (d / "config.json" for d in (root, root.parent, root.parent.parent) if (d / "config.json").is_file()), None
+    found = next(  # the run's; not a model folder's (best/, final/: its config.json is its model library's)
+        (
+            d / "config.json"
+            for d in (root, root.parent, root.parent.parent)
+            if (d / "config.json").is_file() and not (d / ckpt.MODEL_CARD).is_file()
+        ),
+        None,
     )
     note = ""
     if found is None:
@@ -98,8 +103,6 @@ def adopt_run_config(cfg) -> str:
 
 def load_weights(cfg, accelerator, model) -> Path:
     """Load the weights in --checkpoint (a run, best/, final/ or a checkpoint folder); returns their file."""
-    from safetensors.torch import load_file
-
     root = Path(cfg.checkpoint).expanduser()
     candidates = [root, root / "best", root / "final", ckpt.find_latest(root)]
     found = next((c / ckpt.WEIGHTS for c in candidates if c is not None and (c / ckpt.WEIGHTS).is_file()), None)
@@ -109,7 +112,7 @@ def load_weights(cfg, accelerator, model) -> Path:
             "final/ folders and its newest checkpoint). Pass a run directory or one of those folders."
         )
     try:
-        accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(load_file(str(found)))
+        accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(ckpt.read_weights(found))
     except RuntimeError as err:
         raise RecipeError(
             f"The weights in {found} don't fit this recipe's model with these settings "
