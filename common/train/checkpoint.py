@@ -147,7 +147,8 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int, backgrou
 
 
 def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old: Path) -> None:
-    """The main process's part of a save, after every rank's files are written: fsync them, rename, COMPLETE, prune."""
+    """The main process's part of a save, after every rank's files are written: fsync them and the folder, rename,
+    COMPLETE, prune."""
     for f in tmp.glob("*.safetensors"):
         follow_umask(f)
     for f in sorted(tmp.rglob("*")):  # every rank's files on disk (FSDP2's in folders) before the folder is
@@ -156,6 +157,7 @@ def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old
     for sub in (d for d in tmp.iterdir() if d.is_dir()):
         _fsync_dir(sub)
     _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
+    _fsync_dir(tmp)  # and their names: an fsync of a file does not make its entry in a new folder durable
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
