@@ -1,4 +1,4 @@
-"""What the benchmarks share. For the throughput studies (throughput.py, data_path.py, scaling.py): the recipe
+"""What the benchmarks share. For the throughput studies (throughput.py, scaling.py): the recipe
 imported from its file with its Config from its own parser; synthetic data of its image shape written once as a Hub
 parquet dataset; the recipe run end to end and read back; its step in plain PyTorch; the timing; the ratios
 (PASS/MISS, never a failure); the report. For every benchmark: the per-sample PIL dataset a first version has, the
@@ -174,12 +174,11 @@ def main(study: str, doc: str, argv, measure, add_args=lambda p: None) -> int:
     counts = {
         f"--{k.replace('_', '-')}": v
         for k, v in vars(args).items()
-        if k in ("steps", "log_every", "runs", "repeats", "timeout", "warmup", "seed_workers")
+        if k in ("steps", "log_every", "runs", "repeats", "timeout", "warmup")
     }
-    if min(v - (k not in ("--warmup", "--seed-workers")) for k, v in counts.items()) < 0:
+    if min(v - (k != "--warmup") for k, v in counts.items()) < 0:
         bad_input(
-            f"{', '.join(f'{k} {v}' for k, v in counts.items())}: --warmup and --seed-workers must be at "
-            "least 0, the others at least 1."
+            f"{', '.join(f'{k} {v}' for k, v in counts.items())}: --warmup must be at least 0, the others at least 1."
         )
     if args.steps < 2 * args.log_every or args.steps % args.log_every:
         bad_input(
@@ -479,7 +478,7 @@ class Bench:
             self.work.mkdir(parents=True, exist_ok=True)
             t0 = time.perf_counter()
             self.dataset = self.work / "dataset"
-            self.pngs = write_parquet(self.dataset, self.images, self.labels)
+            write_parquet(self.dataset, self.images, self.labels)
             write_s = time.perf_counter() - t0
             model = new_model(self.module, cfg, self.shape, torch.device("cpu"))
             self.cnn = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
@@ -497,7 +496,6 @@ class Bench:
                 "repeats",
                 "warmup",
                 "tiny",
-                "seed_workers",
                 "compile_backend",
                 "skip",
             )

@@ -1,4 +1,4 @@
-"""The throughput studies (benchmarks/throughput.py, data_path.py, scaling.py), memory.py: each
+"""The throughput studies (benchmarks/throughput.py, scaling.py), memory.py: each
 runs end to end with --tiny (or small settings) on the recipe's own code and writes a complete report; bad input is
 one paragraph and exit 2. No timing is asserted: the numbers are whatever this machine gives."""
 
@@ -17,7 +17,6 @@ from helpers import write_parquet_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-import data_path  # noqa: E402
 import scaling  # noqa: E402
 import throughput  # noqa: E402
 
@@ -110,14 +109,6 @@ def test_throughput_times_the_recipe_the_raw_loop_the_bound_and_the_levers(tmp_p
     assert "torch.compile (eager)" in stdout
 
 
-def test_data_path_times_the_loader_against_a_per_sample_pipeline(tmp_path):
-    report, _ = run_tiny("data_path", tmp_path, "--seed-workers", "1")
-    assert list(report["rows"]) == ["recipe", "raw_torch", "loader", "seed_loader", "seed_training"]
-    check_recipe_row(report["rows"]["recipe"], processes=1)
-    assert report["rows"]["seed_loader"]["loader_workers"] == 1 and report["skipped"] == {}
-    assert set(report["ratios"]) == {"loader_vs_recipe", "loader_vs_seed_loader", "raw_vs_seed_training"}
-
-
 def test_scaling_runs_one_and_two_processes_through_accelerate_and_raw_ddp(tmp_path):
     report, _ = run_tiny("scaling", tmp_path)
     rows = report["rows"]
@@ -153,11 +144,10 @@ def test_memory_measures_both_modes_on_a_local_dataset(tmp_path):
         (throughput, ["--recipe", "mnist_convnet", "--steps", "3", "--log-every", "2"], "a multiple of --log-every"),
         (throughput, ["--recipe", "mnist_convnet", "--skip", "gpu"], "--skip gpu: unknown"),
         (
-            data_path,
+            throughput,
             ["--recipe", "mnist_convnet", "--recipe-args", "--width abc"],
             "is not a valid command line for the",
         ),
-        (data_path, ["--recipe", "mnist_convnet", "--seed-workers", "-1"], "--seed-workers must be at least 0"),
         (scaling, ["--recipe", "mnist_convnet", "--runs", "0"], "--runs 0"),
     ],
 )
@@ -167,21 +157,3 @@ def test_bad_input_is_one_paragraph_and_exit_2(study, argv, says, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
-
-
-@pytest.mark.integration
-def test_host_overhead_times_the_recipe_and_its_baseline_on_one_clock(tmp_path):
-    """benchmarks/host_overhead.py, one round of the MNIST pair: both sides in processes of their own, the same
-    steps, every figure measured (no timing asserted), ops counted, the ratios printed and written."""
-    out_json = tmp_path / "host.json"
-    cmd = [sys.executable, "benchmarks/host_overhead.py", "--pairs", "mnist", "--rounds", "1", "--out-json", out_json]
-    proc = subprocess.run([str(c) for c in cmd], cwd=str(REPO), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(out_json.read_text())
-    rows = report["rows"]
-    assert set(rows) == {"mnist_convnet", "plain_loop"}
-    assert rows["mnist_convnet"]["steps"] == rows["plain_loop"]["steps"] == 192
-    for row in rows.values():
-        assert row["host_ms_per_step"] > 0 and row["ops_per_step"] > 0 and row["to_first_step_s"] > 0
-    assert report["ratios"]["mnist"]["host_ms_per_step"] > 0
-    assert "mnist_convnet / plain_loop: host_ms_per_step" in proc.stdout

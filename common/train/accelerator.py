@@ -270,7 +270,7 @@ def launcher_answers(cfg, cpu: bool | None = None) -> tuple[str, list[str], bool
 def ask_lomo_once() -> None:
     """Accelerate's ``AcceleratedOptimizer.step`` asks ``is_lomo_available()`` twice at every step, each time an
     uncached ``importlib.util.find_spec("lomo_optim")`` and a metadata read: about 0.4 ms of every step on a 2-core
-    CPU, where a small model's whole step on a GPU takes a few milliseconds (benchmarks/host_overhead.py). Whether a
+    CPU, where a small model's whole step on a GPU takes a few milliseconds (docs/results.md). Whether a
     package is installed does not change while a run trains: asked once here, the answer is what Accelerate's
     modules get from then on."""
     import accelerate.accelerator
