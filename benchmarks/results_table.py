@@ -7,7 +7,8 @@ left alone). A file holds its ``machine`` (name, description, ``lscpu`` flags, p
 ``readme``: shown in README.md), the data, the seeds with their validation accuracy and wall seconds (launch to
 exit; ``wall_s_range`` where only a range was recorded; ``shared_machine`` per seed), the baseline measured beside
 it (seconds, and its accuracy where recorded), the date, versions and git revision where recorded (each table names
-the revision, or says it was not recorded), the script that measures it and its command. Means are computed here
+the revision, the first commit that recorded figures measured without one, ``revision_recorded``, or says it was not
+recorded), the script that measures it and its command. Means are computed here
 from the seeds' figures.
 
     python benchmarks/results_table.py            # print README's table
@@ -121,9 +122,17 @@ def _baseline(row: dict) -> str:
 def _machine(row: dict) -> str:
     parts = [f"{row['machine']['name']}, {row['machine']['precision']}"]
     parts += [row["date"]] if row.get("date") else []
-    parts += [f"revision {row['revision']}" if row.get("revision") else "revision not recorded"]
+    parts += [_revision(row)]
     parts += [f"{name} {version}" for name, version in sorted(row.get("versions", {}).items())]
     return ", ".join(parts)
+
+
+def _revision(row: dict) -> str:
+    """The revision measured, or, for figures recorded without it (``revision_recorded``), the first commit that
+    records them: measured at that revision or before it."""
+    if not row.get("revision"):
+        return "revision not recorded"
+    return f"recorded at {row['revision']}" if row.get("revision_recorded") else f"revision {row['revision']}"
 
 
 def _mean(row: dict) -> str:
@@ -187,7 +196,7 @@ def _readme_line(row: dict) -> str:
     b = row.get("baseline")
     beside = f"{b['short']}: {_median(b['wall_s'])} s" if b else ""
     machine = f"{row['machine']['name']}: 2 processes, {row['machine']['precision']}, "
-    machine += f"revision {row['revision']}" if row.get("revision") else "revision not recorded"
+    machine += _revision(row)
     return "| " + " | ".join([_setting(row), accuracy, wall, beside, machine]) + " |"
 
 
