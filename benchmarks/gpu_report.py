@@ -72,7 +72,12 @@ environment of symbolic links to this one's packages without `datasets` and with
 (under <out>/work/gpu-env), PYTHONPATH the repository, gpu_data's toy data (a few hundred synthetic images) installed
 as the real data is, the same commands with small models and batches (airbench94 at batch 64 for 1 epoch; the compile
 row under --dynamo_backend eager: inductor's C++ compile takes minutes on 2 cores and is not the code a GPU runs), two
-rows at a time (a row that reads another's output after it), no goal judged that only a GPU can meet. Every row
+rows at a time (a row that reads another's output after it), no goal judged that only a GPU can meet. The
+rehearsal still fails a row that ran another precision than a GPU run would (its bf16 launches go through
+tests/standins/native_bf16_on_cpu.py, which makes a CPU without native bf16 keep bf16, emulated; fp16 asked is bf16
+on a CPU, and the FSDP stand-in's row fp32, as that stand-in declares), and a row that ran past its GPU budget
+scaled to the rehearsal machine (budget x REHEARSAL_FACTOR, at least REHEARSAL_MIN_S; each row's result says its
+seconds against that allowance). Every row
 (the default command's and the checks', 21) took 4.2 to 4.9 minutes on a 2-core CPU (machine B, 2026-12-02): most of
 it is the launches (two torch imports each, torch._dynamo imported by the optimizer, the figures).
 """
@@ -164,6 +169,17 @@ TOY = {  # rehearsal: small models and batches (last on the command line: they w
 # the code a GPU runs): the wrapper, its saved weights and predict are what the rehearsal checks
 TOY_BACKEND = "eager"
 TOY_AIRBENCH = dict(batch_size=64, widths=(8, 16, 16), epochs=1, whiten_bias_epochs=1)
+# rehearsal: the precision a CPU runs for what a row asks (make_accelerator: fp16 asked on a CPU trains in bf16); bf16
+# stays bf16 through the native-bf16 stand-in on any CPU, so a fallback to fp32 is a failure there as on a GPU
+CPU_PRECISION = {"fp16": "bf16"}
+BF16_STANDIN = REPO / "tests" / "standins" / "native_bf16_on_cpu.py"
+# rehearsal: a row's time allowance is its GPU budget scaled to the rehearsal machine, declared, not measured: two rows
+# at a time on a 2-core CPU (each gets about one core) at toy sizes, where most of a row is its launches (two torch
+# imports and torch._dynamo's each, as on the GPU, at about half the GPU machine's single-core speed): 2x the budget;
+# and at least 20 s, the imports of one process on that shared CPU, which the budgets of a few seconds (predict's 7 s,
+# after its CUDA context is up) never had to hold. A row past its allowance fails the rehearsal: its GPU budget is
+# then likely short too.
+REHEARSAL_FACTOR, REHEARSAL_MIN_S = 2.0, 20.0
 CACHES = {  # environment variable -> folder under the work dir: where each cache or temporary file goes
     "TMPDIR": "tmp",
     "MPLCONFIGDIR": "mpl",
@@ -207,7 +223,15 @@ class Ctx:
 # --- reading what a row wrote ---------------------------------------------------------------------------------------
 
 
+def ran_as(precision: str, toy: bool) -> str:
+    """The precision a row asking for ``precision`` must run under: on the GPU what it asks; in the rehearsal what a
+    CPU gives for it (``CPU_PRECISION``), never a fallback to fp32."""
+    return CPU_PRECISION.get(precision, precision) if toy else precision
+
+
 def read_correct(run_dir: Path, precision: str, toy: bool, compiled: bool = False):
+    """A correctness row's run: completed, STEPS steps, a finite validation loss, and the precision it asked for (in
+    the rehearsal too: ``ran_as``)."""
     s = read_run(run_dir)["summary"]
     if not s:
         raise RuntimeError(f"{run_dir} has no summary.json")
@@ -218,8 +242,9 @@ def read_correct(run_dir: Path, precision: str, toy: bool, compiled: bool = Fals
         f"{STEPS} steps": s.get("global_step") == STEPS,
         "finite val loss": loss is not None and math.isfinite(loss),
     }
-    if not toy:  # a CPU falls back from fp16 (and from bf16 where it is emulated), with a NOTE
-        checks[f"precision {precision}"] = s.get("precision") == precision
+    expected = ran_as(precision, toy)
+    asked = f" (asked {precision}: a CPU runs {expected})" if expected != precision else ""
+    checks[f"precision {expected}{asked}"] = s.get("precision") == expected
     if compiled:
         checks.update(plain_weights(run_dir))
     text = (
@@ -236,7 +261,8 @@ def read_sharded(run_dir: Path, toy: bool):
     one whole state_dict of the model's own class."""
     from safetensors import safe_open
 
-    text, goal, passed, s = read_correct(run_dir, "bf16", toy)
+    # the rehearsal's FSDP stand-in runs fp32 whatever the launcher asks (tests/standins/fsdp_on_cpu.py says why)
+    text, goal, passed, s = read_correct(run_dir, "no" if toy else "bf16", toy)
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     checks = {
         "distributed FSDP": s.get("distributed") == "FSDP",
@@ -462,7 +488,10 @@ def read_profile(run_dir: Path):
 
 def launch(ctx: Ctx, recipe: str, args, precision: str = "bf16", extra=(), through=()) -> list:
     """`accelerate launch --config_file accelerate_configs/single_gpu.yaml ...` with the report's Python; ``through``:
-    a script that runs the recipe (the rehearsal's FSDP stand-in)."""
+    a script that runs the recipe (the rehearsal's FSDP stand-in). The rehearsal's launches in bf16 or fp16 go through
+    the native-bf16 stand-in first: they run bf16 on any CPU."""
+    if ctx.toy and precision != "no":
+        through = (BF16_STANDIN, *through)
     return [
         ctx.py,
         "-m",
@@ -797,6 +826,22 @@ def error_line(log: Path) -> str:
     return (found or lines)[-1][:300]
 
 
+def rehearsal_allowance(budget_s: float) -> float:
+    """A row's seconds in the rehearsal: its GPU budget scaled to the rehearsal machine (``REHEARSAL_FACTOR``)."""
+    return max(budget_s * REHEARSAL_FACTOR, REHEARSAL_MIN_S)
+
+
+def judge_rehearsal_time(status: str, result: str, wall_s: float, budget_s: float) -> tuple[str, str]:
+    """A rehearsal row's (status, result) with its time judged: a row that ran to its end past its allowance fails,
+    whatever it measured; every row's result says its seconds against the allowance."""
+    allowed = rehearsal_allowance(budget_s)
+    said = f"{wall_s:.0f} s of the rehearsal's {allowed:.0f} s (GPU budget {budget_s} s x {REHEARSAL_FACTOR:g}"
+    said += f", at least {REHEARSAL_MIN_S:.0f} s)"
+    if wall_s > allowed and status in ("ok", "PASS", "MISS"):
+        return "failed", f"ran past its time: {said}; {result}"
+    return status, f"{result} [{said}]"
+
+
 def run_row(row: Row, ctx: Ctx, env: dict, limit: float) -> dict:
     rec = row.record
     log = ctx.work / "logs" / f"{row.name.replace('/', '-')}.log"
@@ -813,6 +858,9 @@ def run_row(row: Row, ctx: Ctx, env: dict, limit: float) -> dict:
         status = "timeout" if code == "timeout" else "failed"
         said = f"stopped after {limit:.0f} s" if code == "timeout" else f"exit {code}"
         result = f"{said}: {error_line(log)}" + ("" if result.startswith("no result") else f" ({result})")
+    if ctx.toy:  # the rehearsal: within the row's GPU budget scaled to this machine
+        status, result = judge_rehearsal_time(status, result, wall, row.budget_s)
+        rec["allowance_s"] = round(rehearsal_allowance(row.budget_s))
     rec.update(result=result, goal=goal, status=status)
     if status in ("failed", "timeout", "MISS"):
         rec["tail"] = tail(log)

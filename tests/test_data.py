@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -223,8 +222,13 @@ RACER = textwrap.dedent("""
         return real(split, *args, **kw)
 
     sources.decode_split = counted
-    while not Path(go).exists():  # start both processes' loads together
-        time.sleep(0.01)
+    # a two-party barrier: each process, once imported, says it is ready, then waits until both are (its imports and
+    # the peer's take seconds, which a fixed head start would not cover), so the loads below really start together
+    ready = Path(go) / f"ready-{rank}"
+    ready.write_text(repr(time.time()))
+    while not all((Path(go) / f"ready-{r}").exists() for r in "01"):
+        time.sleep(0.005)
+    (Path(go) / f"passed-{rank}").write_text(repr(time.time()))
     results = []
     for dataset in datasets:
         try:
@@ -245,6 +249,7 @@ def raced(small, tmp_path_factory):
     bad = write_image_folder(tmp / "bad", n_per_class=3)
     (bad / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
     go = tmp / "go"
+    go.mkdir()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RACER, str(tmp / "c"), str(rank), str(tmp), str(go), str(small), str(bad)],
@@ -256,23 +261,30 @@ def raced(small, tmp_path_factory):
         )
         for rank in (0, 1)
     ]
-    time.sleep(0.5)
-    go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     decodes = (tmp / "decodes").read_text().split() if (tmp / "decodes").exists() else []
-    return [o[0] for o in outs], [json.loads(o[0].strip().splitlines()[-1]) for o in outs], decodes, small.name
+    # when each process said it was ready and when it passed the barrier (None: it never did)
+    times = {
+        what: [float((go / f"{what}-{r}").read_text()) if (go / f"{what}-{r}").exists() else None for r in (0, 1)]
+        for what in ("ready", "passed")
+    }
+    return [o[0] for o in outs], [json.loads(o[0].strip().splitlines()[-1]) for o in outs], decodes, small.name, times
 
 
 def test_two_processes_racing_for_the_cache_decode_each_split_once(raced):
-    stdouts, results, decodes, good = raced
+    """Both processes passed the start barrier, each only once both were ready (so their loads raced); each split was
+    decoded once, and both got the same data."""
+    stdouts, results, decodes, good, times = raced
+    assert None not in times["passed"], times  # both passed it
+    assert min(times["passed"]) >= max(times["ready"]), times  # neither went on before the other was ready
     assert results[0][0] == results[1][0] and "error" not in results[0][0]
     assert sorted(d for d in decodes if d.startswith(good)) == [f"{good}:test", f"{good}:train"], decodes
     assert stdouts[1].strip().count("\n") == 0  # only the main process prints: here the results line alone
 
 
 def test_a_waiting_process_raises_its_peers_data_error(raced):
-    stdouts, results, decodes, good = raced
+    stdouts, results, decodes, good, _ = raced
     for r in results:
         assert "broken.png" in r[1]["error"], r
     assert decodes.count("bad:train") == 1, decodes  # the waiter took the peer's error instead of failing alike

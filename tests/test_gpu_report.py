@@ -164,6 +164,8 @@ def test_rehearsal_passes_every_row_and_writes_only_under_its_out_folder(tmp_pat
     assert report["rehearsal"] and [r["name"] for r in report["rows"]] == order
     failed = {r["name"]: (r["status"], r["result"], r.get("tail", [])[-5:]) for r in report["rows"]}
     assert {k: v for k, v in failed.items() if v[0] not in ("PASS", "ok")} == {}
+    # each within its GPU budget scaled to this machine, and saying so (a fallback to fp32 or a slow row fails above)
+    assert all("of the rehearsal's" in r["result"] for r in report["rows"]), [r["result"] for r in report["rows"]]
     rows = {r["name"]: r for r in report["rows"]}
     assert "over windows of 4 steps" in rows["photos/reference"]["result"]
     assert "x the reference's" in rows["photos/recipe"]["result"]
@@ -280,3 +282,89 @@ def test_the_mnist_row_judges_the_means_over_its_seeds(tmp_path):
     assert "the first seed's main 31.0 s, the others' 6.1 s" in text and met is True
     out.write_text(json.dumps({"seeds": [seed(2.3, 0.9938, 31.0), seed(2.1, 0.9935, 6.0)]}))
     assert gpu_report.read_tta_mnist(out, toy=False)[2] is False
+
+
+def fabricated_run(run_dir, precision: str, status: str = "completed", steps: int = 40):
+    """A run folder as a correctness row leaves it: summary.json only (what read_correct reads)."""
+    run_dir.mkdir(parents=True)
+    final = {"val/loss": 0.31, "val/accuracy": 0.91}
+    summary = {"status": status, "global_step": steps, "precision": precision, "skipped_steps": 0, "final": final}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def test_the_rehearsal_fails_a_row_that_fell_back_from_the_precision_it_asked(tmp_path):
+    """A correctness row is judged on the precision it ran, in the rehearsal as on the GPU: a bf16 row that ran fp32
+    fails both; in the rehearsal an fp16 row passes in bf16 (what a CPU gives for fp16) and fails in fp32; on the GPU
+    fp16 must be fp16. The FSDP stand-in's row runs fp32 in the rehearsal, as that stand-in declares."""
+    import gpu_report
+
+    fell_back = fabricated_run(tmp_path / "fell-back", "no")
+    for toy in (True, False):
+        text, goal, passed, _ = gpu_report.read_correct(fell_back, "bf16", toy)
+        assert passed is False and "MISSED: precision bf16" in text and "precision bf16" in goal, (toy, text)
+    bf16 = fabricated_run(tmp_path / "bf16", "bf16")
+    assert gpu_report.read_correct(bf16, "bf16", toy=True)[2] is True
+    assert gpu_report.read_correct(bf16, "fp16", toy=True)[2] is True  # a CPU trains fp16 requests in bf16
+    assert gpu_report.read_correct(fell_back, "fp16", toy=True)[2] is False
+    assert gpu_report.read_correct(bf16, "fp16", toy=False)[2] is False  # a GPU has fp16: bf16 is not it
+    assert gpu_report.read_correct(fabricated_run(tmp_path / "fp16", "fp16"), "fp16", toy=False)[2] is True
+
+
+def test_the_rehearsals_bf16_launches_go_through_the_native_bf16_stand_in(tmp_path):
+    """In the rehearsal every launch that asks bf16 or fp16 runs through tests/standins/native_bf16_on_cpu.py (bf16 on
+    any CPU, so the precision check can hold), the FSDP row through it and then its own stand-in; the GPU's launches
+    through neither."""
+    import gpu_report
+
+    def rows(toy):
+        ctx = gpu_report.Ctx(sys.executable, tmp_path, {"mnist": "m", "cifar10": "c", "flowers": "f"}, 1, toy, "cpu")
+        return {r.name: [str(c) for c in r.cmd] for r in gpu_report.plan(ctx)}
+
+    standin = str(gpu_report.BF16_STANDIN)
+    toy, gpu = rows(True), rows(False)
+    launched = [n for n, cmd in toy.items() if "accelerate.commands.launch" in cmd]
+    assert {"correct/bf16", "correct/fp16", "correct/compile", "correct/ema", "correct/fsdp2"} <= set(launched)
+    assert all(standin in toy[n] for n in launched), [n for n in launched if standin not in toy[n]]
+    cmd = toy["correct/fsdp2"]
+    assert cmd.index(standin) + 1 == cmd.index(str(REPO / "tests" / "standins" / "fsdp_on_cpu.py"))
+    assert not any(standin in cmd for cmd in gpu.values())
+
+
+def test_the_rehearsal_fails_a_row_past_its_budget_scaled_to_this_machine():
+    """A rehearsal row's time is judged against its GPU budget x REHEARSAL_FACTOR (at least REHEARSAL_MIN_S): past it,
+    a row that passed, measured (ok) or missed fails, and says so; within it, it keeps its status; either way its
+    result names its seconds against the allowance. A row that failed or timed out stays as it is."""
+    import gpu_report
+
+    factor, floor = gpu_report.REHEARSAL_FACTOR, gpu_report.REHEARSAL_MIN_S
+    budget = 50
+    allowed = max(budget * factor, floor)
+    assert gpu_report.rehearsal_allowance(budget) == allowed and gpu_report.rehearsal_allowance(1) == floor
+    for status in ("ok", "PASS", "MISS"):
+        late, text = gpu_report.judge_rehearsal_time(status, "1,234 images/s", allowed + 1, budget)
+        assert late == "failed" and text.startswith("ran past its time: "), text
+        assert f"of the rehearsal's {allowed:.0f} s (GPU budget {budget} s x {factor:g}" in text and "1,234" in text
+        in_time, text = gpu_report.judge_rehearsal_time(status, "1,234 images/s", allowed - 1, budget)
+        assert in_time == status and text.startswith("1,234 images/s [") and f"{allowed - 1:.0f} s of" in text
+    assert gpu_report.judge_rehearsal_time("timeout", "stopped", allowed * 3, budget)[0] == "timeout"
+
+
+def test_a_rehearsal_row_that_runs_past_its_allowance_is_reported_failed(tmp_path, monkeypatch):
+    """run_row in the rehearsal, on a real subprocess: a row whose command outlasts its (shrunk) allowance is
+    reported failed with its seconds, though it exited 0 and its reader said ok; the same row on the GPU is ok."""
+    import gpu_report
+
+    monkeypatch.setattr(gpu_report, "REHEARSAL_FACTOR", 1.0)
+    monkeypatch.setattr(gpu_report, "REHEARSAL_MIN_S", 0.0)
+    (tmp_path / "logs").mkdir()
+    recs = {}
+    for toy in (True, False):
+        ctx = gpu_report.Ctx(sys.executable, tmp_path, {}, 1, toy, "cpu")
+        row = gpu_report.Row(
+            f"slow-{toy}", 0.2, "sleeps", [sys.executable, "-c", "import time; time.sleep(1)"],
+            lambda: ("measured", "-", None, {}),
+        )  # fmt: skip
+        recs[toy] = gpu_report.run_row(row, ctx, dict(os.environ), limit=60)
+    assert recs[True]["status"] == "failed" and recs[True]["result"].startswith("ran past its time: "), recs[True]
+    assert recs[True]["allowance_s"] == 0 and recs[False]["status"] == "ok" and recs[False]["result"] == "measured"

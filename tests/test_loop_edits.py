@@ -9,6 +9,7 @@ held out, so 9 batches an epoch."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -517,16 +518,33 @@ def test_checkpoints_follow_wall_time(tmp_path, env, mnist_like, monkeypatch):
 
 def test_two_processes_agree_on_the_time_to_checkpoint(tmp_path, env, awkward):
     """2 gloo processes, --checkpoint-every-s 0.3: each rank's clock passes the interval at its own moment, and the
-    guard's all-reduce makes every rank write at the same step (a rank writing alone would wait in save_state's
-    collectives until --timeout-s): the run completes with checkpoints in the middle and at its end."""
+    guard's all-reduce makes every rank write at the same step. Seen in what each rank wrote: a copy whose loop says
+    the step at which its rank checkpoints gives the same steps on both ranks (read before the run's exit, so a run
+    whose ranks disagreed and then hung in save_state's collectives fails here, naming the steps), and every
+    complete checkpoint folder holds both ranks' own files (random_states_0.pkl and random_states_1.pkl: a rank
+    writing at another step would put its file into another step's folder)."""
+    said = (
+        CHECKPOINT,
+        "            if run.checkpoint_due():  # --checkpoint-every-s (and --checkpoint-every)\n"
+        "                print(f'rank {accelerator.process_index} checkpoints at step {run.step}', flush=True)\n"
+        "                run.checkpoint()\n",
+    )
+    copy = edited(tmp_path, "fashion_mnist_mlp", said, name="said_checkpoints.py")
     run = tmp_path / "run"
     flags = ["--dataset", awkward, "--epochs", 4, "--batch-size", 16, *SMALL["fashion_mnist_mlp"], "--timeout-s", 60]
     flags += ["--checkpoint-every-s", 0.3, "--keep-checkpoints", 100, "--output-dir", run]
-    proc = check_ok(launch("fashion_mnist_mlp", flags, env, nproc=2))
+    proc = launch(copy, flags, env, nproc=2)
+    by_rank = {0: [], 1: []}  # each line is one write, its newline another: they interleave in the launcher's output
+    for rank, step in re.findall(r"rank (\d) checkpoints at step (\d+)", proc.stdout):
+        by_rank[int(rank)].append(int(step))
+    assert by_rank[0] == by_rank[1] and len(by_rank[0]) >= 1, by_rank  # mid-run ones (the end's is run.finish's)
+    check_ok(proc)
     assert "processes=2" in proc.stdout
     s = summary(run)
-    assert s["status"] == "completed" and checkpoint_steps(run)[-1] == s["global_step"], s
-    assert len(checkpoint_steps(run)) >= 2, checkpoint_steps(run)
+    assert s["status"] == "completed" and checkpoint_steps(run) == sorted({*by_rank[0], s["global_step"]}), (by_rank, s)
+    for folder in sorted((run / "checkpoints").glob("step-*")):
+        assert {p.name for p in folder.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert not [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no rank's stray folder
 
 
 # --- what follows a step -------------------------------------------------------------------------------------
@@ -656,20 +674,30 @@ def test_fp16_skipped_updates_are_counted_from_the_loss_scale():
 
 
 def test_a_photo_augmentation_of_your_own_is_an_edit_of_the_copy(tmp_path, env, photos_like):
-    """The photo recipe's per-image augmentation is its train_view: adding torchvision's ColorJitter is one line in
-    the copy (no library edit), and it trains; a train_view that no longer ends at --image-size is named in one
-    paragraph at the first batch."""
+    """The photo recipe's per-image augmentation is its train_view: adding one of torchvision's transforms is one line
+    in the copy (no library edit), and every training batch the loader's worker hands the loop carries it (here
+    RandomGrayscale(p=1): the photos, colour ones among them, arrive with three equal channels, which the copy's loop
+    counts in each batch); a train_view that no longer ends at --image-size is named in one paragraph at the first
+    batch."""
     crop = "v2.RandomResizedCrop(side, scale=(cfg.min_crop_scale, 1.0), antialias=True), "
-    jitter = edited(
+    grey = edited(
         tmp_path,
         "finetune_folder",
         (
             "    if cfg.auto_augment:\n",
-            "    steps.append(v2.ColorJitter(0.4, 0.4, 0.4))  # mine\n    if cfg.auto_augment:\n",
+            "    steps.append(v2.RandomGrayscale(p=1.0))  # mine\n    if cfg.auto_augment:\n",
+        ),
+        (
+            TOP,
+            "            grey = (images == images[:, :1]).flatten(1).all(1)  # 3 equal channels\n"
+            "            print(f'grey images: {int(grey.sum())} of {len(grey)}', flush=True)\n" + TOP,
         ),
     )
     run = tmp_path / "run"
-    check_ok(run_in_process(jitter, args("finetune_folder", photos_like, run), env))
+    proc = check_ok(run_in_process(grey, args("finetune_folder", photos_like, run, "--workers", 1), env))
+    counts = [line.split(": ")[1].split(" of ") for line in proc.stdout.splitlines() if line.startswith("grey images")]
+    per_epoch = int(proc.stdout.split("steps_per_epoch=")[1].split()[0])
+    assert len(counts) == 2 * per_epoch and all(a == b for a, b in counts), counts  # every image of every batch
     assert summary(run)["status"] == "completed"
     uncropped = edited(tmp_path, "finetune_folder", (crop, ""), name="uncropped.py")
     proc = run_in_process(uncropped, args("finetune_folder", photos_like, tmp_path / "run2"), env)
