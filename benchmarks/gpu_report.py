@@ -8,8 +8,10 @@ minutes a command; only files under $OUT come back), and its rehearsal on a CPU.
 
 The device run is one `run` call (DEVICE_COMMAND below), carrying gpu-data/ (carry ["gpu-data"], timeout_s 540):
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu_report.py --out $OUT --work-dir /tmp/gpu-report
+    ACCELERATE_RECIPES_REVISION=<rev> PYTHONPATH=$PWD python3 benchmarks/gpu_report.py --out $OUT \
+        --work-dir /tmp/gpu-report
 
+(--dry-run prints it with this tree's revision: the device's copy has no git).
 It writes $OUT/gpu_report.md (the table: the GPU, the versions, every row's result, goal, status and seconds, the
 failed rows' log tails), $OUT/gpu_report.json, $OUT/logs.tar.gz (each row's log and its runs' summary, config and
 metrics) and $OUT/traces.tar.gz (the profiler traces): four files, as what comes back is at most eight. Run dirs,
@@ -108,7 +110,15 @@ from pathlib import Path
 
 import gpu_data
 import torch
-from harness import REPO, bad_input, machine_line, provenance, warn_if_busy  # first: the repo on sys.path
+from harness import (  # first: the repo on sys.path
+    REPO,
+    REVISION_VAR,
+    bad_input,
+    machine_line,
+    provenance,
+    revision,
+    warn_if_busy,
+)
 from launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
 
 DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 480, 20, 540  # the script's deadline, its data install, the run's timeout_s
@@ -963,7 +973,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"# GPU report: {head}",
         "",
-        f"{report['created']}; torch {v['torch']} (CUDA {v.get('cuda')}, cuDNN {v.get('cudnn')}), accelerate "
+        f"{report['created']}; revision {report.get('revision', 'not recorded')}; torch {v['torch']} (CUDA "
+        f"{v.get('cuda')}, cuDNN {v.get('cudnn')}), accelerate "
         f"{v['accelerate']}, torchvision {v['torchvision']}, python {v['python']}; seed {report['seed']}",
         "",
         machine_line(m),
@@ -1060,7 +1071,8 @@ def main(argv=None) -> int:
         print(
             f"dry run: {len(rows)} rows, budgets {total} s + {SETUP_S} s for the data = {total + SETUP_S} s of the "
             f"{args.deadline_s:.0f} s deadline (the run's timeout_s: {RUN_TIMEOUT_S}); work dir {work}\n"
-            f"device command (carry [{CARRY!r}], timeout_s {RUN_TIMEOUT_S}): {DEVICE_COMMAND}"
+            f"device command (carry [{CARRY!r}], timeout_s {RUN_TIMEOUT_S}): "
+            f"{REVISION_VAR}={shlex.quote(revision())} {DEVICE_COMMAND}"
         )
         for r in rows:
             print(f"[{r.name}] budget {r.budget_s} s, seed {args.seed}: {r.what}\n  {shlex.join(map(str, r.cmd))}")

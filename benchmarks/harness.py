@@ -88,11 +88,40 @@ def split_recipe_args(text: str) -> list[str]:
         )
 
 
+REVISION_VAR = "ACCELERATE_RECIPES_REVISION"  # where git is absent (the GPU machine's copy of the tree): the revision
+
+
+def revision() -> str:
+    """The repository's revision the benchmark runs: git's short hash, with '+ uncommitted changes' when tracked files
+    differ from it; on a copy of the tree without git, ``$ACCELERATE_RECIPES_REVISION`` (the device command sets it,
+    ``gpu_report.py --dry-run`` prints it filled in), else 'not known'."""
+    import subprocess
+
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        head = None
+    if head is not None and head.returncode == 0 and head.stdout.strip():
+        return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+    given = os.environ.get(REVISION_VAR, "").strip()
+    return f"{given} (as {REVISION_VAR} says: no git here)" if given else f"not known (no git here, no {REVISION_VAR})"
+
+
 def provenance(study: str, argv, device, load_start) -> dict:
-    """The command, when, the machine (load average at the start and now, the end) and the library versions."""
+    """The command, when, the repository's revision, the machine (load average at the start and now, the end) and the
+    library versions."""
     return {
         "benchmark": study,
         "created": datetime.now().isoformat(timespec="seconds"),
+        "revision": revision(),
         "command": shlex.join([f"benchmarks/{study}.py", *(sys.argv[1:] if argv is None else argv)]),
         "machine": {**machine_info(device), "load_average_start": load_start, "load_average_end": load_average()},
         "versions": versions(),

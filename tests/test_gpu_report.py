@@ -368,3 +368,24 @@ def test_a_rehearsal_row_that_runs_past_its_allowance_is_reported_failed(tmp_pat
         recs[toy] = gpu_report.run_row(row, ctx, dict(os.environ), limit=60)
     assert recs[True]["status"] == "failed" and recs[True]["result"].startswith("ran past its time: "), recs[True]
     assert recs[True]["allowance_s"] == 0 and recs[False]["status"] == "ok" and recs[False]["result"] == "measured"
+
+
+def test_every_report_names_its_revision_and_a_copy_without_git_takes_it_from_the_command(tmp_path, monkeypatch):
+    """Here, git's short hash (with '+ uncommitted changes' when tracked files differ); on a copy of the tree without
+    git (the GPU machine's), the revision the device command sets, which --dry-run prints filled in."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import harness
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    assert harness.revision().startswith(head.strip())
+    assert harness.provenance("x", [], "cpu", None)["revision"] == harness.revision()
+    proc = run("--dry-run", tmp_path=tmp_path)
+    assert f"{harness.REVISION_VAR}='{harness.revision()}' PYTHONPATH=$PWD python3" in proc.stdout or (
+        f"{harness.REVISION_VAR}={harness.revision()} PYTHONPATH=$PWD python3" in proc.stdout
+    )
+    monkeypatch.setattr(harness, "REPO", tmp_path)  # no git there
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    monkeypatch.delenv(harness.REVISION_VAR, raising=False)
+    assert harness.revision().startswith("not known")
+    monkeypatch.setenv(harness.REVISION_VAR, "abc1234")
+    assert harness.revision() == f"abc1234 (as {harness.REVISION_VAR} says: no git here)"
