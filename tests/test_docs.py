@@ -85,6 +85,21 @@ def test_docs_results_table_is_rendered_from_the_results_files():
     )
 
 
+def test_every_results_section_names_its_data_file_or_says_it_has_none():
+    """Each section of docs/results.md names a data file under benchmarks/results/ (or holds the rendered table), or
+    says that no data file holds its figures; a section that does neither is a figure without its run."""
+    import re
+
+    sections = re.split(r"^#{2,3} ", (REPO / "docs" / "results.md").read_text(), flags=re.M)[1:]
+    assert len(sections) >= 10
+    for section in sections:
+        named = "benchmarks/results/" in section or "results:begin" in section
+        says = "No data file holds this section's figures" in section or "*Data: in each subsection below.*" in section
+        assert named or says, f"docs/results.md, section {section.splitlines()[0]!r}: name its data file or say none"
+        for ref in re.findall(r"benchmarks/results/([\w./-]+\.json)", section):
+            assert (REPO / "benchmarks" / "results" / ref).is_file(), f"{ref} named in docs/results.md does not exist"
+
+
 def test_every_results_file_is_complete():
     files = [p for p in sorted(results_table.RESULTS.glob("*.json")) if results_table.SCHEMA in p.read_text()]
     assert files, "no results files in benchmarks/results/"
