@@ -401,7 +401,7 @@ def library_files(model: nn.Module, mean, std, side: int, class_names) -> dict:
     input size and crop), which ``timm.create_model("local-dir:<folder>", pretrained=True)`` reads; for a transformers
     model its config.json with the classes as labels and a preprocessor_config.json (the run's resize, crop and
     normalisation), with ``weights_prefix``: the weights saved under the model's own names, as ``from_pretrained``
-    reads them. {} for a torchvision model (docs/data.md: how to open it)."""
+    reads them. {} for a torchvision model (docs/run-directory.md: how to open it)."""
     if isinstance(model, hf_models.ImageClassifier):
         import transformers
 
