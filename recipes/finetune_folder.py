@@ -11,6 +11,8 @@ Folder rules and models: docs/data.md; measured accuracy and wall time: docs/res
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --weights DEFAULT   # pretrained (downloads)
     accelerate launch recipes/finetune_folder.py --dataset beans        # a Hub image dataset (or its clone, parquet)
     accelerate launch recipes/finetune_folder.py --dataset ~/photos --model timm/resnet10t.c3_in1k --weights DEFAULT
+    accelerate launch recipes/finetune_folder.py --dataset ~/photos --model convnext_tiny.fb_in1k --weights DEFAULT \\
+        --layer-decay 0.75 --drop-path 0.1            # timm's fine-tuning regularisers; best/ opens in timm itself
     accelerate launch --config_file accelerate_configs/multi_gpu_bf16.yaml recipes/finetune_folder.py \\
         --dataset ~/photos --workers 8 --output-dir runs/photos --resume-from latest
 Every knob: python recipes/finetune_folder.py --help
