@@ -167,10 +167,11 @@ def no_drop_path(name: str, what: str) -> ConfigError:
 def check_regularisers(name: str, drop_path: float | None, layer_decay: float) -> None:
     """Before any data is read: --layer-decay needs a timm model (its layers are timm's ``group_matcher``'s), and a
     --drop-path a model that takes one (built on the meta device: no memory, no initialisation)."""
-    if layer_decay and check_name(name) != "timm":
+    family = check_name(name) if layer_decay else "timm"
+    if family != "timm":
         raise ConfigError(
             f"--layer-decay needs a timm model (its layers as timm's group_matcher orders them); --model {name} is "
-            f"{check_name(name)}'s. Use a timm model (e.g. --model convnext_tiny.fb_in1k, vit_small_patch16_224), "
+            f"{family}'s. Use a timm model (e.g. --model convnext_tiny.fb_in1k, vit_small_patch16_224), "
             "or --backbone-lr-scale for one lower rate below the head."
         )
     if drop_path is not None:

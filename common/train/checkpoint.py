@@ -526,16 +526,20 @@ def find_model_dir(path: Path) -> Path:
 def load_model_dir(path: Path):
     """Returns (state_dict, card) from a folder written by ``save_model_dir``."""
     model_dir = find_model_dir(path)
-    return read_weights(model_dir / WEIGHTS), json.loads((model_dir / MODEL_CARD).read_text())
+    card = json.loads((model_dir / MODEL_CARD).read_text())
+    return read_weights(model_dir / WEIGHTS, card), card
 
 
-def read_weights(file: Path) -> dict:
-    """A weights file under the recipe's model's names: those of a model folder whose model.json names a
-    ``weights_prefix`` (a transformers model's, saved as from_pretrained reads them) get it back."""
+def read_weights(file: Path, card: dict | None = None) -> dict:
+    """A weights file under the recipe's model's names: those of a model folder whose model.json (``card``, read
+    beside the file when not given) names a ``weights_prefix`` (a transformers model's, saved as from_pretrained reads
+    them) get it back."""
     from safetensors.torch import load_file
 
-    card = Path(file).with_name(MODEL_CARD)
-    prefix = json.loads(card.read_text()).get("weights_prefix", "") if card.is_file() else ""
+    if card is None:
+        beside = Path(file).with_name(MODEL_CARD)
+        card = json.loads(beside.read_text()) if beside.is_file() else {}
+    prefix = card.get("weights_prefix", "")
     return {f"{prefix}{k}": v for k, v in load_file(str(file)).items()}
 
 
