@@ -29,7 +29,7 @@ accelerate_configs/single_gpu.yaml` (spelled `python -m accelerate.commands.laun
 said. A row that fails, times out or is not reached is reported in the table with the tail of its log; the script
 goes on and always writes the table, and a run cut short keeps every row before the cut. The default command runs
 cifar_cnn_vs_airbench94, mnist_convnet_to_99.3, ab/*, profile/cifar_cnn and photos/*, in that order; the others run
-when --only names them (floor, throughput, profile/mnist_convnet and correct: a command of their own).
+when --only names them (throughput, profile/mnist_convnet and correct: a command of their own).
 - cifar_cnn_vs_airbench94: time_to_accuracy.py --target baseline --baseline-kind airbench94: cifar_cnn's default
   (bf16) against benchmarks/airbench94.py (this repository's airbench94, written from the paper, not Keller Jordan's
   file: fp16, uncompiled) on the same split of CIFAR-10 (JPEG copy) and the same GPU, seeds 1-5 (--cifar-seeds),
@@ -58,9 +58,6 @@ when --only names them (floor, throughput, profile/mnist_convnet and correct: a 
   recipe at least the reference. photos/decode times the reference's training loader alone (no model): the CPUs'
   decode ceiling, which the recipe's row names when both sides wait on their data more than half the time. The three
   budgets are estimates (no GPU has run these rows).
-- floor/mnist_convnet (only with --only floor): benchmarks/floor.py, what mnist_convnet's launch to exit cannot go
-  below on this machine (interpreter, torch import, CUDA init, the first optimizer's torch._dynamo import, the data
-  read, the launcher), beside the recipe launched for one step: its launch to exit as a multiple of the floor.
 - throughput/<recipe>/{host,device} (only with --only throughput): images/s (median of the metrics.jsonl windows
   after the first) with --data-on-device false and true; the ratio device / host.
 - correct/* (only with --only correct): 40 optimizer steps each, checked: status completed, 40 steps, a finite
@@ -142,7 +139,6 @@ BUDGET_S = {
 # Rows a run makes only when --only names them (they do not fit the default run's deadline): their own budgets
 # (the H200 report's seconds, rounded up by about a second)
 EXTRA_BUDGET_S = {
-    "floor/mnist_convnet": 80,
     "throughput/mnist_convnet/host": 20,
     "throughput/mnist_convnet/device": 18,
     "throughput/cifar_cnn/host": 26,
@@ -166,7 +162,7 @@ TTA, ME = REPO / "benchmarks" / "time_to_accuracy.py", Path(__file__).resolve()
 STEPS = 40  # optimizer steps of each correctness row
 # The rows' order: what the speed goals need first (a run cut short keeps them), the correctness checks last
 PRIORITY = (
-    "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "ab/", "profile/", "photos/", "floor/", "throughput/",
+    "cifar_cnn_vs_airbench94", "mnist_convnet_to_99.3", "ab/", "profile/", "photos/", "throughput/",
     "correct/",
 )  # fmt: skip
 INNER = "GPU_REPORT_REHEARSAL"  # set in the rehearsal's own process, inside its environment
@@ -419,13 +415,6 @@ def read_rate(run_dir: Path):
     text = f"{w['samples_per_s']:,.0f} images/s (spread {w['spread']:.0%}"
     text += f", data wait {w['data_wait']:.0%})" if w["data_wait"] is not None else ")"
     return text, "-", None, w
-
-
-def read_floor(out: Path):
-    import floor
-
-    r = json.loads(out.read_text())
-    return floor.line(r), "-", None, r
 
 
 def read_photo_reference(out: Path):
@@ -687,20 +676,6 @@ def plan(ctx: Ctx) -> list[Row]:
             lambda o=out: read_tta_mnist(o, toy),
         )
     )
-    # floor/*: run only when --only names them (a command of their own, with the cifar row's five seeds)
-    out = w / "floor-mnist.json"
-    rows.append(
-        Row(
-            "floor/mnist_convnet",
-            ALL_BUDGET_S["floor/mnist_convnet"],
-            "benchmarks/floor.py: what mnist_convnet's launch to exit cannot go below (interpreter, torch import, CUDA "
-            "init, first optimizer, data read, launcher), beside the recipe launched for one step",
-            [ctx.py, REPO / "benchmarks" / "floor.py", "--recipe", "mnist_convnet", "--dataset", data["mnist_convnet"],
-             "--cache-dir", w / "cache", "--device", ctx.device, "--repeats", 1 if toy else 2, "--recipe-args",
-             shlex.join(map(str, TOY["mnist_convnet"])) if toy else "", "--out", out],
-            lambda o=out: read_floor(o),
-        )
-    )  # fmt: skip
     sizes = {"mnist_convnet": (30, 5) if toy else (200, 25), "cifar_cnn": (24, 4) if toy else (40, 8)}
     for recipe, (n, every) in sizes.items():
         for lever, on in (("host", "false"), ("device", "true")):

@@ -246,26 +246,6 @@ def test_the_photo_recipes_row_names_the_decode_ceiling_only_when_both_sides_wai
     assert "decode" not in gpu_report.read_photo_recipe(run_dir, ref, toy=False, decode=decode)[0]
 
 
-@pytest.mark.integration
-def test_the_floor_row_runs_only_when_named_and_sums_its_parts(tmp_path):
-    """floor/mnist_convnet (benchmarks/floor.py): not in the default run, run by --only floor; rehearsed, it names
-    each part of what mnist_convnet's launch to exit cannot go below, the floor is their sum, and the recipe launched
-    for one step is timed beside it (launch to exit, at least the floor's interpreter and torch import)."""
-    proc = run("--work-dir", tmp_path / "work", "--dry-run", tmp_path=tmp_path)
-    assert "floor/" not in proc.stdout
-    proc = run("--rehearse", "--only", "floor", "--out", "out", tmp_path=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (row,) = json.loads((tmp_path / "out" / "gpu_report.json").read_text())["rows"]
-    assert row["name"] == "floor/mnist_convnet" and row["status"] == "ok", row
-    floor = json.loads((tmp_path / "out" / "work" / "floor-mnist.json").read_text())
-    parts = floor["parts_s"]
-    assert list(parts) == ["interpreter", "torch_import", "device_init", "first_optimizer", "data_read", "launcher"]
-    assert all(v >= 0 for v in parts.values()) and abs(floor["floor_s"] - sum(parts.values())) < 0.01
-    assert parts["torch_import"] > 0.1 and parts["launcher"] > 0.1  # really timed: each costs a good part of a second
-    assert floor["one_step_run_s"] > parts["interpreter"] + parts["torch_import"]
-    assert row["result"].startswith(f"floor {floor['floor_s']:.2f} s (interpreter") and "x the floor)" in row["result"]
-
-
 def test_the_mnist_row_judges_the_means_over_its_seeds(tmp_path):
     """Three seeds in one process: each seed's time to 99.3% reported, the first seed's cost apart; the goal by the
     means (final accuracy >= 99.3%, time to it < 2 s), so a seed just short of 99.3% does not fail an equal recipe."""
