@@ -88,7 +88,6 @@ import math
 import os
 import re
 import shlex
-import signal
 import site
 import statistics
 import subprocess
@@ -116,7 +115,7 @@ from harness import (  # first: the repo on sys.path
     revision,
     warn_if_busy,
 )
-from launching import CONFIGS_DIR, read_run, recipe_env, stop_children_on_term
+from launching import CONFIGS_DIR, read_run, recipe_env, run_logged, stop_children_on_term
 
 DEADLINE_S, SETUP_S, RUN_TIMEOUT_S = 480, 20, 540  # the script's deadline, its data install, the run's timeout_s
 # The default command's rows and their seconds on the GPU, summing to at most DEADLINE_S less SETUP_S: what decides
@@ -773,27 +772,6 @@ def plan(ctx: Ctx) -> list[Row]:
 # --- running them ---------------------------------------------------------------------------------------------------
 
 
-def run_group(cmd, env, cwd: Path, log: Path, timeout: float):
-    """(exit code or "timeout", wall s) of ``cmd`` in a session of its own: on a timeout (or when this script is
-    stopped) the whole group is stopped, so nothing of a row (a launcher's worker, compile workers) outlives it."""
-    t0 = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=max(1.0, timeout))
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-        finally:
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(wait)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
-    return code, time.perf_counter() - t0
-
-
 def tail(log: Path, n: int = 15) -> list[str]:
     """The last ``n`` lines of a row's log, less the launcher's own traceback after a worker's (it only says that
     the worker failed)."""
@@ -831,7 +809,7 @@ def run_row(row: Row, ctx: Ctx, env: dict, limit: float) -> dict:
     rec = row.record
     log = ctx.work / "logs" / f"{row.name.replace('/', '-')}.log"
     rec.update(limit_s=round(limit), log=str(log))
-    code, wall = run_group([str(c) for c in row.cmd], env, ctx.work, log, limit)
+    code, wall = run_logged([str(c) for c in row.cmd], env, log, limit, cwd=ctx.work)
     rec.update(exit=code, wall_s=round(wall, 1))
     try:
         result, goal, passed, data = row.read()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -90,20 +91,28 @@ def recipe_env(
     return env
 
 
-def run_logged(cmd, env: dict, log: Path, timeout: float | None = None) -> tuple[int | str, float]:
-    """Run a recipe command from the repository root, its stdout and stderr into ``log`` (kept beside the run for
-    whoever reads the numbers later): its exit code, "timeout" when stopped after ``timeout`` seconds, and its
-    wall seconds."""
+def run_logged(cmd, env: dict, log: Path, timeout: float | None = None, cwd: Path = REPO) -> tuple[int | str, float]:
+    """Run a command from ``cwd`` (default the repository root) in a session of its own, its stdout and stderr into
+    ``log`` (kept beside the run for whoever reads the numbers later): its exit code, "timeout" when stopped after
+    ``timeout`` seconds, and its wall seconds. On a timeout, or when this process is stopped, the whole group is
+    stopped: nothing a launcher started (its workers, compile workers) outlives the command."""
     log = Path(log)
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = subprocess.run(
-                cmd, env=env, cwd=str(REPO), stdout=out, stderr=subprocess.STDOUT, timeout=timeout
-            ).returncode
+            code = proc.wait(timeout=None if timeout is None else max(1.0, timeout))
         except subprocess.TimeoutExpired:
             code = "timeout"
+        finally:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(wait)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
     return code, time.perf_counter() - t0
 
 
@@ -139,10 +148,9 @@ def read_run(run_dir: Path) -> dict:
 
 
 def stop_children_on_term() -> None:
-    """For a script that runs recipes with ``subprocess.run``: TERM and HUP end it as Ctrl-C does (an exception),
-    so ``subprocess.run`` kills the launcher it waits on, whose workers then see their launcher gone, checkpoint
-    and exit, instead of training on with nobody waiting for them."""
-    import signal
+    """For a script that runs recipes with ``run_logged``: TERM and HUP end it as Ctrl-C does (an exception), so
+    ``run_logged`` stops the command's whole group (the launcher and its workers, which checkpoint and exit) instead
+    of leaving it training with nobody waiting for it."""
 
     def stop(signum, frame):
         raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
