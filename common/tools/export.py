@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from common.errors import EXIT_CHECK_FAILED, RecipeError, printable, run_command
-from common.tools.predict import load_predictor
+from common.tools.predict import load_predictor, model_arguments
 from common.train.metrics import tta_logits
 
 
@@ -178,7 +178,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="run directory, or its best/ or final/ folder")
+    model_arguments(parser)
     parser.add_argument("--onnx", required=True, help="path of the .onnx file to write")
     parser.add_argument(
         "--no-preprocess", action="store_true", help="export the bare network, which takes normalized images"
@@ -194,11 +194,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="torchscript",
         help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
         "torch.export-based exporter, also needs `pip install onnxscript`",
-    )
-    parser.add_argument(
-        "--recipe",
-        help="the recipe file that defines the model, when it is not one of this "
-        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust",
     )
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check-batch", type=int, default=4, help="random images in the onnxruntime check")
