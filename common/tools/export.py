@@ -28,8 +28,7 @@ Exporters (``--exporter``):
 
 The check: a random batch, and a batch of one, are run through the ONNX file with onnxruntime (installed by
 requirements.txt) and through the PyTorch model; the max abs difference of the logits must be below ``--atol`` (default
-1e-4; relative to the largest logit when that is above 1). Class names, mean/std and the input description are stored in
-the file's ``metadata_props`` (with the ``onnx`` package).
+1e-4; relative to the largest logit when that is above 1).
 
 Exit codes: 0 ok (the check passed), 1 the onnxruntime check failed, 2 bad input or a missing package
 (one paragraph on stderr that names the fix, no traceback, no file written).
