@@ -3,22 +3,14 @@
     python -m common.tools.predict runs/cifar_cnn-20250101-120000 photo.png more_photos/ --top-k 3
     python -m common.tools.predict runs/mnist/best digits/ --format json --output predictions.json
 
-The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder
-itself: model.safetensors + model.json as written by ``common.train.checkpoint.save_model_dir``. Folders
-are searched recursively for image files (png, jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm).
+The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder itself:
+model.safetensors + model.json as ``common.train.checkpoint.save_model_dir`` writes them. Folders are walked as
+training walks an image folder. Preprocessing is the run's evaluation one (``load_image``), normalized with the
+mean/std in model.json; when the run evaluated with ``--tta`` the logits are averaged over the same views
+(``common.train.metrics.tta_logits``).
 
-Preprocessing is the evaluation one: each image is converted to 'L' (1-channel models) or 'RGB'
-(3 channels), resized bilinearly to the model's input size if it differs (as ``--image-size`` does
-when the dataset is decoded), turned into a uint8 CHW tensor and normalized with the mean/std
-stored in model.json (``common.data.augment.normalize``). When the run used ``--tta`` the logits are
-averaged over the same views as ``common.train.metrics.evaluate`` (the mirror image, and at level 2 the
-1-pixel shifts).
-
-Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on
-stderr and no traceback.
-
-The reusable parts (``build_model_from_card``, ``load_predictor``, ``Predictor.probabilities``,
-``predict_files``) are importable for tests and other tools.
+Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on stderr and no
+traceback. ``load_predictor`` and ``predict_files`` are importable for tests and other tools.
 """
 
 from __future__ import annotations
