@@ -28,8 +28,7 @@ Exporters (``--exporter``):
 
 The check: a random batch, and a batch of one, are run through the ONNX file with onnxruntime (installed by
 requirements.txt) and through the PyTorch model; the max abs difference of the logits must be below ``--atol`` (default
-1e-4; relative to the largest logit when that is above 1). Class names, mean/std and the input description are stored in
-the file's ``metadata_props`` (with the ``onnx`` package).
+1e-4; relative to the largest logit when that is above 1).
 
 Exit codes: 0 ok (the check passed), 1 the onnxruntime check failed, 2 bad input or a missing package
 (one paragraph on stderr that names the fix, no traceback, no file written).
@@ -50,7 +49,7 @@ import torch
 from torch import nn
 
 from common.errors import EXIT_CHECK_FAILED, RecipeError, printable, run_command
-from common.tools.predict import load_predictor
+from common.tools.predict import load_predictor, model_arguments
 from common.train.metrics import tta_logits
 
 
@@ -95,83 +94,61 @@ def input_description(card: dict, preprocess: bool, tta: bool) -> str:
     return what + views.get(int(tta), "") + f". Output: logits (N, {len(card['class_names'])})."
 
 
-def require(module: str, needed_for: str, fix: str) -> None:
-    """Import ``module`` or raise a RecipeError that says what needs it and how to install it."""
-    try:
-        importlib.import_module(module)
-    except ImportError as err:
-        raise RecipeError(
-            f"{needed_for} needs the {module} package, which is not importable ({err}). {fix} Nothing was written."
-        ) from None
-
-
 def check_packages(exporter: str) -> bool:
-    """Fail before any work when a package the export or the check needs is missing. Returns True for
-    the torch.export-based (dynamo) exporter, False for the TorchScript one."""
-    reinstall = "Run `pip install -r requirements.txt` (or `pip install onnx onnxruntime`)."
-    require("onnx", "ONNX export (either exporter)", reinstall)
-    require("onnxruntime", "The check of the ONNX file against PyTorch", reinstall)
-    if exporter != "dynamo":
-        return False
-    if "dynamo" not in inspect.signature(torch.onnx.export).parameters:
+    """Fail before any work when a package the export or the check needs is missing (one paragraph naming what needs
+    it and how to install it). True for the torch.export-based (dynamo) exporter, False for the TorchScript one."""
+    dynamo = exporter == "dynamo"
+    if dynamo and "dynamo" not in inspect.signature(torch.onnx.export).parameters:
         raise RecipeError(
             f"--exporter dynamo needs torch 2.5 or newer (this is torch {torch.__version__}). "
             "Leave out --exporter to use the TorchScript exporter, or upgrade torch."
         )
-    require(
-        "onnxscript",
-        "--exporter dynamo (the torch.export-based exporter)",
-        "Run `pip install onnxscript`, or leave out --exporter to use the default TorchScript exporter, "
-        "which needs only onnx (installed by requirements.txt).",
-    )
-    return True
+    reinstall = "Run `pip install -r requirements.txt` (or `pip install onnx onnxruntime`)."
+    needs = [("onnx", "ONNX export (either exporter)", reinstall)]
+    needs.append(("onnxruntime", "The check of the ONNX file against PyTorch", reinstall))
+    if dynamo:
+        fix = "Run `pip install onnxscript`, or leave out --exporter to use the default TorchScript exporter, which "
+        needs.append(("onnxscript", "--exporter dynamo (the torch.export-based exporter)", fix + "needs only onnx."))
+    for module, needed_for, fix in needs:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise RecipeError(
+                f"{needed_for} needs the {module} package, which is not importable ({err}). {fix} Nothing was written."
+            ) from None
+    return dynamo
 
 
 def export_onnx(wrapper: nn.Module, example: torch.Tensor, out: Path, dynamo: bool, opset: int | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    common = dict(input_names=["images"], output_names=["logits"], opset_version=opset)
+    kwargs = dict(input_names=["images"], output_names=["logits"], opset_version=opset)
     if dynamo:
-        batch = torch.export.Dim("batch", min=1)
-        torch.onnx.export(
-            wrapper,
-            (example,),
-            str(out),
-            dynamo=True,
-            external_data=False,
-            dynamic_shapes={"images": {0: batch}},
-            **common,
-        )
-        return
-    # Since torch 2.9 torch.onnx.export defaults to dynamo=True, which needs onnxscript; torch < 2.5 has
-    # no dynamo argument and only this exporter.
-    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
-        common["dynamo"] = False
-    with warnings.catch_warnings():  # torch >= 2.9 warns on every call that this exporter is deprecated
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            wrapper, (example,), str(out), dynamic_axes={"images": {0: "batch"}, "logits": {0: "batch"}}, **common
-        )
+        kwargs.update(external_data=False, dynamic_shapes={"images": {0: torch.export.Dim("batch", min=1)}})
+    else:
+        kwargs["dynamic_axes"] = {"images": {0: "batch"}, "logits": {0: "batch"}}
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:  # torch < 2.5: TorchScript only, no argument
+        kwargs["dynamo"] = dynamo  # torch >= 2.9 defaults to True, which needs onnxscript
+    with warnings.catch_warnings():
+        if not dynamo:  # torch >= 2.9 warns on every call that this exporter is deprecated
+            warnings.simplefilter("ignore")
+        torch.onnx.export(wrapper, (example,), str(out), **kwargs)
 
 
 def add_metadata(out: Path, card: dict, description: str) -> None:
-    """Store class names, preprocessing and the input description in the ONNX file."""
+    """Store class names, preprocessing and the input description in the ONNX file's metadata_props."""
     import onnx
 
     model = onnx.load(str(out))
-    meta = {
-        "class_names": json.dumps([str(n) for n in card["class_names"]]),
-        "input": description,
-        "mean": json.dumps(card["mean"]),
-        "std": json.dumps(card["std"]),
-        "input_shape": json.dumps(card["input_shape"]),
-        "recipe": str(card.get("recipe", "")),
-        "model": str(card.get("model", "")),
-        "preprocess": json.dumps(card.get("preprocess")),
-    }
-    del model.metadata_props[:]
-    for key, value in meta.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = key, value
+    onnx.helper.set_model_props(
+        model,
+        {
+            "class_names": json.dumps([str(n) for n in card["class_names"]]),
+            "input": description,
+            **{key: json.dumps(card.get(key)) for key in ("mean", "std", "input_shape", "preprocess")},
+            "recipe": str(card.get("recipe", "")),
+            "model": str(card.get("model", "")),
+        },
+    )
     onnx.save(model, str(out))
 
 
@@ -200,7 +177,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="run directory, or its best/ or final/ folder")
+    model_arguments(parser)
     parser.add_argument("--onnx", required=True, help="path of the .onnx file to write")
     parser.add_argument(
         "--no-preprocess", action="store_true", help="export the bare network, which takes normalized images"
@@ -216,11 +193,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="torchscript",
         help="torchscript (default): needs onnx, installed by requirements.txt; dynamo: the "
         "torch.export-based exporter, also needs `pip install onnxscript`",
-    )
-    parser.add_argument(
-        "--recipe",
-        help="the recipe file that defines the model, when it is not one of this "
-        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust",
     )
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset version (default: the exporter's)")
     parser.add_argument("--check-batch", type=int, default=4, help="random images in the onnxruntime check")
@@ -248,45 +220,40 @@ def run(args: argparse.Namespace) -> int:
     example = torch.rand((args.check_batch, *predictor.input_shape), generator=gen)
     if not preprocess:  # what a normalized batch looks like
         example = (example - wrapper.mean) / wrapper.std
-    final, out = out, out.with_name(f".{out.name}.{os.getpid()}.tmp.onnx")  # a previous good file stays until the check
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp.onnx")  # a previous good file stays until the check passed
+    exporter = "dynamo" if dynamo else "TorchScript"
     try:
-        export_onnx(wrapper, example, out, dynamo, args.opset)
-    except Exception as err:  # the exporters raise many types
-        out.unlink(missing_ok=True)  # a half-written file is worse than none
-        other = (
-            "leave out --exporter to use the TorchScript exporter"
-            if dynamo
-            else "try the torch.export-based exporter: `pip install onnxscript`, then add --exporter dynamo"
-        )
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise RecipeError(
-            f"torch.onnx.export ({'dynamo' if dynamo else 'TorchScript'} exporter, torch "
-            f"{torch.__version__}) failed on this model: {type(err).__name__}: {first}. To get a file, "
-            f"{other}, or pass another --opset (e.g. --opset 17)."
-        ) from None
-    try:
+        try:
+            export_onnx(wrapper, example, tmp, dynamo, args.opset)
+        except Exception as err:  # the exporters raise many types
+            other = (
+                "leave out --exporter to use the TorchScript exporter"
+                if dynamo
+                else ("try the torch.export-based exporter: `pip install onnxscript`, then add --exporter dynamo")
+            )
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise RecipeError(
+                f"torch.onnx.export ({exporter} exporter, torch {torch.__version__}) failed on this model: "
+                f"{type(err).__name__}: {first}. To get a file, {other}, or pass another --opset (e.g. --opset 17)."
+            ) from None
         description = input_description(card, preprocess, predictor.tta)
-        add_metadata(out, card, description)
-        diff = check_onnxruntime(out, wrapper, example)
+        add_metadata(tmp, card, description)
+        diff = check_onnxruntime(tmp, wrapper, example)
         if not diff < args.atol:
             print(
                 f"onnxruntime check FAILED: max logit difference to torch is {diff:.3g} (relative to the largest "
-                f"logit above 1; allowed {args.atol:g}) on {args.check_batch} random images; {final} was not written"
-                f"{' (the previous file there is kept)' if final.exists() else ''}"
+                f"logit above 1; allowed {args.atol:g}) on {args.check_batch} random images; {out} was not written"
+                f"{' (the previous file there is kept)' if out.exists() else ''}"
             )
             return EXIT_CHECK_FAILED
-        os.replace(out, final)
+        os.replace(tmp, out)
     finally:
-        out.unlink(missing_ok=True)
-    out = final
-    print(
-        f"wrote {out} from {printable(predictor.model_dir)} ({printable(card.get('model'))}, "
-        f"{'dynamo' if dynamo else 'TorchScript'} exporter, torch {torch.__version__})"
-    )
-    print(f"input: {printable(description)}")  # it quotes model.json's mean and std
+        tmp.unlink(missing_ok=True)  # a half-written file is worse than none
     import onnxruntime
 
     print(
+        f"wrote {out} from {printable(predictor.model_dir)} ({printable(card.get('model'))}, {exporter} exporter, "
+        f"torch {torch.__version__})\ninput: {printable(description)}\n"  # it quotes model.json's mean and std
         f"onnxruntime check passed: max logit difference to torch {diff:.3g} < {args.atol:g} "
         f"({args.check_batch} random images, onnxruntime {onnxruntime.__version__})"
     )

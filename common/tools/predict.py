@@ -3,22 +3,14 @@
     python -m common.tools.predict runs/cifar_cnn-20250101-120000 photo.png more_photos/ --top-k 3
     python -m common.tools.predict runs/mnist/best digits/ --format json --output predictions.json
 
-The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder
-itself: model.safetensors + model.json as written by ``common.train.checkpoint.save_model_dir``. Folders
-are searched recursively for image files (png, jpg, jpeg, bmp, gif, webp, tif, tiff, ppm, pgm).
+The first argument is a run directory (its best/ is used, else final/) or a best/ or final/ folder itself:
+model.safetensors + model.json as ``common.train.checkpoint.save_model_dir`` writes them. Folders are walked as
+training walks an image folder. Preprocessing is the run's evaluation one (``load_image``), normalized with the
+mean/std in model.json; when the run evaluated with ``--tta`` the logits are averaged over the same views
+(``common.train.metrics.tta_logits``).
 
-Preprocessing is the evaluation one: each image is converted to 'L' (1-channel models) or 'RGB'
-(3 channels), resized bilinearly to the model's input size if it differs (as ``--image-size`` does
-when the dataset is decoded), turned into a uint8 CHW tensor and normalized with the mean/std
-stored in model.json (``common.data.augment.normalize``). When the run used ``--tta`` the logits are
-averaged over the same views as ``common.train.metrics.evaluate`` (the mirror image, and at level 2 the
-1-pixel shifts).
-
-Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on
-stderr and no traceback.
-
-The reusable parts (``build_model_from_card``, ``load_predictor``, ``Predictor.probabilities``,
-``predict_files``) are importable for tests and other tools.
+Exit codes: 0 ok, 2 bad input (missing path, unreadable image, no model files), one paragraph on stderr and no
+traceback. ``load_predictor`` and ``predict_files`` are importable for tests and other tools.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ from common.data.photos import eval_view
 from common.data.pixels import as_mode, read_rgb, unreadable_reason
 from common.data.walk import images_below
 from common.errors import RecipeError, printable, run_command
-from common.tools.recipe_files import import_recipe
+from common.tools.recipe_files import RECIPES_DIR, import_recipe
 from common.train.checkpoint import find_model_dir, load_model_dir
 from common.train.metrics import tta_logits
 
@@ -53,10 +45,8 @@ def repository_recipe(card: dict, ours: Path) -> bool:
     recorded = card.get("recipe_file")
     if card.get("recipe_sha256"):  # the bytes decide, in this clone too: the file may have been edited since
         return not changed_since(card, ours)
-    if recorded and Path(recorded).resolve() == ours.resolve():
+    if not recorded or Path(recorded).resolve() == ours.resolve():  # no file: written before model.json named it
         return True
-    if not recorded:
-        return True  # written before model.json named the file
     recorded = PurePath(str(recorded))  # written before model.json recorded the file's bytes
     return recorded.name == ours.name and recorded.parent.name == "recipes"
 
@@ -86,24 +76,22 @@ def load_recipe(card: dict, recipe_file=None):
     path and the flag that trusts it."""
     import re
 
-    recipes_dir = Path(__file__).resolve().parents[2] / "recipes"
     name, recorded = str(card.get("recipe", "")), card.get("recipe_file") or "no file recorded"
     if recipe_file:
         path = Path(recipe_file).expanduser()
         if not path.is_file():
             raise RecipeError(f"--recipe {recipe_file} is not a file. Pass the recipe file the run was trained with.")
-        changed = changed_since(card, path)
-        if changed:
+        if changed := changed_since(card, path):
             print(
                 f"NOTE: --recipe {printable(path)} {changed}; the model is built from it as it is now.", file=sys.stderr
             )
     elif (
         re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
-        and (recipes_dir / f"{name}.py").is_file()
-        and repository_recipe(card, recipes_dir / f"{name}.py")
+        and (RECIPES_DIR / f"{name}.py").is_file()
+        and repository_recipe(card, RECIPES_DIR / f"{name}.py")
     ):
-        path = recipes_dir / f"{name}.py"
-    elif Path(recorded).resolve() == (ours := recipes_dir / f"{name}.py") and (changed := changed_since(card, ours)):
+        path = RECIPES_DIR / f"{name}.py"
+    elif Path(recorded).resolve() == (ours := RECIPES_DIR / f"{name}.py") and (changed := changed_since(card, ours)):
         raise RecipeError(
             f"{ours} {changed}: its build_model may build another model than the one whose weights "
             f"these are, and importing it runs it. Pass --recipe {ours} to build from the file as it is now, or "
@@ -113,7 +101,7 @@ def load_recipe(card: dict, recipe_file=None):
     else:
         raise RecipeError(
             f"model.json names the recipe {name!r} ({recorded}), which is not one of this repository's "
-            f"recipes in {recipes_dir} as they are now. Its model is defined in that file, and importing it runs it, "
+            f"recipes in {RECIPES_DIR} as they are now. Its model is defined in that file, and importing it runs it, "
             "so it is not imported on the word of a run folder. If you trust the file (e.g. your own copy "
             "of a recipe, which trained this run), pass --recipe path/to/that_recipe.py."
         )
@@ -139,8 +127,7 @@ def build_model_from_card(card: dict, recipe_file=None) -> torch.nn.Module:
     input shape and class count (so a model class defined in a copied recipe works too)."""
     import dataclasses
 
-    missing = [k for k in ("input_shape", "class_names", "config") if k not in card]
-    if missing:
+    if missing := [k for k in ("input_shape", "class_names", "config") if k not in card]:
         raise RecipeError(
             f"model.json lacks {', '.join(missing)}: it was not written by a recipe of this "
             "repository (or is damaged). Point at a best/ or final/ folder of a finished run."
@@ -233,13 +220,13 @@ def load_predictor(path, device: str | torch.device = "cpu", tta: int | None = N
 
 
 def collect_images(inputs) -> list[Path]:
-    """Files as given, folders expanded (recursively, sorted) to the image files they hold."""
+    """Files as given, folders expanded to the image files they hold (walked as training walks an image folder,
+    ``common.data.walk``: recursively, sorted, links followed, hidden entries skipped), each file once."""
     found: list[Path] = []
     for item in inputs:
         p = Path(item).expanduser()
-        if p.is_dir():  # walked as training walks an image folder (common.data.folders): links followed, hidden skipped
-            files = [Path(f) for f in images_below(p)]
-            if not files:
+        if p.is_dir():
+            if not (files := [Path(f) for f in images_below(p)]):
                 raise RecipeError(
                     f"The folder {p} holds no image files (files Pillow opens: .png, .jpg, .jpeg, "
                     ".bmp, .gif, .webp, .tif, ...). Pass image files, or folders that contain some."
@@ -249,49 +236,31 @@ def collect_images(inputs) -> list[Path]:
             found.append(p)
         else:
             raise RecipeError(f"The input {item} does not exist. Pass existing image files or folders.")
-    seen, unique = set(), []
-    for f in found:
-        if f not in seen:
-            seen.add(f)
-            unique.append(f)
-    return unique
-
-
-def preprocess_image(img, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
-    """A PIL image -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized to a size it did not have).
-    Pixels and mode follow ``common.data.decoded`` decoding (``common.data.pixels``: 'L' or 'RGB'). ``preprocess`` (a
-    photo run's model.json: ``common.data.photos``): the shorter side resized and the centre cropped, as the run
-    evaluated; else a bilinear resize to the input size, as the decoded-cache recipes decode."""
-    import numpy as np
-    from PIL import Image
-
-    c, h, w = input_shape
-    img = as_mode(img, "L" if c == 1 else "RGB")  # EXIF, 16-bit and transparency read as in training
-    if preprocess:
-        from torchvision.transforms.v2.functional import pil_to_tensor
-
-        return eval_view(pil_to_tensor(img), int(preprocess["center_crop"])).contiguous(), False
-    resized = img.size != (w, h)
-    if resized:
-        img = img.resize((w, h), Image.BILINEAR)
-    arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())
-    return (arr.unsqueeze(0) if arr.ndim == 2 else arr.permute(2, 0, 1)).contiguous(), resized
+    return list(dict.fromkeys(found))
 
 
 def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch.Tensor, bool]:
+    """An image file -> (uint8 ``(C, H, W)`` tensor at ``input_shape``, whether it was resized to a size it did not
+    have), read as the run read it. A photo run (``preprocess`` in model.json, ``common.data.photos``): its very
+    reading (JPEG draft decoding too), the shorter side resized and the centre cropped. Else as the decoded-cache
+    recipes decode (``common.data.pixels``: EXIF, 16-bit and transparency; 'L' or 'RGB'), then a bilinear resize to
+    the input size as ``--image-size`` does."""
     from PIL import Image, UnidentifiedImageError
+    from torchvision.transforms.v2.functional import pil_to_tensor
 
+    c, h, w = input_shape
     try:
-        if preprocess:  # a photo run: the very reading its training and evaluation did (JPEG draft decoding too)
+        if preprocess:
             view = eval_view(read_rgb(str(path), int(preprocess["resize_shorter"])), int(preprocess["center_crop"]))
             return view.contiguous(), False
-        with Image.open(path) as img:
-            img.load()
-            return preprocess_image(img, input_shape, preprocess)
+        with Image.open(path) as opened:
+            opened.load()
+            img = as_mode(opened, "L" if c == 1 else "RGB")
+            resized = img.size != (w, h)
+            return pil_to_tensor(img.resize((w, h), Image.BILINEAR) if resized else img).contiguous(), resized
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
-        reason = unreadable_reason(err)
         raise RecipeError(
-            f"Could not read {printable(path)} as an image ({printable(reason)}). Pass image files "
+            f"Could not read {printable(path)} as an image ({printable(unreadable_reason(err))}). Pass image files "
             "(PNG, JPEG, ...) or remove that file from the folder."
         ) from None
 
@@ -307,10 +276,10 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
         chunk = paths[start : start + max(1, batch_size)]
         tensors = []
         for p in chunk:
-            t, resized = load_image(p, predictor.input_shape, predictor.card.get("preprocess"))
+            image, resized = load_image(p, predictor.input_shape, predictor.card.get("preprocess"))
             if resized and on_resize is not None:
                 on_resize(p)
-            tensors.append(t)
+            tensors.append(image)
         probs = predictor.probabilities(torch.stack(tensors)).cpu()
         top_p, top_i = probs.topk(k, dim=1)
         for p, ps, idx in zip(chunk, top_p.tolist(), top_i.tolist()):
@@ -332,41 +301,43 @@ def predict_files(predictor: Predictor, paths, top_k: int = 3, batch_size: int =
 def format_table(results: list[dict]) -> str:
     if not results:
         return ""
-    k = len(results[0]["predictions"])
-    rows = [["file"] + [f"top-{i + 1}" for i in range(k)]]
+    rows = [["file", *(f"top-{i + 1}" for i in range(len(results[0]["predictions"])))]]
     for r in results:
         rows.append(
-            [printable(r["file"])] + [f"{printable(p['label'])} {p['probability']:.1%}" for p in r["predictions"]]
+            [printable(r["file"]), *(f"{printable(p['label'])} {p['probability']:.1%}" for p in r["predictions"])]
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows) + "\n"
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    return "".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n" for row in rows)
 
 
 def format_csv(results: list[dict]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     k = len(results[0]["predictions"]) if results else 0
-    writer.writerow(["file"] + [f"top{i + 1}_{c}" for i in range(k) for c in ("label", "probability")])
+    writer.writerow(["file", *(f"top{i + 1}_{c}" for i in range(k) for c in ("label", "probability"))])
     for r in results:
-        writer.writerow(
-            [printable(r["file"])]
-            + [v for p in r["predictions"] for v in (printable(p["label"]), f"{p['probability']:.6f}")]
-        )
+        labels = ((printable(p["label"]), f"{p['probability']:.6f}") for p in r["predictions"])
+        writer.writerow([printable(r["file"]), *(v for pair in labels for v in pair)])
     return buf.getvalue()
 
 
 def format_json(results: list[dict], predictor: Predictor) -> str:
-    doc = {
-        "model_dir": str(predictor.model_dir),
-        "model": predictor.card.get("model"),
-        "recipe": predictor.card.get("recipe"),
-        "tta": predictor.tta,
-        "results": results,
-    }
-    return json.dumps(doc, indent=2) + "\n"
+    card = predictor.card
+    doc = {"model_dir": str(predictor.model_dir), "model": card.get("model"), "recipe": card.get("recipe")}
+    return json.dumps({**doc, "tta": predictor.tta, "results": results}, indent=2) + "\n"
 
 
 # --- command line --------------------------------------------------------------------------------
+
+
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model folder and --recipe, as predict and export take them."""
+    parser.add_argument("model", help="run directory, or its best/ or final/ folder")
+    parser.add_argument(
+        "--recipe",
+        help="the recipe file that defines the model, when it is not one of this "
+        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust",
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -375,18 +346,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", help="run directory, or its best/ or final/ folder")
+    model_arguments(parser)
     parser.add_argument("inputs", nargs="+", help="image files or folders of images")
     parser.add_argument("--top-k", type=int, default=3, help="how many classes to list per image (default 3)")
     parser.add_argument("--format", choices=("table", "json", "csv"), default="table", help="output format")
     parser.add_argument("--output", help="write the output to this file instead of stdout")
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    parser.add_argument(
-        "--recipe",
-        help="the recipe file that defines the model, when it is not one of this "
-        "repository's recipes (e.g. your own copy): the file is imported, so name only one you trust",
-    )
     parser.add_argument(
         "--no-tta", action="store_true", help="no test-time augmentation even if the run evaluated with it"
     )

@@ -8,20 +8,19 @@ from common.console import say
 
 
 class StepProfiler:
-    """--profile N: skip one optimizer step, warm up one, then record N with the PyTorch profiler. Each
-    rank writes a trace to <run dir>/profile (TensorBoard's PyTorch Profiler plugin, torch-tb-profiler,
-    shows it; so do Perfetto and chrome://tracing). Does nothing when N is 0."""
+    """--profile N: skip one optimizer step, warm up one, then record N with the PyTorch profiler (its default
+    activities: the CPU, and CUDA where there is one). Each rank writes a trace to <run dir>/profile (TensorBoard's
+    PyTorch Profiler plugin, torch-tb-profiler, shows it; so do Perfetto and chrome://tracing). Does nothing when N
+    is 0."""
 
     def __init__(self, accelerator, steps: int, run_dir: Path):
-        self.prof, self.accelerator = None, accelerator
+        self.prof = None
         if not steps:
             return
-        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+        from torch.profiler import profile, schedule, tensorboard_trace_handler
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else [])
         self.dir, self.steps, self.left = run_dir / "profile", steps, steps + 2
         self.prof = profile(
-            activities=activities,
             schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
             on_trace_ready=tensorboard_trace_handler(str(self.dir), worker_name=f"rank{accelerator.process_index}"),
             record_shapes=True,

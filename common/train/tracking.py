@@ -1,13 +1,12 @@
-"""What a run reports while it trains: the trackers chosen with ``--report-to`` (TensorBoard by default,
-through Accelerate's tracker API: wandb, MLflow, Comet, Aim, ClearML, DVCLive, SwanLab, Trackio) and
-``metrics.jsonl`` (main process only), TensorBoard's evaluation pictures (the final evaluation's, and those the loop
-asks for), throughput and memory, and progress where the user reads it (a bar in a terminal, a line every
-``--progress-every-s`` seconds in a log file)."""
+"""What a run reports while it trains: the trackers chosen with ``--report-to`` through Accelerate's tracker API
+(``log_with``, ``init_trackers``, ``log``; TensorBoard by default, wandb, MLflow, Comet, Aim, ...), ``metrics.jsonl``
+(one of those trackers, the run's own record), TensorBoard's evaluation pictures and hyperparameters, throughput and
+memory, and progress where the user reads it (tqdm's bar in a terminal, a line every ``--progress-every-s`` seconds
+in a log file)."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 import sys
@@ -22,12 +21,15 @@ from common.files import write_atomic
 from common.train import plots
 
 TENSORBOARD_DIR = "tensorboard"  # <run dir>/tensorboard holds the event files, whatever else is reported to
+METRICS_FILE = "metrics.jsonl"  # the tracker's name, and the file's
+WANDB_ID_FILE = "wandb-run-id"  # in the run directory: one W&B run for the training run, across its resumes
+WANDB_ID = re.compile(r"[a-z0-9]{8,64}")
 
 
 def trackers_from(report_to: str) -> list[str]:
-    """``--report-to`` as Accelerate tracker names: a comma list, ``all`` (every tracker whose package is
-    installed) or ``none``. A name Accelerate does not know, or whose package is missing, is an error before
-    anything runs (Accelerate itself would drop a missing one without a word, and the run would log nowhere)."""
+    """``--report-to`` as Accelerate tracker names: a comma list, ``all`` (every tracker whose package is installed)
+    or ``none``. A name Accelerate does not know, or whose package is missing, is an error before anything runs
+    (Accelerate itself would drop a missing one without a word, and the run would log nowhere)."""
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
 
     names = list(dict.fromkeys(n.strip() for n in report_to.split(",") if n.strip()))
@@ -41,54 +43,35 @@ def trackers_from(report_to: str) -> list[str]:
                 "comma-separated list of trackers."
             )
         return sorted(installed, key=lambda n: n != "tensorboard")
-    unknown = [n for n in names if n not in LOGGER_TYPE_TO_CLASS]
-    if unknown:
+    if unknown := [n for n in names if n not in LOGGER_TYPE_TO_CLASS]:
         raise ConfigError(
             f"--report-to {report_to!r}: {', '.join(unknown)} is not one of Accelerate's trackers "
             f"({', '.join(LOGGER_TYPE_TO_CLASS)}). Pass a comma-separated list of them, 'all' or "
             "'none'; metrics.jsonl in the run directory is written in every case."
         )
-    missing = [n for n in names if n not in installed]
-    if missing:
+    if missing := [n for n in names if n not in installed]:
+        many = len(missing) > 1
         raise ConfigError(
-            f"--report-to {','.join(missing)}: the {' and '.join(missing)} package"
-            f"{'s are' if len(missing) > 1 else ' is'} not installed in this Python environment, so "
-            f"nothing would reach {'them' if len(missing) > 1 else 'it'}. Install it (pip install "
-            f"{' '.join(missing)}), or leave it out of --report-to (trackers installed here: "
+            f"--report-to {','.join(missing)}: the {' and '.join(missing)} package{'s are' if many else ' is'} not "
+            f"installed in this Python environment, so nothing would reach {'them' if many else 'it'}. Install it "
+            f"(pip install {' '.join(missing)}), or leave it out of --report-to (trackers installed here: "
             f"{', '.join(installed) or 'none'}; metrics.jsonl is written in every case)."
         )
     return names
 
 
 def log_with(report_to: str) -> list:
-    """What ``Accelerator(log_with=...)`` gets: metrics.jsonl (``metrics_file``, always) and TensorBoard as tracker
-    objects of our own (their folder is the run directory, set once it is known), every other tracker by name."""
-    from accelerate.tracking import TensorBoardTracker
-
-    class RunTensorBoard(TensorBoardTracker):
-        def __init__(self):
-            super().__init__(TENSORBOARD_DIR, ".")
-
-    names = trackers_from(report_to)
-    return [metrics_file(), *(RunTensorBoard() if name == "tensorboard" else name for name in names)]
-
-
-METRICS_FILE = "metrics.jsonl"  # the tracker's name, and the file's
-
-
-def metrics_file():
-    """metrics.jsonl as one of Accelerate's trackers (a ``GeneralTracker``; made here so that importing this module
-    does not import Accelerate)."""
-    from accelerate.tracking import GeneralTracker
+    """What ``Accelerator(log_with=...)`` gets: metrics.jsonl (always) and TensorBoard as tracker objects of our own
+    (their folder is the run directory, set once it is known), every other tracker by name. Made here so that
+    importing this module does not import Accelerate."""
+    from accelerate.tracking import GeneralTracker, TensorBoardTracker
 
     class MetricsFile(GeneralTracker):
-        """Whatever reaches ``accelerator.log(values, step=...)`` (the run's own scalars and the loop's) is written
-        here, and drawn in curves.png: one JSON line per step, values logged at a step already written merged into
-        its line, whose ``time`` is then that of its last value. Numbers only (a 0-dim tensor is read, a string left
-        out); main process only, as Accelerate calls every tracker."""
+        """Whatever reaches ``accelerator.log(values, step=...)`` is written here, and drawn in curves.png: one JSON
+        line per step, values logged at a step already written merged into its line (whose ``time`` is then that of
+        its last value). Numbers only (a 0-dim tensor is read, a string left out)."""
 
-        name = METRICS_FILE
-        requires_logging_directory = False
+        name, requires_logging_directory = METRICS_FILE, False
 
         def __init__(self):
             super().__init__()
@@ -99,10 +82,8 @@ def metrics_file():
             return self.path
 
         def open(self, run_dir: Path, resume_step: int | None) -> None:
-            """``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a crashed
-            run wrote after its checkpoint."""
-            self.path = Path(run_dir) / "metrics.jsonl"
-            kept = []
+            """None starts the file afresh; a step keeps the lines up to it (a crashed run's later ones dropped)."""
+            self.path, kept = Path(run_dir) / METRICS_FILE, []
             if resume_step is not None and self.path.exists():
                 kept = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
                 kept = [row for row in kept if row.get("step", 0) <= resume_step]
@@ -121,23 +102,19 @@ def metrics_file():
                 step = self.last["step"] if self.last is not None else 0
             now = round(time.time(), 3)
             merge = self.last is not None and self.last["step"] == step
-            if merge:
-                self.last.update(values, time=now)
-            else:
-                self.last = {"step": step, "time": now, **values}
+            self.last = {**self.last, **values, "time": now} if merge else {"step": step, "time": now, **values}
             with self.path.open("r+" if merge else "a") as f:
                 if merge:  # rewrite only the last line, in place
                     f.seek(self.last_offset)
                     f.truncate()
-                else:
-                    self.last_offset = f.tell()
+                self.last_offset = f.tell()
                 f.write(json.dumps(self.last) + "\n")
 
-    return MetricsFile()
+    class RunTensorBoard(TensorBoardTracker):
+        def __init__(self):
+            super().__init__(TENSORBOARD_DIR, ".")
 
-
-WANDB_ID_FILE = "wandb-run-id"  # in the run directory: one W&B run for the training run, across its resumes
-WANDB_ID = re.compile(r"[a-z0-9]{8,64}")
+    return [MetricsFile(), *(RunTensorBoard() if n == "tensorboard" else n for n in trackers_from(report_to))]
 
 
 def wandb_run_id(run_dir: Path, resumed: bool) -> str:
@@ -160,35 +137,30 @@ def wandb_run_id(run_dir: Path, resumed: bool) -> str:
 
 
 class MetricsLog:
-    """The trackers, ``metrics.jsonl`` among them (``metrics_file``; an evaluation row also carries ``eval_time``, when
-    the evaluation finished, and ``eval_seconds``). Main process only; other ranks no-op.
-    TensorBoard also gets the hyperparameters with the final metrics (its HParams tab) and, at each
-    evaluation, a confusion matrix and a grid of misclassified images; every other tracker gets the same
-    scalars, and the hyperparameters at the start (``project`` names its project or experiment, the run
-    directory's name its run).
-
-    ``resume_step``: None starts the file afresh; a step keeps the lines up to it and drops those a
-    crashed run wrote after its checkpoint (TensorBoard hides its events past the step, ``purge_step``)."""
+    """The trackers, metrics.jsonl among them, started with ``accelerator.init_trackers`` (main process only; other
+    ranks no-op). ``project`` names every tracker's project or experiment, the run directory's name its run; the
+    hyperparameters go to every tracker at the start, except TensorBoard, which gets them with the final metrics (its
+    HParams tab). ``resume_step``: None starts afresh; a step keeps metrics.jsonl's lines up to it and hides
+    TensorBoard's events past it (``purge_step``)."""
 
     def __init__(self, accelerator, run_dir: Path, resume_step: int | None, project: str = "", hparams=None):
-        self.accelerator, self.path = accelerator, Path(run_dir) / "metrics.jsonl"
+        self.accelerator, self.path = accelerator, Path(run_dir) / METRICS_FILE
         if not accelerator.is_main_process:
             return
-        for tracker in accelerator.log_with:
-            if getattr(tracker, "name", None) == METRICS_FILE:
+        names = [getattr(t, "name", None) for t in accelerator.log_with]
+        for tracker, name in zip(accelerator.log_with, names):
+            if name == METRICS_FILE:
                 tracker.open(run_dir, resume_step)
-            if getattr(tracker, "name", None) == "tensorboard":
+            if name == "tensorboard":
                 tracker.logging_dir_param = str(run_dir)
-                tracker.init_kwargs = {"purge_step": (resume_step or 0) + 1 if resume_step is not None else 0}
+                tracker.init_kwargs = {"purge_step": 0 if resume_step is None else resume_step + 1}
         wandb = {"name": Path(run_dir).name, "dir": str(run_dir)}
-        if any(getattr(t, "name", None) == "wandb" for t in accelerator.log_with):
+        if "wandb" in names:
             wandb.update(id=wandb_run_id(Path(run_dir), resume_step is not None), resume="allow")
-        accelerator.init_trackers(
-            project or TENSORBOARD_DIR,
-            init_kwargs={"mlflow": {"run_name": Path(run_dir).name}, "wandb": wandb},
-        )
+        init_kwargs = {"mlflow": {"run_name": Path(run_dir).name}, "wandb": wandb}
+        accelerator.init_trackers(project or TENSORBOARD_DIR, init_kwargs=init_kwargs)
         for tracker in accelerator.trackers:
-            if tracker.name not in ("tensorboard", METRICS_FILE) and hparams:  # TensorBoard's: at the end
+            if tracker.name not in ("tensorboard", METRICS_FILE) and hparams:
                 tracker.store_init_configuration(hparams)
 
     @property
@@ -200,22 +172,23 @@ class MetricsLog:
         return found[0].tracker if found else None
 
     def log(self, values: dict, step: int, extra: dict | None = None) -> None:
-        """``values`` go to every tracker (metrics.jsonl among them) through ``accelerator.log``; ``extra`` (e.g. when
-        an evaluation finished and how long it took) only to metrics.jsonl."""
-        if not self.accelerator.is_main_process:
-            return
-        values = {k: float(v) for k, v in values.items()}
-        self.accelerator.log(values, step=step, log_kwargs={METRICS_FILE: {"extra": extra}})
+        """``values`` to every tracker through ``accelerator.log``; ``extra`` (e.g. when an evaluation finished and
+        how long it took) only to metrics.jsonl."""
+        if self.accelerator.is_main_process:
+            values = {k: float(v) for k, v in values.items()}
+            self.accelerator.log(values, step=step, log_kwargs={METRICS_FILE: {"extra": extra}})
 
     def images(self, split: str, metrics: dict, data_split, class_names, step: int, final=False, pictures=False):
-        """An evaluation's pictures, drawn here (matplotlib, about a second on a 2-core CPU): the confusion matrix and a
-        grid of up to 36 misclassified images, into TensorBoard at ``step``. Called for the final evaluation (returns
-        its confusion matrix as PNG bytes, drawn without TensorBoard too: the run's confusion_matrix.png) and for the
-        evaluations the loop asks pictures of (``run.evaluate(..., pictures=True)``, drawn only into TensorBoard); None
-        otherwise."""
+        """An evaluation's confusion matrix and grid of up to 36 misclassified images, into TensorBoard at ``step``
+        (about a second on a 2-core CPU). Drawn for the final evaluation, which returns its confusion matrix as PNG
+        bytes (drawn without TensorBoard too: the run's confusion_matrix.png), and for the evaluations the loop asks
+        pictures of (``run.evaluate(..., pictures=True)``, only into TensorBoard); None otherwise."""
         writer = self.writer
-        wanted = final or (pictures and writer is not None)
-        if not wanted or not metrics["count"] or not self.accelerator.is_main_process:
+        if (
+            not (final or (pictures and writer is not None))
+            or not metrics["count"]
+            or not self.accelerator.is_main_process
+        ):
             return None
         title = f"{plots.confusion_matrix_title(split, metrics['count'])}, step {step}"
         names, drawn = [str(n) for n in class_names], {}
@@ -225,20 +198,18 @@ class MetricsLog:
             if writer is not None:
                 preds, labels = metrics["preds"], metrics["labels"]
                 wrong = ((preds != labels) & (labels >= 0)).nonzero().flatten()[:36]  # a damaged photo: label < 0
-                images = data_split.images_at(wrong)
-                drawn["misclassified"] = plots.misclassified_grid(images, labels[wrong], preds[wrong], names)
-            pngs = {name: plots.png_bytes(image) for name, image in drawn.items()}
+                grid = plots.misclassified_grid(data_split.images_at(wrong), labels[wrong], preds[wrong], names)
+                drawn["misclassified"] = grid
+            png = plots.png_bytes(drawn["confusion_matrix"]) if final and "confusion_matrix" in drawn else None
         except Exception as err:  # noqa: BLE001 - a picture is a side product: the run it describes stands
             console.say(f"NOTE: the {split} pictures of step {step} could not be drawn ({type(err).__name__}: {err})")
             return None
-        if writer is not None:
-            for name, png in pngs.items():
-                height, width = drawn[name].shape[:2]
-                writer._get_file_writer().add_summary(png_summary(f"{split}/{name}", png, height, width), step)
-        return pngs.get("confusion_matrix") if final else None
+        for name, image in drawn.items() if writer is not None else ():  # Pillow's PNG, as png: the same picture
+            writer.add_image(f"{split}/{name}", image, step, dataformats="HWC")
+        return png
 
     def curves(self) -> bytes | None:
-        """curves.png of the run so far (after ``close``): loss, accuracy and learning rate by step."""
+        """curves.png of the run so far (after ``close``): loss, accuracy and the loop's own scalars by step."""
         if not self.accelerator.is_main_process:
             return None
         try:
@@ -248,15 +219,13 @@ class MetricsLog:
             return None
 
     def hparams(self, hparams: dict, metrics: dict) -> None:
-        """One HParams session in TensorBoard's main event file: the sanitized config and the final metrics."""
-        writer = self.writer
-        if writer is None:
-            return
-        from torch.utils.tensorboard.summary import hparams as hparams_summary
+        """One HParams session in TensorBoard's own event file (SummaryWriter.add_hparams, which Accelerate's
+        store_init_configuration calls, writes it into a new sub-run: a second run in TensorBoard's list)."""
+        if (writer := self.writer) is not None:
+            from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-        file_writer = writer._get_file_writer()
-        for summary in hparams_summary(hparams, metrics):
-            file_writer.add_summary(summary)
+            for summary in hparams_summary(hparams, metrics):
+                writer._get_file_writer().add_summary(summary)
 
     def close(self) -> None:
         """Finish the trackers (main process). Not accelerator.end_training(): it also destroys the process group,
@@ -292,14 +261,6 @@ class Throughput:
         return out
 
 
-def png_summary(tag: str, png: bytes, height: int, width: int):
-    """A TensorBoard image summary of an encoded PNG (what SummaryWriter.add_image writes, without encoding)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
-    return Summary(value=[Summary.Value(tag=tag, image=image)])
-
-
 def peak_memory_mb(device) -> float:
     """Peak CUDA memory allocated by this process; on a Mac's GPU (MPS, which keeps no peak) the memory its Metal
     driver holds for the process now; on a CPU the process's peak resident set size."""
@@ -309,11 +270,10 @@ def peak_memory_mb(device) -> float:
         return torch.mps.driver_allocated_memory() / 2**20
     try:
         import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
-    except ImportError:  # pragma: no cover
-        return math.nan
+    except ImportError:  # pragma: no cover - Windows
+        return float("nan")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
 
 
 def on_terminal(accelerator) -> bool:
@@ -322,8 +282,7 @@ def on_terminal(accelerator) -> bool:
 
 
 def format_duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    h, rest = divmod(seconds, 3600)
+    h, rest = divmod(max(0, int(seconds)), 3600)
     m, s = divmod(rest, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
@@ -340,8 +299,8 @@ class Progress:
         self.eval_s, self.evals = 0.0, 0  # evaluation time and evaluations made since the start (or resume)
 
     def note_eval(self, seconds: float | None) -> None:
-        """The loop made an evaluation of ``seconds``: the ETA counts evaluation time apart from training
-        and expects the loop to go on evaluating as often as it has so far."""
+        """The loop made an evaluation of ``seconds``: the ETA counts evaluation time apart from training and expects
+        the loop to go on evaluating as often as it has so far."""
         if seconds is not None:
             self.eval_s += seconds
             self.evals += 1
@@ -364,9 +323,8 @@ class Progress:
             return iterable
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(
-            iterable, desc=f"epoch {epoch + 1}/{self.cfg.epochs}", initial=initial, total=total, leave=False
-        )
+        desc = f"epoch {epoch + 1}/{self.cfg.epochs}"
+        self.bar = tqdm(iterable, desc=desc, initial=initial, total=total, leave=False)
         console.show_bar(self.bar)  # messages go through it meanwhile
         return self.bar
 
@@ -398,16 +356,13 @@ class Progress:
         if not self.accelerator.is_main_process or now - self.last_line < self.every_s or loss is None:
             return
         self.last_line = now
-        eta = self.eta(step, epoch, now)
         speed = f" {samples_per_s:,.0f} samples/s" if samples_per_s else ""
+        eta = self.eta(step, epoch, now)
         console.say(f"step {step}/{self.total} (epoch {epoch + 1}/{self.cfg.epochs}) loss {loss:.4f}{speed} ETA {eta}")
 
 
 def sanitize_for_hparams(cfg_dict: dict) -> dict:
-    """TensorBoard hparams take only int/float/str/bool: drop None, stringify the rest."""
-    out = {}
-    for key, value in cfg_dict.items():
-        if value is None:
-            continue
-        out[key] = value if isinstance(value, (int, float, str, bool)) else json.dumps(value)
-    return out
+    """TensorBoard hparams take only int/float/str/bool: None dropped, the rest as JSON."""
+    return {
+        k: v if isinstance(v, (int, float, str, bool)) else json.dumps(v) for k, v in cfg_dict.items() if v is not None
+    }
