@@ -75,7 +75,6 @@ LONG = {
     "tests/test_slurm.py::test_real_slurm_requeue_and_resume",
     "tests/test_techniques.py::test_cifar_resume_with_lookahead_and_whitening_is_exact[2]",
     "tests/test_time_to_accuracy.py::test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accuracy",
-    "tests/test_time_to_accuracy.py::test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy",
     "tests/test_user_commands.py::test_copied_recipe_with_its_own_model_is_served_by_every_tool",
     "tests/test_user_commands.py::test_cpu_config_that_starts_one_process_says_so",
 }

@@ -287,64 +287,20 @@ def test_goal_e_times_the_whole_command_in_the_baseline_first_epochs(tiny, tmp_p
     assert "goal every seed >= 0.00% within" in (text := capsys.readouterr().out) and "PASS (1 of 1 seeds)" in text
 
 
-def test_cifar_side_by_side_times_both_to_the_notebooks_final_accuracy(tmp_path_factory, tmp_path, monkeypatch, capsys):
-    """cifar_cnn against the CIFAR notebook baseline, --target baseline: the notebook runs all its epochs
-    (per-sample random crop and flip through torchvision), and both sides are timed to the accuracy it
-    ended with; main() in this process, the real recipe as a subprocess."""
-
-    data = write_parquet_dataset(
-        tmp_path_factory.mktemp("cifar_tta"), {"train": 160}, shape=(3, 16, 16), image_col="img"
-    )
-    out = tmp_path / "tta.json"
-    argv = [
-        "--recipe",
-        "cifar_cnn",
-        "--dataset",
-        str(data),
-        "--target",
-        "baseline",
-        "--seeds",
-        "1",
-        "--threads",
-        "1",
-        "--max-baseline-epochs",
-        "2",
-        "--work-dir",
-        str(tmp_path / "work"),
-        "--out",
-        str(out),
-        "--recipe-args",
-        "--epochs 2 --batch-size 16 --widths 8,16,16 --lr 0.05 --log-every 1 --val-fraction 0.2",
-        "--eval-every-steps",
-        "2",
-    ]
-    stdout = run_main(argv, tmp_path, monkeypatch, capsys)
-    report = json.loads(out.read_text())
-    (seed,) = report["seeds"]
-    final = seed["baseline"]["curve"][-1]["accuracy"]
-    assert seed["baseline"]["target"] == seed["recipe"]["target"] == final
-    assert seed["baseline"]["epochs_run"] == 2 and seed["baseline"]["reached"]  # its own final accuracy
-    assert report["settings"]["target"] == "baseline"
-    assert report["settings"]["baseline_recipe"]["kind"] == "cifar_notebook"
-    assert "baseline's final accuracy" in stdout
-    if seed["recipe"]["reached"]:
-        assert seed["ratio"] == pytest.approx(seed["baseline"]["time_to_target_s"] / seed["recipe"]["time_to_target_s"])
-
-
 def test_target_baseline_needs_the_baseline():
     with pytest.raises(SystemExit) as exit_:
         tta.parse_args(["--recipe", "cifar_cnn", "--dataset", "x", "--target", "baseline", "--baseline", "off"])
     assert exit_.value.code == 2
     args = tta.parse_args(["--recipe", "cifar_cnn", "--dataset", "x", "--target", "baseline"])
-    assert args.target_from_baseline and args.max_baseline_epochs == 3 and args.baseline_kind == "cifar_notebook"
+    assert args.target_from_baseline and args.baseline_kind == "airbench94"  # cifar_cnn's default baseline
 
 
 def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accuracy(
     cifar_like, tmp_path, monkeypatch, capsys
 ):
-    """--baseline-kind airbench94: the record's method (benchmarks/airbench94.py) trains on the split the recipe
-    trains on and is evaluated once, at its end; the recipe is timed to the accuracy it reached. A small network
-    and batch stand in for the paper's (the same code path)."""
+    """airbench94, cifar_cnn's default baseline: the record's method (benchmarks/airbench94.py) trains on the split
+    the recipe trains on and is evaluated once, at its end; the recipe is timed to the accuracy it reached. A small
+    network and batch stand in for the paper's (the same code path)."""
     import airbench94
 
     for key, value in (("batch_size", 32), ("widths", (8, 16, 16)), ("epochs", 2)):
@@ -357,8 +313,6 @@ def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accu
         str(cifar_like),
         "--target",
         "baseline",
-        "--baseline-kind",
-        "airbench94",
         "--seeds",
         "1",
         "--threads",
@@ -373,7 +327,9 @@ def test_airbench_baseline_on_the_recipes_split_and_the_recipe_timed_to_its_accu
         "2",
     ]
     run_main(argv, tmp_path, monkeypatch, capsys)
-    (seed,) = json.loads(out.read_text())["seeds"]
+    report = json.loads(out.read_text())
+    assert report["settings"]["baseline_recipe"]["kind"] == "airbench94"
+    (seed,) = report["seeds"]
     (point,) = seed["baseline"]["curve"]  # one evaluation, at the end, as the paper times it
     assert seed["baseline"]["reached"] and seed["baseline"]["target"] == point["accuracy"] == seed["recipe"]["target"]
     train, _ = airbench94.load(str(cifar_like), 1, 0.1)  # the recipe's split
