@@ -22,63 +22,13 @@ it, bytecode is not written, and every row runs from it.
 The data: gpu-data/ (benchmarks/gpu_data.py) is installed first into what the recipes read without `datasets`
 (a folder and its decoded cache with the source index naming it); the photos are read where they are.
 
-Rows, in this order (the speed goals first: a run cut short keeps them), one subprocess each with its own time
-budget (the default command's budgets sum to DEADLINE_S less SETUP_S: 8 minutes with the data; a row may use what
-earlier rows left unused, never what later rows are budgeted), `accelerate launch --config_file
-accelerate_configs/single_gpu.yaml` (spelled `python -m accelerate.commands.launch`, the report's own Python) unless
-said. A row that fails, times out or is not reached is reported in the table with the tail of its log; the script
-goes on and always writes the table, and a run cut short keeps every row before the cut. The default command runs
-cifar_cnn_vs_airbench94, mnist_convnet_to_99.3, ab/*, profile/cifar_cnn and photos/*, in that order; the others run
-when --only names them (throughput, profile/mnist_convnet and correct: a command of their own).
-- cifar_cnn_vs_airbench94: time_to_accuracy.py --target baseline --baseline-kind airbench94: cifar_cnn's default
-  (bf16) against benchmarks/airbench94.py (this repository's airbench94, written from the paper, not Keller Jordan's
-  file: fp16, uncompiled) on the same split of CIFAR-10 (JPEG copy) and the same GPU, seeds 1-5 (--cifar-seeds),
-  each side's seeds in one process (--recipe-seeds-in-one-process; airbench94 trains in time_to_accuracy's own): the
-  first seed pays the process's one-time costs and is reported apart, with its first steps' phases (set-up, the
-  first update, the first log window, the later windows' ms a step). One timer for both sides: from just before the
-  first training step to the end of the evaluation that reaches the accuracy (first-step costs inside both: the
-  recipe's cuDNN autotuning, and airbench94.py's first kernels; it leaves cudnn.benchmark off). Goal, judged by the
-  means over the seeds: a mean accuracy at least airbench94's (the paired difference and its spread reported) and a
-  mean time within 1.2x airbench94's.
-- mnist_convnet_to_99.3: time_to_accuracy.py --target 0.993, evaluating every 100 steps, seeds 1-3 in one process
-  (goal, by the means: final accuracy >= 99.3%, time to it under 2 s).
-- ab/cifar_cnn/{report-to-none,cudnn-off}: cifar_cnn alone (seed 1, a launch each) without one suspected one-time
-  cost of its first epoch (TensorBoard's writer; cuDNN's kernel search), its training time and phases beside the
-  cifar row's first seed (the recipe as is, in a fresh process, on the same timer): what each cost saves.
-- profile/<recipe> (profile/cifar_cnn by default): --profile 5 (steps 3-7, no log step among them): the trace, the
-  synchronising calls in it (cudaStreamSynchronize, cudaDeviceSynchronize, cudaEventSynchronize, blocking
-  cudaMemcpy, aten::item), and a step's host time (its ProfilerStep span, the profiler's own overhead included)
-  beside the device's busy time (kernels, copies and fills over the steps): a step whose host time exceeds the
-  device's is bound by the host.
-- photos/decode, photos/reference, photos/recipe: benchmarks/photo_baseline.py (torchvision's reference
-  classification script, written fresh) and the photo recipe, each a ResNet-50 at 224 px from scratch, bf16,
-  channels_last, batches of 32 of gpu-data's 170 training flower photos (5 steps an epoch), 16 epochs, 8 DataLoader
-  workers kept across epochs on both sides: images/s and the share of time waiting for data over windows of 20 steps
-  spanning epochs (the median of those after the first; the recipe evaluates once, after its windows); goal: the
-  recipe at least the reference. photos/decode times the reference's training loader alone (no model): the CPUs'
-  decode ceiling, which the recipe's row names when both sides wait on their data more than half the time. The three
-  budgets are estimates (no GPU has run these rows).
-- throughput/<recipe>/{host,device} (only with --only throughput): images/s (median of the metrics.jsonl windows
-  after the first) with --data-on-device false and true; the ratio device / host.
-- correct/* (only with --only correct): 40 optimizer steps each, checked: status completed, 40 steps, a finite
-  validation loss, the precision asked for (GPU only). mnist_convnet in bf16 and fp16, each without and with
-  --max-grad-norm 1; compiled (`--dynamo_backend inductor`), then `python -m common.tools.predict` on its best/
-  (else final/) over 48 held-out MNIST images (and its weights checked for `_orig_mod.` keys); finetune_folder
-  --ema-decay 0.99 on 200 flower photos; cifar_cnn --sync-bn on one GPU.
-
---rehearse runs the rows at toy size on this CPU in an environment made like the GPU machine's: a Python
-environment of symbolic links to this one's packages without `datasets` and without this project's install
-(under <out>/work/gpu-env), PYTHONPATH the repository, gpu_data's toy data (a few hundred synthetic images) installed
-as the real data is, the same commands with small models and batches (airbench94 at batch 64 for 1 epoch; the compile
-row under --dynamo_backend eager: inductor's C++ compile takes minutes on 2 cores and is not the code a GPU runs), two
-rows at a time (a row that reads another's output after it), no goal judged that only a GPU can meet. The
-rehearsal still fails a row that ran another precision than a GPU run would (its bf16 launches go through
-tests/standins/native_bf16_on_cpu.py, which makes a CPU without native bf16 keep bf16, emulated; fp16 asked is bf16
-on a CPU, and the FSDP stand-in's row fp32, as that stand-in declares), and a row that ran past its GPU budget
-scaled to the rehearsal machine (budget x REHEARSAL_FACTOR, at least REHEARSAL_MIN_S; each row's result says its
-seconds against that allowance). Every row
-(the default command's and the checks', 21) took 4.2 to 4.9 minutes on a 2-core CPU (machine B, 2026-12-02): most of
-it is the launches (two torch imports each, torch._dynamo imported by the optimizer, the figures).
+Rows, in order of priority (the speed goals first: a run cut short keeps them), one subprocess each with its own time
+budget (BUDGET_S for the default command, which sums to DEADLINE_S less SETUP_S; EXTRA_BUDGET_S for the rows that run
+only when --only names them: throughput, profile/mnist_convnet and correct); a row may use what earlier rows left
+unused, never what later rows are budgeted. A row that fails, times out or is not reached is reported in the table
+with the tail of its log; the script goes on and always writes the table. What each row runs and its goal, and what
+--rehearse does (every row at toy size on this CPU, in an environment made like the GPU machine's, failing a row that
+ran another precision than a GPU run would or ran past its scaled budget): benchmarks/README.md, "GPU report".
 """
 
 import argparse
