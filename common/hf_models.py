@@ -182,19 +182,22 @@ def named_as_wrapped(state: dict) -> dict:
 
 
 def preprocessing(folder: Path) -> tuple[list[float], list[float], int | None]:
-    """Mean, std and crop side of the folder's preprocessor_config.json (ImageNet's, and config.json's image_size,
-    where it has none)."""
-    path = folder / "preprocessor_config.json"
-    pre = json.loads(path.read_text()) if path.is_file() else {}
-    side = None
-    for key in ("crop_size", "size"):
-        value = pre.get(key)
-        if isinstance(value, dict):
-            value = value.get("height") or value.get("shortest_edge")
-        if isinstance(value, int) and value > 0:
-            side = value
-            break
-    if side is None:
-        side = config(folder).to_dict().get("image_size")
-    mean, std = pre.get("image_mean") or IMAGENET_MEAN, pre.get("image_std") or IMAGENET_STD
-    return [float(m) for m in mean], [float(s) for s in std], side if isinstance(side, int) else None
+    """Mean, std and crop side of the folder's image processor (``AutoImageProcessor``, its
+    preprocessor_config.json); ImageNet's, and config.json's image_size, where the folder has none."""
+    processor = None
+    if (folder / "preprocessor_config.json").is_file():
+        transformers = transformers_module(folder)
+        try:
+            with quiet(transformers):
+                processor = transformers.AutoImageProcessor.from_pretrained(str(folder), trust_remote_code=False)
+        except Exception as err:  # noqa: BLE001 - a damaged file, a value this transformers refuses
+            raise ConfigError(
+                f"transformers {transformers.__version__} could not read {folder / 'preprocessor_config.json'} "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a folder that "
+                "save_pretrained wrote, whole, or delete that file to normalise with ImageNet's mean and std."
+            ) from None
+    size = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
+    side = size.get("height") or size.get("shortest_edge") or getattr(config(folder), "image_size", None)
+    mean = getattr(processor, "image_mean", None) or IMAGENET_MEAN
+    std = getattr(processor, "image_std", None) or IMAGENET_STD
+    return list(map(float, mean)), list(map(float, std)), side if isinstance(side, int) else None

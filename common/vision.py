@@ -358,21 +358,17 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, im
     state = _read_state(spec, name, image_size)
     own = model.state_dict()
     head_name, _ = head(model, num_classes)
-    head_keys = {k for k in own if k.startswith(head_name + ".")}
-    aux = sorted(k for k in state if k.startswith(AUX_HEADS) and k not in own)  # heads the model is built without
-    state = {k: v for k, v in state.items() if k not in aux}
+    aux = [k for k in state if k.startswith(AUX_HEADS) and k not in own]  # heads the model is built without
     skipped = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
-    unexpected = sorted(k for k in state if k not in own)
+    wrong = [k for k in skipped if not k.startswith(head_name + ".")]
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in state.items() if k not in skipped and k not in aux}, strict=False
+    )
     # BatchNorm's step counters: files saved before torch kept them (torchvision's older ImageNet weights among them)
     # lack them, and torch's own load_state_dict starts them at 0, as it does here
-    counters = {
-        name + ".num_batches_tracked"
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-    }
-    missing = sorted(k for k in own if k not in state and k not in counters)
-    wrong = [k for k in skipped if k not in head_keys]
-    if unexpected or wrong or set(missing) - head_keys:
+    missing = sorted(k for k in missing if k not in skipped and not k.endswith(".num_batches_tracked"))
+    absent = [k for k in missing if k.startswith(head_name + ".")]
+    if unexpected or wrong or len(absent) < len(missing):
         shown = (unexpected + wrong + missing)[:4]
         raise ConfigError(
             f"The weights in {spec} don't fit --model {name}: {len(missing)} of its tensors are "
@@ -380,11 +376,9 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, im
             f"{len(wrong)} have another shape (e.g. {', '.join(shown)}). Pass weights of a {name} "
             "(torchvision's own file for it, or one saved from this model)."
         )
-    model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
     shapes = ", ".join(f"{k} {tuple(state[k].shape)} -> {tuple(own[k].shape)}" for k in skipped)
-    absent = [k for k in missing if k in head_keys]
     return (
-        f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
+        f"weights {spec}: {len(state) - len(skipped) - len(aux)} tensors loaded"
         + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else "")
         + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else "")
         + (
