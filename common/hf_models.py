@@ -125,18 +125,22 @@ class ImageClassifier(nn.Module):
         return self.model(pixel_values=images, **self.extra).logits
 
 
-def config(folder: Path, num_classes: int | None = None):
+def from_folder(folder: Path, auto: str, needs: str):
+    """``transformers.<auto>.from_pretrained(folder)``, quietly, and never with the folder's code nor a question on
+    stdin whether to run it (such a folder is refused before this); what it cannot read is one paragraph."""
     transformers = transformers_module(folder)
     try:
         with quiet(transformers):
-            # never the folder's code, nor a question on stdin whether to run it (refused before this)
-            cfg = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+            return getattr(transformers, auto).from_pretrained(str(folder), trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - a damaged file, a value this transformers refuses
         raise ConfigError(
-            f"transformers {transformers.__version__} could not read {folder / 'config.json'} "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a folder that "
-            "save_pretrained of an AutoModelForImageClassification wrote, whole."
+            f"transformers {transformers.__version__} could not read {folder} with {auto} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). {needs}"
         ) from None
+
+
+def config(folder: Path, num_classes: int | None = None):
+    cfg = from_folder(folder, "AutoConfig", "Pass a folder that save_pretrained of an image classifier wrote, whole.")
     if num_classes is not None:
         cfg.num_labels = num_classes  # id2label/label2id follow
     return cfg
@@ -163,16 +167,8 @@ def build(folder: Path, num_classes: int, image_size: int | None, drop_path: flo
 def pretrained_state(folder: Path) -> dict:
     """The folder's weights with their own head, as ``from_pretrained`` reads them (older key names converted),
     under the wrapper's names."""
-    transformers = transformers_module(folder)
-    try:
-        with quiet(transformers):
-            model = transformers.AutoModelForImageClassification.from_pretrained(str(folder), trust_remote_code=False)
-    except Exception as err:  # noqa: BLE001
-        raise ConfigError(
-            f"transformers could not load the weights in {folder} ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}). It needs model.safetensors (or pytorch_model.bin) "
-            "beside config.json."
-        ) from None
+    needs = "It needs model.safetensors (or pytorch_model.bin) beside config.json."
+    model = from_folder(folder, "AutoModelForImageClassification", needs)
     return {f"model.{k}": v for k, v in model.state_dict().items()}
 
 
@@ -186,16 +182,8 @@ def preprocessing(folder: Path) -> tuple[list[float], list[float], int | None]:
     preprocessor_config.json); ImageNet's, and config.json's image_size, where the folder has none."""
     processor = None
     if (folder / "preprocessor_config.json").is_file():
-        transformers = transformers_module(folder)
-        try:
-            with quiet(transformers):
-                processor = transformers.AutoImageProcessor.from_pretrained(str(folder), trust_remote_code=False)
-        except Exception as err:  # noqa: BLE001 - a damaged file, a value this transformers refuses
-            raise ConfigError(
-                f"transformers {transformers.__version__} could not read {folder / 'preprocessor_config.json'} "
-                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a folder that "
-                "save_pretrained wrote, whole, or delete that file to normalise with ImageNet's mean and std."
-            ) from None
+        needs = "Pass a folder that save_pretrained wrote, or delete that file to normalise with ImageNet's statistics."
+        processor = from_folder(folder, "AutoImageProcessor", needs)
     size = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
     side = size.get("height") or size.get("shortest_edge") or getattr(config(folder), "image_size", None)
     mean = getattr(processor, "image_mean", None) or IMAGENET_MEAN

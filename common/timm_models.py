@@ -2,7 +2,7 @@
 with a pretrained tag ``resnet10t.c3_in1k``, or as the Hub spells it ``timm/resnet10t.c3_in1k``), a Hub repo in timm's
 layout (``hf-hub:org/name``, its config.json read by timm) or a folder in that layout (``local-dir:<folder>``). Their
 pretrained weights (``--weights DEFAULT``) are loaded by timm itself (its checkpoint filters, a ViT's position grid
-resampled to ``--image-size``), from the Hugging Face cache or the Hub as huggingface_hub finds them; their
+resampled to ``--image-size``), from the Hugging Face cache (no network when the files are there) or the Hub; their
 normalisation and input size are ``timm.data.resolve_data_config``'s. What this adds: what timm cannot get (offline and
 not in the cache, no such repository, no timm model there, a download URL offline) is one paragraph naming the cache.
 NOTE: the evaluation crop is the recipe's (0.875, bilinear: torchvision's), not the model's ``crop_pct``.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -74,14 +75,34 @@ def timm_name(name: str, folder: Path | None = None) -> str:
 
 
 def create(model: str, what: str, **kwargs) -> nn.Module:
-    """``timm.create_model(model, **kwargs)``; what it cannot build or load is one paragraph (``failed``). A
-    TypeError (a model without ``drop_path_rate``) is the caller's to say."""
+    """``timm.create_model(model, **kwargs)``: from the Hugging Face cache alone first (no network, nor its retries
+    on a machine without one, when the files are there), then from the Hub; what it cannot build or load is one
+    paragraph (``failed``). A TypeError (a model without ``drop_path_rate``) is the caller's to say."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
+        if not constants.HF_HUB_OFFLINE:
+            try:
+                with hub_cache_only(constants):
+                    return timm_module().create_model(model, **kwargs)
+            except LocalEntryNotFoundError:  # a file the cache lacks: from the Hub
+                pass
         return timm_module().create_model(model, **kwargs)
     except TypeError:
         raise
     except Exception as err:  # noqa: BLE001 - Hub, socket, file and config errors alike
         raise failed(model, what, err, kwargs.get("pretrained", False)) from None
+
+
+@contextmanager
+def hub_cache_only(constants):
+    """huggingface_hub's offline mode (what HF_HUB_OFFLINE=1 sets), for one call."""
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = False
 
 
 def failed(model: str, what: str, err: Exception, pretrained: bool) -> ConfigError:
