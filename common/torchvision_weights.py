@@ -45,11 +45,13 @@ def weights_entry(name: str, spec: str):
     )
 
 
-def state_dict(entry) -> dict:
+def state_dict(entry, load: bool = True) -> dict | None:
     """``entry``'s weights from torch's hub cache, the cached file checked first (``check_cached``); else downloaded
-    there, hash-checked by torch.hub."""
+    there, hash-checked by torch.hub. Without ``load``, a cached file is only checked (None)."""
     path = Path(torch.hub.get_dir()) / "checkpoints" / Path(entry.url).name  # where torch.hub keeps it
     check_cached(entry, path)
+    if path.is_file() and not load:
+        return None
     if not path.is_file():
         say(f"downloading {entry.url} to {path}")
     try:

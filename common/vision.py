@@ -296,7 +296,7 @@ def fetch(name: str, spec: str) -> None:
     elif spec == "DEFAULT" and family == "timm":
         timm_models.fetch(timm_name(name), f"--weights DEFAULT for --model {name}")
     elif entry is not None:
-        torchvision_weights.state_dict(entry)
+        torchvision_weights.state_dict(entry, load=False)
     else:
         weights_file(spec)
 
