@@ -77,7 +77,7 @@ def timm_name(name: str, folder: Path | None = None) -> str:
 def create(model: str, what: str, **kwargs) -> nn.Module:
     """``timm.create_model(model, **kwargs)``: from the Hugging Face cache alone first (no network, nor its retries
     on a machine without one, when the files are there), then from the Hub; what it cannot build or load is one
-    paragraph (``failed``). A TypeError (a model without ``drop_path_rate``) is the caller's to say."""
+    paragraph (``failed``), but for a model without ``drop_path_rate`` (a TypeError), which the caller says."""
     from huggingface_hub import constants
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -89,9 +89,9 @@ def create(model: str, what: str, **kwargs) -> nn.Module:
             except LocalEntryNotFoundError:  # a file the cache lacks: from the Hub
                 pass
         return timm_module().create_model(model, **kwargs)
-    except TypeError:
-        raise
     except Exception as err:  # noqa: BLE001 - Hub, socket, file and config errors alike
+        if isinstance(err, TypeError) and "drop_path_rate" in str(err):
+            raise  # a model without one: the caller says so
         raise failed(model, what, err, kwargs.get("pretrained", False)) from None
 
 
