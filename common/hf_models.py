@@ -24,8 +24,6 @@ from torch import nn
 
 from common.errors import ConfigError
 
-IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-
 
 def transformers_module(folder: Path):
     """transformers, to read the model folder ``folder``: refused first, in one paragraph, when the folder asks to run
@@ -186,6 +184,7 @@ def preprocessing(folder: Path) -> tuple[list[float], list[float], int | None]:
         processor = from_folder(folder, "AutoImageProcessor", needs)
     size = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
     side = size.get("height") or size.get("shortest_edge") or getattr(config(folder), "image_size", None)
-    mean = getattr(processor, "image_mean", None) or IMAGENET_MEAN
-    std = getattr(processor, "image_std", None) or IMAGENET_STD
+    constants = transformers_module(folder).utils.constants  # ImageNet's mean and std, as transformers has them
+    mean = getattr(processor, "image_mean", None) or constants.IMAGENET_DEFAULT_MEAN
+    std = getattr(processor, "image_std", None) or constants.IMAGENET_DEFAULT_STD
     return list(map(float, mean)), list(map(float, std)), side if isinstance(side, int) else None
