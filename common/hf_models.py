@@ -24,8 +24,6 @@ from torch import nn
 
 from common.errors import ConfigError
 
-IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-
 
 def transformers_module(folder: Path):
     """transformers, to read the model folder ``folder``: refused first, in one paragraph, when the folder asks to run
@@ -125,18 +123,22 @@ class ImageClassifier(nn.Module):
         return self.model(pixel_values=images, **self.extra).logits
 
 
-def config(folder: Path, num_classes: int | None = None):
+def from_folder(folder: Path, auto: str, needs: str):
+    """``transformers.<auto>.from_pretrained(folder)``, quietly, and never with the folder's code nor a question on
+    stdin whether to run it (such a folder is refused before this); what it cannot read is one paragraph."""
     transformers = transformers_module(folder)
     try:
         with quiet(transformers):
-            # never the folder's code, nor a question on stdin whether to run it (refused before this)
-            cfg = transformers.AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+            return getattr(transformers, auto).from_pretrained(str(folder), trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - a damaged file, a value this transformers refuses
         raise ConfigError(
-            f"transformers {transformers.__version__} could not read {folder / 'config.json'} "
-            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Pass a folder that "
-            "save_pretrained of an AutoModelForImageClassification wrote, whole."
+            f"transformers {transformers.__version__} could not read {folder} with {auto} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}). {needs}"
         ) from None
+
+
+def config(folder: Path, num_classes: int | None = None):
+    cfg = from_folder(folder, "AutoConfig", "Pass a folder that save_pretrained of an image classifier wrote, whole.")
     if num_classes is not None:
         cfg.num_labels = num_classes  # id2label/label2id follow
     return cfg
@@ -163,16 +165,8 @@ def build(folder: Path, num_classes: int, image_size: int | None, drop_path: flo
 def pretrained_state(folder: Path) -> dict:
     """The folder's weights with their own head, as ``from_pretrained`` reads them (older key names converted),
     under the wrapper's names."""
-    transformers = transformers_module(folder)
-    try:
-        with quiet(transformers):
-            model = transformers.AutoModelForImageClassification.from_pretrained(str(folder), trust_remote_code=False)
-    except Exception as err:  # noqa: BLE001
-        raise ConfigError(
-            f"transformers could not load the weights in {folder} ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}). It needs model.safetensors (or pytorch_model.bin) "
-            "beside config.json."
-        ) from None
+    needs = "It needs model.safetensors (or pytorch_model.bin) beside config.json."
+    model = from_folder(folder, "AutoModelForImageClassification", needs)
     return {f"model.{k}": v for k, v in model.state_dict().items()}
 
 
@@ -182,19 +176,15 @@ def named_as_wrapped(state: dict) -> dict:
 
 
 def preprocessing(folder: Path) -> tuple[list[float], list[float], int | None]:
-    """Mean, std and crop side of the folder's preprocessor_config.json (ImageNet's, and config.json's image_size,
-    where it has none)."""
-    path = folder / "preprocessor_config.json"
-    pre = json.loads(path.read_text()) if path.is_file() else {}
-    side = None
-    for key in ("crop_size", "size"):
-        value = pre.get(key)
-        if isinstance(value, dict):
-            value = value.get("height") or value.get("shortest_edge")
-        if isinstance(value, int) and value > 0:
-            side = value
-            break
-    if side is None:
-        side = config(folder).to_dict().get("image_size")
-    mean, std = pre.get("image_mean") or IMAGENET_MEAN, pre.get("image_std") or IMAGENET_STD
-    return [float(m) for m in mean], [float(s) for s in std], side if isinstance(side, int) else None
+    """Mean, std and crop side of the folder's image processor (``AutoImageProcessor``, its
+    preprocessor_config.json); ImageNet's, and config.json's image_size, where the folder has none."""
+    processor = None
+    if (folder / "preprocessor_config.json").is_file():
+        needs = "Pass a folder that save_pretrained wrote, or delete that file to normalise with ImageNet's statistics."
+        processor = from_folder(folder, "AutoImageProcessor", needs)
+    size = getattr(processor, "crop_size", None) or getattr(processor, "size", None) or {}
+    side = size.get("height") or size.get("shortest_edge") or getattr(config(folder), "image_size", None)
+    constants = transformers_module(folder).utils.constants  # ImageNet's mean and std, as transformers has them
+    mean = getattr(processor, "image_mean", None) or constants.IMAGENET_DEFAULT_MEAN
+    std = getattr(processor, "image_std", None) or constants.IMAGENET_DEFAULT_STD
+    return list(map(float, mean)), list(map(float, std)), side if isinstance(side, int) else None

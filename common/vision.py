@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common import hf_models, timm_models
+from common import hf_models, timm_models, torchvision_weights
 from common.errors import ConfigError
-from common.torchvision_weights import download, weights_entry
+from common.torchvision_weights import weights_entry
 
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # a Hub-layout folder's, in the order its libraries read
 
 
 def model_names() -> list[str]:
@@ -102,8 +103,8 @@ def folder_family(folder: Path) -> str:
     )
 
 
-def timm_source(name: str) -> timm_models.Source:
-    return timm_models.source(name, model_folder(name))
+def timm_name(name: str) -> str:
+    return timm_models.timm_name(name, model_folder(name))
 
 
 AUX_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # googlenet's and inception_v3's auxiliary classifiers
@@ -123,7 +124,7 @@ def build(name: str, num_classes: int, image_size: int | None = None, drop_path:
     if family in ("timm", "transformers"):
         try:
             if family == "timm":
-                model = timm_models.build(timm_source(name), num_classes, image_size, drop_path)
+                model = timm_models.build(timm_name(name), num_classes, image_size, drop_path, f"--model {name}")
             else:
                 model = hf_models.build(model_folder(name), num_classes, image_size, drop_path)
         except TypeError as err:  # a model class without drop_path_rate
@@ -262,12 +263,15 @@ def resolve(name: str, spec: str) -> Pretrained:
     from torchvision import models
 
     family = check_name(name)
-    src = timm_source(name) if family == "timm" else None
+    if family == "timm":  # the name checked even from scratch: a Hub repo's config.json read now
+        timm_models.probe(timm_name(name), f"--model {name}")
     if not spec:
         return Pretrained("", None, None, None)
     if family != "torchvision":
         mean, std, crop = (
-            timm_models.preprocessing(src) if src is not None else hf_models.preprocessing(model_folder(name))
+            timm_models.preprocessing(timm_name(name), f"--model {name}")
+            if family == "timm"
+            else hf_models.preprocessing(model_folder(name))
         )
         return Pretrained(spec, mean, std, crop)
     entry = weights_entry(name, spec)
@@ -281,29 +285,27 @@ def resolve(name: str, spec: str) -> Pretrained:
 
 
 def fetch(name: str, spec: str) -> None:
-    """Make ``--weights`` readable before anything else is read: torchvision's weights downloaded into torch's hub
-    cache (the download's hash checked by torch.hub) or the cached copy checked; a file must exist. An offline machine
-    or a wrong path fails here, at start, instead of after the data is scanned. timm's and a folder's DEFAULT: from
-    the Hub's cache, downloaded into it when missing (``common.timm_models``), or the folder's own file."""
-    family = check_name(name)
-    if family != "torchvision" and spec == "DEFAULT":
-        if family == "timm":
-            timm_models.fetch(name, timm_source(name))
-        else:
-            weights_file(str(model_folder(name)), f"--weights DEFAULT (the weights of the model folder {name})")
-        return
+    """Make ``--weights`` readable before anything else is read: torchvision's weights read through torch's hub
+    cache (``common.torchvision_weights``), timm's DEFAULT through the Hugging Face cache (downloaded into either when
+    missing), a model folder's own weights file, or the file named. An offline machine or a wrong path fails here, at
+    start, instead of after the data is scanned."""
+    family, folder = check_name(name), model_folder(name)
     entry = weights_entry(name, spec) if family == "torchvision" else None
-    if entry is None:
+    if spec == "DEFAULT" and folder is not None:
+        weights_file(str(folder), f"--weights DEFAULT (the weights of the model folder {name})")
+    elif spec == "DEFAULT" and family == "timm":
+        timm_models.fetch(timm_name(name), f"--weights DEFAULT for --model {name}")
+    elif entry is not None:
+        torchvision_weights.state_dict(entry, load=False)
+    else:
         weights_file(spec)
-        return
-    download(entry)
 
 
 def weights_file(spec: str, what: str = "") -> Path:
     """--weights as a file: the file, or a folder's weights file (a Hub repo downloaded as a folder)."""
     path = Path(spec).expanduser()
     if path.is_dir():
-        path = next((path / f for f in timm_models.WEIGHT_FILES if (path / f).is_file()), path)
+        path = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), path)
     if not path.is_file():
         raise ConfigError(
             f"{what or f'--weights {spec}'}: no such file{' in that folder' if path.is_dir() else ''}. Pass a "
@@ -314,15 +316,16 @@ def weights_file(spec: str, what: str = "") -> Path:
 
 
 def _read_state(spec: str, name: str, image_size: int | None = None) -> dict:
-    fetch(name, spec)
-    family = check_name(name)
+    family, folder = check_name(name), model_folder(name)
+    if spec == "DEFAULT" and folder is not None:
+        fetch(name, spec)  # the folder holds a weights file: else one paragraph
     if family == "timm" and spec == "DEFAULT":  # loaded by timm: its filters, a ViT's grid resampled to image_size
-        return timm_models.pretrained_state(name, timm_source(name), image_size)
+        return timm_models.pretrained_state(timm_name(name), image_size, f"--weights DEFAULT for --model {name}")
     if family == "transformers" and (spec == "DEFAULT" or Path(spec).expanduser().is_dir()):
-        return hf_models.pretrained_state(model_folder(name) if spec == "DEFAULT" else Path(spec).expanduser())
+        return hf_models.pretrained_state(folder if spec == "DEFAULT" else Path(spec).expanduser())
     entry = weights_entry(name, spec) if family == "torchvision" else None
-    if entry is not None:  # in torch.hub.get_dir()/checkpoints now, checked
-        return entry.get_state_dict(progress=False, check_hash=True)
+    if entry is not None:  # through torch's hub cache, checked
+        return torchvision_weights.state_dict(entry)
     path = weights_file(spec)
     try:
         if path.suffix == ".safetensors":
@@ -355,21 +358,17 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, im
     state = _read_state(spec, name, image_size)
     own = model.state_dict()
     head_name, _ = head(model, num_classes)
-    head_keys = {k for k in own if k.startswith(head_name + ".")}
-    aux = sorted(k for k in state if k.startswith(AUX_HEADS) and k not in own)  # heads the model is built without
-    state = {k: v for k, v in state.items() if k not in aux}
+    aux = [k for k in state if k.startswith(AUX_HEADS) and k not in own]  # heads the model is built without
     skipped = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
-    unexpected = sorted(k for k in state if k not in own)
+    wrong = [k for k in skipped if not k.startswith(head_name + ".")]
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in state.items() if k not in skipped and k not in aux}, strict=False
+    )
     # BatchNorm's step counters: files saved before torch kept them (torchvision's older ImageNet weights among them)
     # lack them, and torch's own load_state_dict starts them at 0, as it does here
-    counters = {
-        name + ".num_batches_tracked"
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-    }
-    missing = sorted(k for k in own if k not in state and k not in counters)
-    wrong = [k for k in skipped if k not in head_keys]
-    if unexpected or wrong or set(missing) - head_keys:
+    missing = sorted(k for k in missing if k not in skipped and not k.endswith(".num_batches_tracked"))
+    absent = [k for k in missing if k.startswith(head_name + ".")]
+    if unexpected or wrong or len(absent) < len(missing):
         shown = (unexpected + wrong + missing)[:4]
         raise ConfigError(
             f"The weights in {spec} don't fit --model {name}: {len(missing)} of its tensors are "
@@ -377,11 +376,9 @@ def load_pretrained(model: nn.Module, spec: str, name: str, num_classes: int, im
             f"{len(wrong)} have another shape (e.g. {', '.join(shown)}). Pass weights of a {name} "
             "(torchvision's own file for it, or one saved from this model)."
         )
-    model.load_state_dict({k: v for k, v in state.items() if k not in skipped}, strict=False)
     shapes = ", ".join(f"{k} {tuple(state[k].shape)} -> {tuple(own[k].shape)}" for k in skipped)
-    absent = [k for k in missing if k in head_keys]
     return (
-        f"weights {spec}: {len(state) - len(skipped)} tensors loaded"
+        f"weights {spec}: {len(state) - len(skipped) - len(aux)} tensors loaded"
         + (f"; skipped the head of another shape ({shapes}), trained from scratch" if skipped else "")
         + (f"; the file holds no head ({', '.join(absent)}): it starts fresh" if absent else "")
         + (

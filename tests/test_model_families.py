@@ -179,6 +179,41 @@ def test_local_weights_load_into_a_timm_model(tmp_path, photos_like, env, monkey
     assert card["mean"] == [0.5, 0.5, 0.5] and card["config"]["model"] == str(tmp_path / "hub-layout")
 
 
+def test_a_hub_model_in_the_cache_is_built_and_loaded_with_no_network(tmp_path, monkeypatch):
+    """An hf-hub: model whose config.json and weights are in the Hugging Face cache is built and started from its
+    weights with no request to the Hub, HF_HUB_OFFLINE unset (on a machine without network each request retries for
+    seconds), as predict and export rebuild it; a file the cache lacks is still asked of the Hub."""
+    import huggingface_hub.constants
+    import huggingface_hub.file_download
+    import timm
+
+    asked, metadata = [], huggingface_hub.file_download.get_hf_file_metadata
+
+    def no_network(*args, **kwargs):  # offline mode stops a request before it is sent; else it is one
+        if not huggingface_hub.constants.HF_HUB_OFFLINE:
+            asked.append(kwargs.get("url") or args[0])
+            raise AssertionError("a request to the Hub")
+        return metadata(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_network)
+    repo, commit = tmp_path / "hub" / "models--someorg--tiny", "a" * 40
+    source = timm_with_1000_classes()
+    timm.models.save_for_hf(source, str(repo / "snapshots" / commit))  # config.json + weights
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = vision.build("hf-hub:someorg/tiny", 3, 32)
+    line = vision.load_pretrained(model, "DEFAULT", "hf-hub:someorg/tiny", 3, 32)
+    assert "skipped the head of another shape (fc.bias (1000,) -> (3,)" in line and not asked, (line, asked)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False  # the cache-only call leaves the setting as it was
+    for weights in ("model.safetensors", "pytorch_model.bin"):  # the cache without the weights
+        (repo / "snapshots" / commit / weights).unlink(missing_ok=True)
+    with pytest.raises(ConfigError, match="timm could not load them|needs someorg/tiny"):
+        vision.load_pretrained(vision.build("hf-hub:someorg/tiny", 3, 32), "DEFAULT", "hf-hub:someorg/tiny", 3, 32)
+    assert asked  # then from the Hub
+
+
 def test_an_offline_hub_model_with_weights_fails_at_start_naming_the_cache(tmp_path, env, monkeypatch):
     """No machine here reaches the Hub: an hf-hub: model (its config.json) and --weights DEFAULT of a timm name, not
     in the cache, stop the run before the photos are read, in one paragraph naming the cache folder HF_HOME sets."""
