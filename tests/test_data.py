@@ -148,6 +148,15 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
     assert sorted(p.name for p in cache_files(tmp_path / "c")) == sorted(names)
 
 
+def test_the_cache_is_a_plain_safetensors_file(small, tmp_path):
+    """The decoded split is stored in a library's format: any safetensors reader gets the images and labels back."""
+    from safetensors.torch import load_file
+
+    data = load(small, tmp_path / "c", val_fraction=0.0)
+    saved = load_file(str(cache_files(tmp_path / "c")[-1]))
+    assert torch.equal(saved["images"], data.train.images) and torch.equal(saved["labels"], data.train.labels)
+
+
 # --- 11.13: permissions follow the umask ------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ image folder), and its image and label columns. Every mistake a user can make wi
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
 from collections import Counter
@@ -46,47 +48,37 @@ TABLE_ENDINGS = REPOSITORY_ENDINGS | {".csv", ".tsv", ".json", ".jsonl"}
 EXTENSIONS_SHOWN = ".png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff and the other formats Pillow reads"
 
 
-def _survey(root: Path, limit: int = 200_000):
-    """What a local dataset folder holds: file endings counted, and git-lfs pointer files (the text stubs a
-    clone made without git-lfs leaves instead of the data). Walks the tree, so only called on error paths."""
-    endings, pointers, seen = Counter(), [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache
-        for fname in filenames:
-            if fname.startswith("."):
-                continue
-            seen += 1
-            if seen > limit:
-                return endings, pointers
-            p = Path(dirpath) / fname
-            endings[p.suffix.lower() or "(no ending)"] += 1
-            try:
-                if p.stat().st_size < 1024:  # pointer files are ~130 bytes
-                    with open(p, "rb") as f:
-                        if f.read(len(LFS_POINTER)) == LFS_POINTER:
-                            pointers.append(p)
-            except OSError:
-                pass
-    return endings, pointers
+def _refuse_unusable_folder(name: str, root: Path) -> None:
+    """Raise what is wrong with a local folder that gives no images: git-lfs pointer files in place of the data (the
+    text stubs a clone made without git-lfs leaves), or no image nor table file at all. Walks the tree (the first
+    200,000 files), so only called on error paths."""
 
+    def files():
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache
+            yield from (Path(dirpath) / f for f in filenames if not f.startswith("."))
 
-def _lfs_error(name: str, pointers) -> DataError:
-    shown = ", ".join(str(p) for p in pointers[:3]) + (", ..." if len(pointers) > 3 else "")
-    return DataError(
-        f"{len(pointers)} file(s) in {name!r} are git-lfs pointer files, not data ({shown}): the repository was "
-        "cloned without git-lfs, which leaves a small text stub in place of each parquet file. Install git-lfs "
-        "(e.g. `apt install git-lfs` or `brew install git-lfs`), then run `git lfs install` and `git lfs pull` "
-        "inside the clone, and run again."
-    )
-
-
-def _no_images_error(name: str, endings: Counter) -> DataError:
-    found = ", ".join(f"{n} {e}" for e, n in endings.most_common(5)) or "no files at all"
-    return DataError(
-        f"No images were found in {name!r} (found: {found}). The image-folder layout reads files ending "
-        f"{EXTENSIONS_SHOWN}, one sub-folder per class ({name}/<class>/<image>). Put the images there, or pass "
-        "--dataset a directory with the dataset's parquet files."
-    )
+    endings, pointers = Counter(), []
+    for p in itertools.islice(files(), 200_000):
+        endings[p.suffix.lower() or "(no ending)"] += 1
+        with contextlib.suppress(OSError):
+            if p.stat().st_size < 1024 and p.read_bytes()[: len(LFS_POINTER)] == LFS_POINTER:  # a stub is ~130 bytes
+                pointers.append(p)
+    if pointers:
+        shown = ", ".join(str(p) for p in pointers[:3]) + (", ..." if len(pointers) > 3 else "")
+        raise DataError(
+            f"{len(pointers)} file(s) in {name!r} are git-lfs pointer files, not data ({shown}): the repository was "
+            "cloned without git-lfs, which leaves a small text stub in place of each parquet file. Install git-lfs "
+            "(e.g. `apt install git-lfs` or `brew install git-lfs`), then run `git lfs install` and `git lfs pull` "
+            "inside the clone, and run again."
+        )
+    if not any(e in image_endings() | TABLE_ENDINGS for e in endings):  # a table says "no column" instead
+        found = ", ".join(f"{n} {e}" for e, n in endings.most_common(5)) or "no files at all"
+        raise DataError(
+            f"No images were found in {name!r} (found: {found}). The image-folder layout reads files ending "
+            f"{EXTENSIONS_SHOWN}, one sub-folder per class ({name}/<class>/<image>). Put the images there, or pass "
+            "--dataset a directory with the dataset's parquet files."
+        )
 
 
 def local_folder(name: str) -> Path | None:
@@ -162,11 +154,7 @@ def load_source(name: str, hf_cache: Path | None = None):
                 "recipe holds out part of train instead."
             ) from None
         if path.exists():
-            endings, pointers = _survey(path)
-            if pointers:
-                raise _lfs_error(name, pointers) from None
-            if not any(e in TABLE_ENDINGS | image_endings() for e in endings):
-                raise _no_images_error(name, endings) from None
+            _refuse_unusable_folder(name, path)
             raise DataError(
                 f"datasets could not read {name!r}: {type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}. "
@@ -249,11 +237,7 @@ def pick_columns(train, cfg, name: str) -> tuple[str, str]:
     """The image and label columns of a table dataset, or a message naming the fix."""
     path = Path(name).expanduser()
     if not cfg.image_column and not any(c in train.features for c in IMAGE_COLUMNS) and path.is_dir():
-        endings, pointers = _survey(path)
-        if pointers:
-            raise _lfs_error(name, pointers)
-        if not any(e in image_endings() | TABLE_ENDINGS for e in endings):  # a table says "no column" below
-            raise _no_images_error(name, endings)
+        _refuse_unusable_folder(name, path)
     img_col = _pick_column(train.features, cfg.image_column, IMAGE_COLUMNS, "image", name)
     lab_col = _pick_column(train.features, cfg.label_column, LABEL_COLUMNS, "label", name)
     return img_col, lab_col
