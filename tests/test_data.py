@@ -121,7 +121,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
     written and read back as usual."""
     import socket
 
-    import common.data.sources as sources_module
+    import common.data.decoded as decoded_module
 
     first = load(small, tmp_path / "c")
     names = [p.name for p in cache_files(tmp_path / "c")]
@@ -132,7 +132,7 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
             p.unlink()
     victim = tmp_path / "someone_elses_file"
     victim.write_text("precious")
-    real_decode = sources_module.decode_split
+    real_decode = decoded_module.decode_split
 
     def decode_while_someone_plants_links(*args, **kwargs):
         for name in names:
@@ -141,11 +141,20 @@ def test_a_symlink_planted_at_a_temporary_name_is_not_followed(small, tmp_path, 
                 link.symlink_to(victim)
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(sources_module, "decode_split", decode_while_someone_plants_links)
+    monkeypatch.setattr(decoded_module, "decode_split", decode_while_someone_plants_links)
     again = load(small, tmp_path / "c")
     assert victim.read_text() == "precious"
     assert torch.equal(again.train.images, ref)
     assert sorted(p.name for p in cache_files(tmp_path / "c")) == sorted(names)
+
+
+def test_the_cache_is_a_plain_safetensors_file(small, tmp_path):
+    """The decoded split is stored in a library's format: any safetensors reader gets the images and labels back."""
+    from safetensors.torch import load_file
+
+    data = load(small, tmp_path / "c", val_fraction=0.0)
+    saved = load_file(str(cache_files(tmp_path / "c")[-1]))
+    assert torch.equal(saved["images"], data.train.images) and torch.equal(saved["labels"], data.train.labels)
 
 
 # --- 11.13: permissions follow the umask ------------------------------------------------------------
@@ -209,11 +218,10 @@ RACER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     import common.data.decoded as data
-    import common.data.sources as sources
     from common.config import CommonConfig
 
     cache, rank, out, go, *datasets = sys.argv[1:]
-    real = sources.decode_split
+    real = data.decode_split
 
     def counted(split, *args, **kw):
         with open(Path(out) / "decodes", "a") as f:
@@ -221,7 +229,7 @@ RACER = textwrap.dedent("""
         time.sleep(1.0)  # hold the lock long enough that the peer really waits on it
         return real(split, *args, **kw)
 
-    sources.decode_split = counted
+    data.decode_split = counted
     # a two-party barrier: each process, once imported, says it is ready, then waits until both are (its imports and
     # the peer's take seconds, which a fixed head start would not cover), so the loads below really start together
     ready = Path(go) / f"ready-{rank}"

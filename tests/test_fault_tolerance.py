@@ -166,7 +166,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
     exit 75 and "preempted" in summary.json (the data phase has trained nothing; the final evaluation follows
     the last checkpoint), and the same command then finishes the run. A second Ctrl-C during training ends the
     process at once, without waiting for the step."""
-    import common.data.sources as sources_module
+    import common.data.decoded as decoded_module
     from common.train.run import watching
     from common.train.stopping import StopFlag
 
@@ -186,7 +186,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
         "--cache-dir",
         tmp_path / "cache",
     ]
-    real_decode, t0 = sources_module.decode_split, time.time()
+    real_decode, t0 = decoded_module.decode_split, time.time()
 
     def decode_then_terminated(*a, **kw):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -194,7 +194,7 @@ def test_a_stop_request_ends_the_phases_with_nothing_to_checkpoint_at_once(
         return real_decode(*a, **kw)
 
     with monkeypatch.context() as mp:
-        mp.setattr(sources_module, "decode_split", decode_then_terminated)
+        mp.setattr(decoded_module, "decode_split", decode_then_terminated)
         proc = run_in_process("fashion_mnist_mlp", args, env)
     assert proc.returncode == 75 and time.time() - t0 < 50, proc.stderr[-2000:]
     assert (

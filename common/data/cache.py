@@ -1,7 +1,8 @@
-"""The decoded-image cache shared by the processes of a node (see ``common.data.decoded`` for the contract): one
-safetensors file per decoded split, written once under a file lock and read by every process through a
-memory map; the checks that catch a damaged file; and the index that lets an unchanged local folder skip
-``datasets`` on the next launch."""
+"""The decoded-image store shared by the processes of a node (the contract: ``common.data.decoded``). One
+safetensors file per decoded split, written once under a file lock (``safetensors.torch.save`` through
+``common.files.write_atomic``: a new file, never through a planted symlink, fsynced, renamed into place) and read by
+every process through ``safe_open``'s memory map; a damaged file is named and decoded again. Plus the index that
+lets an unchanged local folder skip ``datasets`` on the next launch."""
 
 from __future__ import annotations
 
@@ -21,9 +22,6 @@ import torch
 from common import console
 from common.data.splits import ImageSplit
 from common.errors import DataError
-from common.files import create_exclusive as _create_exclusive
-from common.files import fsync_dir as _fsync_dir
-from common.files import temp_name as _temp_name
 from common.files import write_atomic
 
 CACHE_VERSION = "3"  # 3: 16-bit scaled, transparency flattened, EXIF applied, channels over the split
@@ -42,14 +40,19 @@ def cache_path(cache_dir: Path, fingerprint: str, settings: dict) -> Path:
     return cache_dir / f"{key[:32]}.safetensors"
 
 
-def _read_cache(path: Path) -> ImageSplit:
-    """Open a cache file written by ``_write_cache``; FileNotFoundError if absent, _Damaged if not intact.
-    safetensors checks the header and that the tensors cover the file exactly, and maps the file (copy-on-write: the
-    pages are the page cache's, shared by every process of the node until one writes to them, and nothing here does:
-    batches are gathered copies); the labels and the images' last bytes are checked against their CRCs. One open
-    does all of it, so what is checked is what is mapped, whatever a peer renames over the name meanwhile. NOTE: the
-    file must never be rewritten in place (a truncated mapped file faults its readers); writers rename a new file over
-    it."""
+def _checksums(images: torch.Tensor, labels: torch.Tensor) -> dict:
+    """CRC32s of the labels and of the images' last 64 KiB: with the exact file size safetensors checks, they catch a
+    truncated or zero-filled file without a pass over all of it (which would cost every process a read of the data)."""
+    tail = images.reshape(-1)[-TAIL_BYTES:].numpy()
+    return {"labels_crc32": f"{zlib.crc32(labels.numpy().tobytes()):08x}", "tail_crc32": f"{zlib.crc32(tail):08x}"}
+
+
+def _read(path: Path) -> ImageSplit:
+    """A cache file ``_write`` wrote; FileNotFoundError if absent, _Damaged if not intact. safetensors checks the header
+    and that the tensors cover the file exactly, and maps the file copy-on-write (the pages are the page cache's, shared
+    by the node's processes; batches are gathered copies, so nothing writes to them). One open does all of it, so what
+    is checked is what is mapped, whatever a peer renames over the name meanwhile. The file is never rewritten in place
+    (a truncated mapped file faults its readers): writers rename a new file over it."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -63,52 +66,23 @@ def _read_cache(path: Path) -> ImageSplit:
     n = images.shape[0] if images.dim() == 4 else -1
     if images.dtype != torch.uint8 or labels.dtype != torch.int64 or tuple(labels.shape) != (n,):
         raise _Damaged("tensors of the wrong type or shape")
-    tail = images.reshape(-1)[-TAIL_BYTES:]
-    crcs = f"{zlib.crc32(labels.numpy().tobytes()):08x}", f"{zlib.crc32(tail.numpy()):08x}"
-    if crcs != (meta.get("labels_crc32"), meta.get("tail_crc32")):
+    if _checksums(images, labels) != {k: meta.get(k) for k in ("labels_crc32", "tail_crc32")}:
         raise _Damaged("checksum mismatch")
     return ImageSplit(images, labels, note=meta.get("note", ""))
 
 
-def _write_cache(path: Path, split: ImageSplit, class_names):
-    """Write to a temporary file, fsync, rename: a reader sees no file or the whole file, even after a crash."""
-    import numpy as np
+def _write(path: Path, split: ImageSplit, class_names) -> None:
+    from safetensors.torch import save
 
-    images = split.images.contiguous().numpy()
-    labels = split.labels.numpy().astype("<i8").tobytes()
-    n, n_img = images.shape[0], images.size
-    header = {
-        "__metadata__": {
-            "format": CACHE_FORMAT,
-            "class_names": json.dumps(class_names),
-            "note": split.note,
-            "labels_crc32": f"{zlib.crc32(labels):08x}",
-            "tail_crc32": f"{zlib.crc32(images.reshape(-1)[-TAIL_BYTES:]):08x}",
-        },
-        "labels": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
-        "images": {"dtype": "U8", "shape": list(images.shape), "data_offsets": [8 * n, 8 * n + n_img]},
-    }
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header so the data starts 8-byte aligned
-    tmp = _temp_name(path)
+    images, labels = split.images.contiguous(), split.labels.to(torch.int64).contiguous()
+    meta = {"format": CACHE_FORMAT, "class_names": json.dumps(class_names), "note": split.note}
     try:
-        fd = _create_exclusive(tmp)
-        with os.fdopen(fd, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            f.write(labels)
-            f.write(memoryview(np.ascontiguousarray(images).reshape(-1)))
-            f.flush()
-            os.fsync(f.fileno())  # data on disk before the rename publishes it
-        os.replace(tmp, path)
+        write_atomic(path, save({"images": images, "labels": labels}, {**meta, **_checksums(images, labels)}))
     except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise DataError(
             f"Could not write the decoded-image cache {path} ({err.strerror or err}). Free space there, "
             "or pass --cache-dir a writable directory with room for the decoded images."
         ) from None
-    _fsync_dir(path.parent)
 
 
 def _remove_stale_temps(path: Path, max_age_s: float = 86400):
@@ -116,11 +90,9 @@ def _remove_stale_temps(path: Path, max_age_s: float = 86400):
     are all stale; those of other keys only when a day old (their writers may be alive, unlocked)."""
     now = time.time()
     for tmp in path.parent.glob("*.tmp"):
-        try:
+        with contextlib.suppress(OSError):
             if tmp.name.startswith(path.name + ".") or now - tmp.stat().st_mtime > max_age_s:
                 tmp.unlink()
-        except OSError:
-            pass
 
 
 @contextlib.contextmanager
@@ -168,109 +140,73 @@ def _file_lock(lock_path: Path, on_wait):
 
 
 def _identity(path: Path):
-    try:
+    with contextlib.suppress(OSError):
         st = path.stat()
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
-
-
-def _prepare(product: Path):
-    """Before taking the lock for ``product``: its folder exists, and the identity of the error file a peer that
-    fails on it would write ('.error' beside it; a new identity after the wait means that peer failed)."""
-    try:
-        product.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise DataError(
-            f"Could not create the cache directory {product.parent} ({err.strerror or err}). Pass "
-            "--cache-dir a directory this user can write."
-        ) from None
-    error_file = product.with_suffix(".error")
-    return error_file, _identity(error_file)
+        return st.st_ino, st.st_mtime_ns, st.st_size
+    return None
 
 
 def cached_split(path: Path, decode, what: str, class_names, is_main: bool) -> ImageSplit:
-    """Read the split from ``path``, or decode it and write it there: one decoder per cache file."""
+    """Read the split from ``path``, or decode it and write it there: one decoder per cache file. A process that
+    waited on a peer that failed raises the peer's message (its '.error' file) instead of decoding to fail alike."""
     say = console.say if is_main else (lambda *_: None)  # the process that decodes says what it does
-    damage = None
-    try:
-        return _read_cache(path)
-    except FileNotFoundError:
-        pass
-    except PermissionError as err:
-        raise DataError(
-            f"The decoded-image cache {path} is not readable by this user ({err.strerror}). Make it "
-            "readable (a cache shared with a team wants a umask of 002 for whoever writes it), or pass "
-            "--cache-dir a directory of your own."
-        ) from None
-    except _Damaged as err:
-        damage = err
-        say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
-    error_file, before = _prepare(path)
+    damage_said = []
 
-    def waiting(holder):
-        say(f"waiting for {holder} to decode {what} into {path} ...")
-
-    with _file_lock(path.with_suffix(".lock"), waiting) as locked:
+    def read() -> ImageSplit | None:
         try:
-            return _read_cache(path)  # a peer wrote it while this process waited
+            return _read(path)
         except FileNotFoundError:
-            pass
+            return None
+        except PermissionError as err:
+            raise DataError(
+                f"The decoded-image cache {path} is not readable by this user ({err.strerror}). Make it "
+                "readable (a cache shared with a team wants a umask of 002 for whoever writes it), or pass "
+                "--cache-dir a directory of your own."
+            ) from None
         except _Damaged as err:
-            if damage is None:
+            if not damage_said:  # once, though the file is read again under the lock
                 say(f"The decoded-image cache {path} is damaged ({err}); decoding {what} again.")
+            damage_said.append(err)
+            return None
+
+    if (split := read()) is not None:
+        return split
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DataError(
+            f"Could not create the cache directory {path.parent} ({err.strerror or err}). Pass "
+            "--cache-dir a directory this user can write."
+        ) from None
+    error_file = path.with_suffix(".error")
+    before = _identity(error_file)  # a new identity after the wait: the peer that held the lock failed
+    with _file_lock(
+        path.with_suffix(".lock"), lambda holder: say(f"waiting for {holder} to decode {what} into {path} ...")
+    ) as locked:
+        if (split := read()) is not None:  # a peer wrote it while this process waited
+            return split
         if locked:
             after = _identity(error_file)
-            if after is not None and after != before:  # the peer that held the lock failed on this split
+            if after is not None and after != before:
                 raise DataError(error_file.read_text())
             _remove_stale_temps(path)
         say(f"decoding {what} into {path} ...")
         try:
-            split = decode()
-            _write_cache(path, split, class_names)
+            _write(path, decode(), class_names)
         except DataError as err:
-            if locked:  # tell the processes waiting on this lock, so they do not decode again to fail alike
+            if locked:  # tell the processes waiting on this lock
                 with contextlib.suppress(OSError):
                     write_atomic(error_file, str(err))
             raise
         with contextlib.suppress(OSError):
             error_file.unlink()
         try:
-            return _read_cache(path)
+            return _read(path)
         except (OSError, _Damaged) as err:
             raise DataError(
                 f"The decoded-image cache {path} could not be read back right after writing it ({err}). "
                 "Check the disk behind --cache-dir, or pass another --cache-dir."
             ) from None
-
-
-def once(marker: Path, work, what: str, is_main: bool) -> None:
-    """Run ``work()`` once per ``marker`` across the processes sharing this cache folder (the node's ranks, other
-    jobs): the first takes the lock and works, the others wait, then find the marker; when the work fails with a
-    DataError, the waiting ones raise the same message instead of doing it again. The marker is written after the
-    work succeeds (a failed or killed check leaves none, so the next launch checks again)."""
-    if marker.exists():
-        return
-    say = console.say if is_main else (lambda *_: None)
-    error_file, before = _prepare(marker)
-    with _file_lock(
-        marker.with_suffix(".lock"), lambda holder: say(f"waiting for {holder} to finish {what} ...")
-    ) as locked:
-        if marker.exists():  # a peer did it while this process waited
-            return
-        after = _identity(error_file)
-        if locked and after is not None and after != before:  # the peer that held the lock failed
-            raise DataError(error_file.read_text())
-        try:
-            work()
-        except DataError as err:
-            if locked:
-                with contextlib.suppress(OSError):
-                    write_atomic(error_file, str(err))
-            raise
-        with contextlib.suppress(OSError):
-            error_file.unlink()
-        write_atomic(marker, "")
 
 
 def source_state(name: str) -> str | None:
@@ -306,7 +242,7 @@ def read_source_index(index: Path):
     then takes the full path, which re-decodes what is missing or damaged."""
     try:
         entry = json.loads(index.read_text())
-        return {k: _read_cache(index.parent / f) for k, f in entry["splits"].items()}, entry["class_names"]
+        return {k: _read(index.parent / f) for k, f in entry["splits"].items()}, entry["class_names"]
     except (OSError, ValueError, KeyError, TypeError, _Damaged):
         return None
 

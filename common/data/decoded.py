@@ -1,44 +1,31 @@
-"""Load an image-classification dataset with `datasets`, decode it once into uint8 tensors, cache it.
-
-The decoded tensors ARE the training data: batches are formed by indexing them (one gather per
-batch, see ``TensorImages.__getitems__``), travel to the device as uint8, and are converted and
-augmented there (``common.data.augment``). No per-sample Python runs in the training loop.
-
-Accepted sources (``--dataset``):
-- a Hub id such as ``ylecun/mnist`` (needs network the first time, then the Hub cache serves it);
-- a local clone of a Hub dataset repo (parquet files per split; the files themselves, so clone with
-  git-lfs installed);
-- an image folder: ``<dir>/<class>/.../*.png`` (optionally under ``train/``, ``validation/``, ``test/``), read
-  by torchvision's ImageFolder rules (``common.data.folders``).
+"""From a small-image dataset to uint8 tensors, read top to bottom: ``load_image_data`` finds the dataset (a Hub id, a
+local clone of a Hub repo, or an image folder read by torchvision's ImageFolder rules, ``common.data.folders``), reads
+its tables through ``datasets``, decodes each split once into uint8 images (N, C, H, W) and int64 labels kept in the
+node's shared cache (``common.data.cache``), and holds out validation. The loaders at the end batch those tensors
+(one index gather per batch, ``TensorImages.__getitems__``) on the host or the accelerator, where they are converted
+and augmented (``common.data.augment``): no per-sample Python runs in the training loop.
 
 Contract of ``load_image_data(cfg, default_dataset, is_main)``:
-- Call it on EVERY process at the same time; it needs no collective and no main-first ordering.
-  Each decoded split is cached in one file under ``--cache-dir`` (default
-  ``~/.cache/accelerate-recipes``), keyed by the split's fingerprint and the decode settings. The first
-  process of a node (of all nodes, when they share the cache directory) to take the file lock
-  ``<key>.lock`` decodes the split and writes the cache; the others wait on that lock, not on a
-  collective with a timeout, so a first decode may take as long as it needs. Then every process
-  memory-maps the same file, so the processes of a node share one copy of the images in the page cache
-  instead of holding one copy each. The images are mapped copy-on-write: writing to them never touches
-  the file.
+- Call it on EVERY process at once; it needs no collective and no main-first ordering. The first process (of all
+  nodes sharing --cache-dir, default ``~/.cache/accelerate-recipes``) to take a split's file lock decodes it into a
+  safetensors file keyed by the split's fingerprint and the decode settings; the others wait on that lock, not on a
+  collective with a timeout, so a first decode may take as long as it needs. Then every process memory-maps the
+  same file copy-on-write: the processes of a node share one copy of the images in the page cache.
 - Only the process with ``is_main=True`` prints (``common.console.say``) and shows a progress bar.
-- Bad data raises ``common.errors.DataError`` (one paragraph naming the problem and the fix) on every
-  process that meets it; a process that waited on a peer that failed raises the peer's message rather
-  than decoding again.
-- A cache file is written to a temporary name, fsynced and renamed, so it is complete or absent; one that
-  is damaged anyway (truncated by a crash, a full disk, a copy) is detected, reported in one line naming
-  it, and decoded again. Cache, lock and temporary files follow the umask like the rest of a run. The
-  cache files are safetensors files (``images`` uint8 N x C x H x W, ``labels`` int64 N).
+- Bad data raises ``DataError`` (one paragraph naming the problem and the fix) on every process that meets it; a
+  process that waited on a peer that failed raises the peer's message rather than decoding again.
+- A damaged cache file (truncated by a crash, a full disk, a copy) is named in one line and decoded again. Cache,
+  lock and temporary files follow the umask like the rest of a run.
 - A held-out validation split is an index into the train images, not a copy (``ImageSplit.index``).
 
-NOTE: the lock is ``fcntl.flock``. On a filesystem without it (Lustre mounted without ``flock``)
-every process decodes for itself and the last rename wins: correct, only slower.
+NOTE: the lock is ``fcntl.flock``. On a filesystem without it (Lustre mounted without ``flock``) every process
+decodes for itself and the last rename wins: correct, only slower.
 """
 
 from __future__ import annotations
 
+import io
 import sys
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,140 +33,25 @@ import torch
 from common.console import say
 from common.data import cache, folders, sources, table_labels
 from common.data.batches import loader_batch
-from common.data.cache import default_cache_dir  # noqa: F401 - part of this module's interface
+from common.data.folders import FolderSplit
+from common.data.pixels import natural, unreadable_error, unreadable_reason
 from common.data.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
-from common.errors import DataError  # noqa: F401 - raised by everything here
+from common.errors import DataError
 
 VALIDATION_SPLITS = ("validation", "valid", "val")
 
 
-def _label_map(what: str, class_names, str_map):
-    """A split's label -> class index, refusing what the training classes do not hold."""
-    num_classes = len(class_names)
-
-    def label_map(value, src):
-        if value is None:
-            raise DataError(
-                f"{what} has an image with no label ({src}). Fill in its label, or remove the row, and run again."
-            )
-        idx = str_map.get(value) if str_map is not None else value
-        if idx is None or not isinstance(idx, int) or not 0 <= idx < num_classes:
-            raise DataError(
-                f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
-                f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
-                "Make every split use the training classes, or fix the label column."
-            )
-        return idx
-
-    return label_map
-
-
-def _same_label(label, src):
-    return label
-
-
-def _decoder(cfg, split, columns: tuple, label_map, what: str, is_main: bool):
-    """The decode of one split (``sources.decode_split``), for the cache to call when it holds no copy."""
-    progress = is_main and sys.stderr.isatty()
-    return partial(
-        sources.decode_split, split, *columns, cfg.channels, cfg.image_size, label_map, what, progress=progress
-    )
-
-
-def _decode_folder(cfg, path: Path, name: str, cache_dir: Path, is_main: bool):
-    """An image folder read by ``common.data.folders`` (torchvision's ImageFolder rules), each split decoded into (or
-    read from) the cache under a key made of every file's path, class, size and times."""
-    scan = folders.scan(path, name)
-    settings = {"channels": cfg.channels, "size": cfg.image_size}
-    splits = {}
-    for split_name, split in scan.splits.items():
-        what = f"the {split_name} split of {name}"
-        decode = _decoder(cfg, split, (None, None), _same_label, what, is_main)
-
-        splits[split_name] = cache.cached_split(
-            cache.cache_path(cache_dir, split.fingerprint, settings),
-            decode,
-            f"the {split_name} split of {name} ({len(split)} images)",
-            scan.class_names,
-            is_main,
-        )
-        splits[split_name].provenance = split.provenance()
-    return splits, scan.class_names, scan.skipped_line()
-
-
-def _decode_source(cfg, name: str, cache_dir: Path, is_main: bool, state: str | None, index: Path | None):
-    """Each split of a table dataset (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``
-    and decoded into (or read from) the cache. A local folder's splits are keyed by its files' identity too."""
-    ds = sources.load_source(name, cache_dir / "datasets" / state if state else None)
-    train = ds["train"]
-    img_col, lab_col = sources.pick_columns(train, cfg, name)
-    class_names, str_map = table_labels.class_names_of(train, lab_col, name)
-
-    settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": state}
-    splits, files = {}, {}
-    for split_name in ds:
-        if split_name != "train" and split_name != "test" and split_name not in VALIDATION_SPLITS:
-            continue
-        split = ds[split_name]
-        for col in (img_col, lab_col):
-            if col not in split.features:
-                raise DataError(
-                    f"The {split_name} split of {name!r} has no column {col!r}. Give every split the same columns."
-                )
-
-        label_map = _label_map(f"The {split_name} split", class_names, str_map)
-        decode = _decoder(cfg, split, (img_col, lab_col), label_map, f"the {split_name} split of {name!r}", is_main)
-
-        files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
-        splits[split_name] = cache.cached_split(
-            files[split_name], decode, f"the {split_name} split of {name} ({len(split)} images)", class_names, is_main
-        )
-
-    if index is not None and is_main:
-        cache.write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
-    return splits, class_names
-
-
-def _same_channels(splits: dict, cfg, is_main: bool) -> dict:
-    """Without --channels, a grey split beside colour ones is read as RGB too (one note says so)."""
-    counts = {k: v.image_shape[0] for k, v in splits.items()}
-    if cfg.channels or set(counts.values()) != {1, 3}:
-        return splits
-    grey = [k for k, c in counts.items() if c == 1]
-    if is_main:
-        say(
-            f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
-            "(pass --channels 1 to train on grey)."
-        )
-    out = dict(splits)
-    for k in grey:
-        s = splits[k]
-        out[k] = ImageSplit(s.source_images.expand(-1, 3, -1, -1).contiguous(), s.source_labels, s.index, s.note)
-        out[k].provenance = s.provenance
-    return out
-
-
 def load_image_data(cfg, default_dataset: str, is_main: bool = True) -> ImageData:
-    """Load, decode (or read from cache), split. Call on every process at once (see the module docstring).
+    """Find, decode (or read from the cache), split. Call on every process at once (see the module docstring).
 
     ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed."""
     name = cfg.dataset or default_dataset
-    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+    cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache.default_cache_dir()
     path, skipped = sources.local_folder(name), ""
     if path is not None and folders.is_image_folder(path):
-        splits, class_names, skipped = _decode_folder(cfg, path, name, cache_dir, is_main)
+        splits, class_names, skipped = _folder_splits(cfg, path, name, cache_dir, is_main)
     else:
-        state = cache.source_state(name)  # a local folder's files, hashed; None for a Hub id
-        index = cache.source_index_path(
-            cache_dir,
-            state,
-            {"img": cfg.image_column, "lab": cfg.label_column, "channels": cfg.channels, "size": cfg.image_size},
-        )
-        known = cache.read_source_index(index) if index else None
-        if known is not None:  # a local folder decoded before and unchanged since: no `datasets` import, no scan
-            splits, class_names = known
-        else:
-            splits, class_names = _decode_source(cfg, name, cache_dir, is_main, state, index)
+        splits, class_names = _table_splits(cfg, name, cache_dir, is_main)
     splits = _same_channels(splits, cfg, is_main)
     shapes = {k: v.image_shape for k, v in splits.items()}
     if len(set(shapes.values())) > 1:
@@ -202,6 +74,186 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True) -> ImageDat
         make_loader=split_loader,
         on_device=cfg.data_on_device,
     )
+
+
+def _folder_splits(cfg, path: Path, name: str, cache_dir: Path, is_main: bool):
+    """An image folder's splits (``common.data.folders``: torchvision's ImageFolder rules), each cached under a key
+    made of every file's path, class, size and times, and knowing which file each row came from."""
+    scan = folders.scan(path, name)
+    settings = {"channels": cfg.channels, "size": cfg.image_size}
+    splits = {}
+    for split_name, split in scan.splits.items():
+        key = cache.cache_path(cache_dir, split.fingerprint, settings)
+        splits[split_name] = _cached(
+            cfg, key, split, (None, None), None, f"the {split_name} split of {name}", scan.class_names, is_main
+        )
+        splits[split_name].provenance = split.provenance()
+    return splits, scan.class_names, scan.skipped_line()
+
+
+def _table_splits(cfg, name: str, cache_dir: Path, is_main: bool):
+    """A table dataset's splits (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``. A
+    local folder's splits are keyed by its files' identity too, and an index of them lets the next launch on the
+    unchanged folder read the cache without importing ``datasets`` or scanning the tables."""
+    state = cache.source_state(name)  # None for a Hub id
+    asked = {"img": cfg.image_column, "lab": cfg.label_column, "channels": cfg.channels, "size": cfg.image_size}
+    index = cache.source_index_path(cache_dir, state, asked)
+    known = cache.read_source_index(index) if index else None
+    if known is not None:
+        return known
+    ds = sources.load_source(name, cache_dir / "datasets" / state if state else None)
+    img_col, lab_col = sources.pick_columns(ds["train"], cfg, name)
+    class_names, str_map = table_labels.class_names_of(ds["train"], lab_col, name)
+    settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": state}
+    splits, files = {}, {}
+    for split_name in [s for s in ds if s in ("train", "test", *VALIDATION_SPLITS)]:
+        split = ds[split_name]
+        for col in (img_col, lab_col):
+            if col not in split.features:
+                raise DataError(
+                    f"The {split_name} split of {name!r} has no column {col!r}. Give every split the same columns."
+                )
+        label_map = _label_map(f"The {split_name} split", class_names, str_map)
+        files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
+        what = f"the {split_name} split of {name!r}"
+        splits[split_name] = _cached(
+            cfg, files[split_name], split, (img_col, lab_col), label_map, what, class_names, is_main
+        )
+    if index is not None and is_main:
+        cache.write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
+    return splits, class_names
+
+
+def _label_map(what: str, class_names, str_map):
+    """A table split's label -> class index, refusing what the training classes do not hold."""
+    num_classes = len(class_names)
+
+    def label_map(value, src):
+        if value is None:
+            raise DataError(
+                f"{what} has an image with no label ({src}). Fill in its label, or remove the row, and run again."
+            )
+        idx = str_map.get(value) if str_map is not None else value
+        if idx is None or not isinstance(idx, int) or not 0 <= idx < num_classes:
+            raise DataError(
+                f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
+                f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
+                "Make every split use the training classes, or fix the label column."
+            )
+        return idx
+
+    return label_map
+
+
+def _cached(cfg, key: Path, split, columns: tuple, label_map, what: str, class_names, is_main: bool) -> ImageSplit:
+    """One split read from the cache file ``key``, decoded into it first when it holds none (one process decodes)."""
+    progress = is_main and sys.stderr.isatty()
+
+    def decode():
+        return decode_split(split, *columns, cfg.channels, cfg.image_size, label_map, what, progress=progress)
+
+    return cache.cached_split(key, decode, f"{what} ({len(split)} images)", class_names, is_main)
+
+
+def _items(split, img_col: str | None, lab_col: str | None):
+    """(where, how to open, label) for every image of a split: a ``FolderSplit`` or a ``datasets`` split, whose
+    images are read undecoded (the bytes), so each bad one can be named, not only the first."""
+    if isinstance(split, FolderSplit):
+        for rel, label in zip(split.files, split.labels):
+            path = str(split.base / rel)
+            yield path, path, label
+        return
+    from datasets import Image as ImageFeature
+
+    split = split.cast_column(img_col, ImageFeature(decode=False)).select_columns([img_col, lab_col])
+    for batch in split.iter(batch_size=2048):
+        for item, label in zip(batch[img_col], batch[lab_col]):
+            item = item or {}
+            src = item.get("path") or "<embedded image>"
+            yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path"), label
+
+
+def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str, progress: bool = False):
+    """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
+
+    Pixels are read by ``common.data.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
+    The channel count is decided over the whole split: ``channels`` (1 or 3) when given, else RGB when any
+    image is in colour (the grey ones are repeated to three channels, and the split's ``note`` says how many),
+    else grey. Every file that can't be read is listed in one error, not only the first. ``label_map``: a table's
+    label -> class index (None: the label is the index, as a folder's is)."""
+    import numpy as np
+    from PIL import Image
+    from tqdm.auto import tqdm
+
+    if not isinstance(split, FolderSplit):
+        from datasets import Image as ImageFeature
+
+        if not isinstance(split.features[img_col], ImageFeature):
+            raise DataError(
+                f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
+                "Pass --image-column with the column of images."
+            )
+    n = len(split)
+    if n == 0:
+        raise DataError(
+            f"T{what[1:]} is empty. Add images to it, or remove it so the recipe holds out part of train instead."
+        )
+    forced = {1: "L", 3: "RGB"}.get(channels)
+    arrays, labels, bad, size = [], [], [], None
+    bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
+    for src, fp, label in _items(split, img_col, lab_col):
+        bar.update(1)
+        try:
+            with Image.open(fp) as opened:
+                opened.load()
+                img = natural(opened)
+        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
+            bad.append((src, unreadable_reason(err)))  # keep going: one run names every bad file of the split
+            continue
+        if forced and img.mode != forced:
+            img = img.convert(forced)
+        if image_size:
+            if img.size != (image_size, image_size):
+                img = img.resize((image_size, image_size), Image.BILINEAR)
+        elif size is None:
+            size = img.size
+        elif img.size != size:
+            raise DataError(
+                f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
+                f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN."
+            )
+        labels.append(label if label_map is None else label_map(label, src))
+        arrays.append(np.asarray(img, dtype=np.uint8))
+    bar.close()
+    if bad:
+        raise unreadable_error(bad, n, what)
+    grey = sum(a.ndim == 2 for a in arrays)
+    note = ""
+    if 0 < grey < len(arrays):  # colour and grey mixed, no --channels: the grey ones get three equal channels
+        arrays = [np.repeat(a[:, :, None], 3, axis=2) if a.ndim == 2 else a for a in arrays]
+        note = f"{grey} grey image(s) of {what} read as RGB"
+    images = torch.from_numpy(np.stack(arrays))
+    images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
+    return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64), note=note)
+
+
+def _same_channels(splits: dict, cfg, is_main: bool) -> dict:
+    """Without --channels, a grey split beside colour ones is read as RGB too (one note says so)."""
+    counts = {k: v.image_shape[0] for k, v in splits.items()}
+    if cfg.channels or set(counts.values()) != {1, 3}:
+        return splits
+    grey = [k for k, c in counts.items() if c == 1]
+    if is_main:
+        say(
+            f"NOTE: the {', '.join(grey)} split(s) hold only grey images and the others colour ones: read as RGB "
+            "(pass --channels 1 to train on grey)."
+        )
+    out = dict(splits)
+    for k in grey:
+        s = splits[k]
+        out[k] = ImageSplit(s.source_images.expand(-1, 3, -1, -1).contiguous(), s.source_labels, s.index, s.note)
+        out[k].provenance = s.provenance
+    return out
 
 
 # --- batching ------------------------------------------------------------------------------------

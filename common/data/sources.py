@@ -1,23 +1,19 @@
-"""Finding a dataset and reading it through ``datasets``: a Hub id or a local folder (a clone of a Hub repo,
-or an image folder), its image and label columns and class names, and the decode of one split into uint8
-tensors. Every mistake a user can make with a source gets a one-paragraph ``DataError`` naming the fix
-(git-lfs pointers instead of files, a flat folder, corrupt images listed in one pass, ...)."""
+"""Finding a dataset and opening it with ``datasets``: a Hub id or a local folder (a clone of a Hub repo, or an
+image folder), and its image and label columns. Every mistake a user can make with a source gets a one-paragraph
+``DataError`` naming the fix (git-lfs pointers instead of files, no images, offline, a full disk, ...)."""
 
 from __future__ import annotations
 
-import io
+import contextlib
+import itertools
 import os
 import socket
 from collections import Counter
 from pathlib import Path
 from urllib.parse import urlparse
 
-import torch
-
 from common import console
-from common.data.folders import REPOSITORY_ENDINGS, FolderSplit
-from common.data.pixels import natural, unreadable_error, unreadable_reason
-from common.data.splits import ImageSplit
+from common.data.folders import REPOSITORY_ENDINGS
 from common.data.walk import image_endings
 from common.errors import DataError
 
@@ -52,47 +48,37 @@ TABLE_ENDINGS = REPOSITORY_ENDINGS | {".csv", ".tsv", ".json", ".jsonl"}
 EXTENSIONS_SHOWN = ".png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff and the other formats Pillow reads"
 
 
-def _survey(root: Path, limit: int = 200_000):
-    """What a local dataset folder holds: file endings counted, and git-lfs pointer files (the text stubs a
-    clone made without git-lfs leaves instead of the data). Walks the tree, so only called on error paths."""
-    endings, pointers, seen = Counter(), [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache
-        for fname in filenames:
-            if fname.startswith("."):
-                continue
-            seen += 1
-            if seen > limit:
-                return endings, pointers
-            p = Path(dirpath) / fname
-            endings[p.suffix.lower() or "(no ending)"] += 1
-            try:
-                if p.stat().st_size < 1024:  # pointer files are ~130 bytes
-                    with open(p, "rb") as f:
-                        if f.read(len(LFS_POINTER)) == LFS_POINTER:
-                            pointers.append(p)
-            except OSError:
-                pass
-    return endings, pointers
+def _refuse_unusable_folder(name: str, root: Path) -> None:
+    """Raise what is wrong with a local folder that gives no images: git-lfs pointer files in place of the data (the
+    text stubs a clone made without git-lfs leaves), or no image nor table file at all. Walks the tree (the first
+    200,000 files), so only called on error paths."""
 
+    def files():
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # .git, .cache
+            yield from (Path(dirpath) / f for f in filenames if not f.startswith("."))
 
-def _lfs_error(name: str, pointers) -> DataError:
-    shown = ", ".join(str(p) for p in pointers[:3]) + (", ..." if len(pointers) > 3 else "")
-    return DataError(
-        f"{len(pointers)} file(s) in {name!r} are git-lfs pointer files, not data ({shown}): the repository was "
-        "cloned without git-lfs, which leaves a small text stub in place of each parquet file. Install git-lfs "
-        "(e.g. `apt install git-lfs` or `brew install git-lfs`), then run `git lfs install` and `git lfs pull` "
-        "inside the clone, and run again."
-    )
-
-
-def _no_images_error(name: str, endings: Counter) -> DataError:
-    found = ", ".join(f"{n} {e}" for e, n in endings.most_common(5)) or "no files at all"
-    return DataError(
-        f"No images were found in {name!r} (found: {found}). The image-folder layout reads files ending "
-        f"{EXTENSIONS_SHOWN}, one sub-folder per class ({name}/<class>/<image>). Put the images there, or pass "
-        "--dataset a directory with the dataset's parquet files."
-    )
+    endings, pointers = Counter(), []
+    for p in itertools.islice(files(), 200_000):
+        endings[p.suffix.lower() or "(no ending)"] += 1
+        with contextlib.suppress(OSError):
+            if p.stat().st_size < 1024 and p.read_bytes()[: len(LFS_POINTER)] == LFS_POINTER:  # a stub is ~130 bytes
+                pointers.append(p)
+    if pointers:
+        shown = ", ".join(str(p) for p in pointers[:3]) + (", ..." if len(pointers) > 3 else "")
+        raise DataError(
+            f"{len(pointers)} file(s) in {name!r} are git-lfs pointer files, not data ({shown}): the repository was "
+            "cloned without git-lfs, which leaves a small text stub in place of each parquet file. Install git-lfs "
+            "(e.g. `apt install git-lfs` or `brew install git-lfs`), then run `git lfs install` and `git lfs pull` "
+            "inside the clone, and run again."
+        )
+    if not any(e in image_endings() | TABLE_ENDINGS for e in endings):  # a table says "no column" instead
+        found = ", ".join(f"{n} {e}" for e, n in endings.most_common(5)) or "no files at all"
+        raise DataError(
+            f"No images were found in {name!r} (found: {found}). The image-folder layout reads files ending "
+            f"{EXTENSIONS_SHOWN}, one sub-folder per class ({name}/<class>/<image>). Put the images there, or pass "
+            "--dataset a directory with the dataset's parquet files."
+        )
 
 
 def local_folder(name: str) -> Path | None:
@@ -168,11 +154,7 @@ def load_source(name: str, hf_cache: Path | None = None):
                 "recipe holds out part of train instead."
             ) from None
         if path.exists():
-            endings, pointers = _survey(path)
-            if pointers:
-                raise _lfs_error(name, pointers) from None
-            if not any(e in TABLE_ENDINGS | image_endings() for e in endings):
-                raise _no_images_error(name, endings) from None
+            _refuse_unusable_folder(name, path)
             raise DataError(
                 f"datasets could not read {name!r}: {type(err).__name__}: "
                 f"{str(err).splitlines()[0] if str(err) else ''}. "
@@ -255,101 +237,7 @@ def pick_columns(train, cfg, name: str) -> tuple[str, str]:
     """The image and label columns of a table dataset, or a message naming the fix."""
     path = Path(name).expanduser()
     if not cfg.image_column and not any(c in train.features for c in IMAGE_COLUMNS) and path.is_dir():
-        endings, pointers = _survey(path)
-        if pointers:
-            raise _lfs_error(name, pointers)
-        if not any(e in image_endings() | TABLE_ENDINGS for e in endings):  # a table says "no column" below
-            raise _no_images_error(name, endings)
+        _refuse_unusable_folder(name, path)
     img_col = _pick_column(train.features, cfg.image_column, IMAGE_COLUMNS, "image", name)
     lab_col = _pick_column(train.features, cfg.label_column, LABEL_COLUMNS, "label", name)
     return img_col, lab_col
-
-
-# --- decoding ------------------------------------------------------------------------------------
-
-
-def _items(split, img_col: str | None, lab_col: str | None):
-    """(where, how to open, label) for every image of a split: a ``FolderSplit`` or a ``datasets`` split."""
-    if isinstance(split, FolderSplit):
-        for rel, label in zip(split.files, split.labels):
-            path = str(split.base / rel)
-            yield path, path, label
-        return
-    from datasets import Image as ImageFeature
-
-    split = split.cast_column(img_col, ImageFeature(decode=False)).select_columns([img_col, lab_col])
-    for batch in split.iter(batch_size=2048):
-        for item, label in zip(batch[img_col], batch[lab_col]):
-            item = item or {}
-            src = item.get("path") or "<embedded image>"
-            yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path"), label
-
-
-def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str, progress: bool = False):
-    """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
-
-    Pixels are read by ``common.data.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
-    The channel count is decided over the whole split: ``channels`` (1 or 3) when given, else RGB when any
-    image is in colour (the grey ones are repeated to three channels, and the split's ``note`` says how many),
-    else grey. Every file that can't be read is listed in one error, not only the first."""
-    import numpy as np
-    from PIL import Image
-    from tqdm.auto import tqdm
-
-    if not isinstance(split, FolderSplit):
-        from datasets import Image as ImageFeature
-
-        if not isinstance(split.features[img_col], ImageFeature):
-            raise DataError(
-                f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
-                "Pass --image-column with the column of images."
-            )
-    n = len(split)
-    if n == 0:
-        raise DataError(
-            f"The {what} split is empty. Add images to it, or remove it so the recipe holds out part of train instead."
-        )
-    forced = {1: "L", 3: "RGB"}.get(channels)
-    arrays, labels, bad, size = [], [], [], None
-    bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
-    for src, fp, label in _items(split, img_col, lab_col):
-        bar.update(1)
-        try:
-            with Image.open(fp) as opened:
-                opened.load()
-                img = natural(opened)
-        except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
-            bad.append((src, unreadable_reason(err)))  # keep going: one run names every bad file of the split
-            continue
-        if forced and img.mode != forced:
-            img = img.convert(forced)
-        if image_size:
-            if img.size != (image_size, image_size):
-                img = img.resize((image_size, image_size), Image.BILINEAR)
-        elif size is None:
-            size = img.size
-        elif img.size != size:
-            raise DataError(
-                f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
-                f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN."
-            )
-        labels.append(label_map(label, src))
-        arrays.append(np.asarray(img, dtype=np.uint8))
-    bar.close()
-    if bad:
-        raise unreadable_error(bad, n, what)
-    grey = sum(a.ndim == 2 for a in arrays)
-    note = ""
-    if 0 < grey < len(arrays):  # colour and grey mixed, no --channels: the grey ones get three equal channels
-        arrays = [np.repeat(a[:, :, None], 3, axis=2) if a.ndim == 2 else a for a in arrays]
-        note = f"{grey} grey image(s) of {what} read as RGB"
-    images = torch.from_numpy(np.stack(arrays))
-    images = images.unsqueeze(1) if images.ndim == 3 else images.permute(0, 3, 1, 2)
-    return ImageSplit(images.contiguous(), torch.tensor(labels, dtype=torch.int64), note=note)
-
-
-# --- cache ---------------------------------------------------------------------------------------
-# Layout: a safetensors file, labels (int64, 8-byte aligned after the padded header) then images (uint8),
-# so the images can be memory-mapped at a known offset. The header's metadata holds CRC32s of the labels
-# and of the images' last 64 KiB: with the exact file size they catch a truncated or zero-filled file
-# without reading the whole file (a full checksum would cost every process a pass over the data each run).
