@@ -57,7 +57,7 @@ def sha256(images: np.ndarray) -> str:
 
 
 def decode_one(blob: bytes) -> np.ndarray:
-    """One encoded image as the recipes decode a table's image (common.data.sources.decode_split, no --channels
+    """One encoded image as the recipes decode a table's image (common.data.decoded.decode_split, no --channels
     or --image-size): opened, loaded, made natural (16-bit scaled, transparency flattened, EXIF applied)."""
     with Image.open(io.BytesIO(blob)) as opened:
         opened.load()
