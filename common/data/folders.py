@@ -51,7 +51,7 @@ SHOWN = 5
 
 def _listing(names) -> str:
     names = list(names)
-    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN:,} more" if len(names) > SHOWN else "")
 
 
 @dataclass
