@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from common.console import say
-from common.data import cache, folders, sources, table_labels
+from common.data import cache, sources, table_labels
 from common.data.batches import loader_batch
-from common.data.folders import FolderSplit
+from common.data.folders import FolderScan, FolderSplit
 from common.data.pixels import natural, unreadable_error, unreadable_reason
 from common.data.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
 from common.errors import DataError
@@ -47,9 +47,9 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True) -> ImageDat
     ``cfg`` needs dataset, image_column, label_column, val_fraction, image_size, channels, cache_dir and seed."""
     name = cfg.dataset or default_dataset
     cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache.default_cache_dir()
-    path, skipped = sources.local_folder(name), ""
-    if path is not None and folders.is_image_folder(path):
-        splits, class_names, skipped = _folder_splits(cfg, path, name, cache_dir, is_main)
+    scan, skipped = sources.image_folder(name), ""
+    if scan is not None:
+        splits, class_names, skipped = _folder_splits(cfg, scan, name, cache_dir, is_main)
     else:
         splits, class_names = _table_splits(cfg, name, cache_dir, is_main)
     splits = _same_channels(splits, cfg, is_main)
@@ -76,10 +76,9 @@ def load_image_data(cfg, default_dataset: str, is_main: bool = True) -> ImageDat
     )
 
 
-def _folder_splits(cfg, path: Path, name: str, cache_dir: Path, is_main: bool):
-    """An image folder's splits (``common.data.folders``: torchvision's ImageFolder rules), each cached under a key
-    made of every file's path, class, size and times, and knowing which file each row came from."""
-    scan = folders.scan(path, name)
+def _folder_splits(cfg, scan: FolderScan, name: str, cache_dir: Path, is_main: bool):
+    """An image folder's splits (``scan``, by ``common.data.folders``: torchvision's ImageFolder rules), each cached
+    under a key made of every file's path, class, size and times, and knowing which file each row came from."""
     settings = {"channels": cfg.channels, "size": cfg.image_size}
     splits = {}
     for split_name, split in scan.splits.items():

@@ -43,13 +43,15 @@ SPLIT_FOLDERS = {
     "test": "test",
 }
 REPOSITORY_ENDINGS = {".parquet", ".arrow"}  # a folder holding these is a dataset repository, read by `datasets`
+# files `datasets` reads as tables: a folder holding any and no image is read by `datasets` too
+TABLE_ENDINGS = REPOSITORY_ENDINGS | {".csv", ".tsv", ".json", ".jsonl"}
 METADATA_FILES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SHOWN = 5
 
 
 def _listing(names) -> str:
     names = list(names)
-    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+    return ", ".join(names[:SHOWN]) + (f" and {len(names) - SHOWN:,} more" if len(names) > SHOWN else "")
 
 
 @dataclass
@@ -93,7 +95,7 @@ class FolderScan:
     class_names: list[str]
     splits: dict[str, FolderSplit]
     skipped: Counter = field(default_factory=Counter)
-    tables: bool = False  # the folder holds parquet or arrow files: a dataset repository, read by `datasets`
+    tables: bool = False  # parquet or arrow files (a dataset repository), or tables and no image: read by `datasets`
 
     def skipped_line(self) -> str:
         """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""
@@ -106,25 +108,6 @@ class FolderScan:
                 f"{', ...' if len(other) > SHOWN else ''})"
             )
         return f"skipped {', '.join(parts)}" if parts else ""
-
-
-def is_image_folder(root: Path) -> bool:
-    """True when ``root`` holds images and no parquet/arrow files (a dataset repository, read by ``datasets``)."""
-    endings = image_endings()
-    found, visited = False, set()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        st = os.stat(dirpath)
-        if (st.st_dev, st.st_ino) in visited:  # a link back up the tree: each folder once (scan names the link)
-            dirnames[:] = []
-            continue
-        visited.add((st.st_dev, st.st_ino))
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for f in filenames:
-            ext = os.path.splitext(f)[1].lower()
-            if ext in REPOSITORY_ENDINGS:
-                return False
-            found = found or (ext in endings and not f.startswith("."))
-    return found
 
 
 def _refuse_shared_files(found: dict, name: str) -> None:
@@ -213,10 +196,14 @@ def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> di
 
 
 def scan(root: Path, name: str) -> FolderScan:
-    """Walk an image folder (module docstring); DataError with its fix for every layout that can't be read."""
+    """Walk an image folder (module docstring) once; DataError with its fix for every layout that can't be read. A
+    folder of tables is no image folder (``tables``: it holds parquet or arrow files, or table files and no image):
+    its scan holds no split, and ``datasets`` reads it (``common.data.sources.image_folder``)."""
     root = Path(root)
     endings, skipped = image_endings(), Counter()
     top_dirs, top_loose = entries(root, endings, skipped)
+    if any(ending in REPOSITORY_ENDINGS for ending in skipped):  # a clone of a Hub repo: not walked further
+        return FolderScan(root, [], {}, skipped, tables=True)
     if not top_dirs and top_loose:
         meta = [m for m in METADATA_FILES if (root / m).is_file()]
         raise DataError(
@@ -232,24 +219,27 @@ def scan(root: Path, name: str) -> FolderScan:
         )
     roots = _split_roots(root, top_dirs, top_loose, name)
     found: dict[str, dict[str, list[str]]] = {}
+    strays: dict[Path, list[str]] = {}  # images outside any class folder: refused once no table is found
     for split, split_root in roots.items():
         if split_root != root:
-            class_dirs, loose = entries(split_root, endings, skipped)
+            class_dirs, strays[split_root] = entries(split_root, endings, skipped)
         else:
-            class_dirs, loose = top_dirs, top_loose
-        if loose:
-            raise DataError(
-                f"{len(loose)} images lie directly in {split_root}, outside any class folder ({_listing(loose)}): "
-                f"they have no class. Move them into {split_root}/<class>/, or out of the dataset folder."
-            )
+            class_dirs, strays[split_root] = top_dirs, top_loose
         classes: dict[str, list[str]] = {}
         for d in class_dirs:
             classes.setdefault(unicodedata.normalize("NFC", d), []).extend(
                 walk_images(split_root / d, endings, skipped)
             )
         found[split] = classes
-    if any(ending in REPOSITORY_ENDINGS for ending in skipped):
+    images = any(strays.values()) or any(files for classes in found.values() for files in classes.values())
+    if any(e in REPOSITORY_ENDINGS or (e in TABLE_ENDINGS and not images) for e in skipped):
         return FolderScan(root, [], {}, skipped, tables=True)
+    for split_root, loose in strays.items():
+        if loose:
+            raise DataError(
+                f"{len(loose)} images lie directly in {split_root}, outside any class folder ({_listing(loose)}): "
+                f"they have no class. Move them into {split_root}/<class>/, or out of the dataset folder."
+            )
     _refuse_shared_files(found, name)
     train = found["train"]
     folded = Counter(c.casefold() for c in train)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from accelerate import PartialState
 
-from common.data import folders, sources
+from common.data import sources
 from common.data.cache import default_cache_dir
 from common.data.damaged import DamagedPhotos
 from common.data.photo_tables import load_table_photos
@@ -32,10 +32,9 @@ def load_photos(cfg, default_dataset: str = "") -> ImageData:
             "No --dataset given. Pass a folder of photos (<dir>/<class>/<image>, optionally under train/ "
             "val/ test/), a folder of parquet files, or a Hugging Face image dataset id (e.g. beans)."
         )
-    path = sources.local_folder(name)
-    scan = node_shared(lambda: folders.scan(path, name)) if path is not None else None
+    scan = node_shared(lambda: sources.image_folder(name))
     splits, identity, table_note = {}, "", ""
-    if scan is None or scan.tables:  # a Hub id, or a folder of parquet/arrow files: read through `datasets`
+    if scan is None:  # a Hub id, or a folder of tables: read through `datasets`
         cache_dir = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
         splits, class_names, identity, table_note = load_table_photos(cfg, name, cache_dir)
     else:
@@ -53,7 +52,7 @@ def load_photos(cfg, default_dataset: str = "") -> ImageData:
     for split in (train, val, test):
         if split is not None:
             split.damaged = damaged
-    note = scan.skipped_line() if scan and not scan.tables else table_note
+    note = scan.skipped_line() if scan else table_note
     return ImageData(
         train, val, test, class_names, name, note, make_loader=photo_loader, damaged=damaged, identity=identity
     )

@@ -34,12 +34,6 @@ from common.errors import DataError
 
 VALIDATION_SPLITS = ("validation", "valid", "val")
 UNLABELLED = -1  # datasets' ClassLabel value for "no label"
-SHOWN = 5
-
-
-def _listing(items) -> str:
-    items = list(items)
-    return ", ".join(items[:SHOWN]) + (f" and {len(items) - SHOWN:,} more" if len(items) > SHOWN else "")
 
 
 class TablePhotoSplit(PhotoSplit):
@@ -206,30 +200,6 @@ def _read_labels(ds, split_names: list[str], lab_col: str, name: str) -> tuple[d
     return values, notes
 
 
-def _labels(values: dict, feature, lab_col: str, name: str) -> tuple[list[str], dict]:
-    """(class names, {split: class indices}) of the labelled splits, refusing what the folder rules refuse."""
-    class_names, index = table_labels.table_classes(feature, values["train"], lab_col, name)
-    known = set(values["train"])  # the label values train has rows of
-    trained = class_names if index is not None else [c for k, c in enumerate(class_names) if k in known]
-
-    def shown(value) -> str:  # a ClassLabel's value by its name
-        named = index is None and type(value) is int and 0 <= value < len(class_names)
-        return repr(class_names[value] if named else value)
-
-    for split_name, column in values.items():
-        unknown = sorted({v for v in column if v not in known}, key=repr)
-        if unknown:
-            raise DataError(
-                f"The {split_name} split of {name} has rows of the class(es) {_listing(map(shown, unknown))}, which "
-                f"train does not have (train's {len(trained)} classes: {_listing(trained)}): the model would be "
-                "scored on a class it never saw. Add those classes to train, or remove their rows from the "
-                f"{split_name} split (check the labels' spelling)."
-            )
-    table_labels.check_trained(class_names, trained, name)
-    out = {k: torch.tensor(v if index is None else [index[x] for x in v], dtype=torch.int64) for k, v in values.items()}
-    return class_names, out
-
-
 def load_table_photos(cfg, name: str, cache_dir: Path) -> tuple[dict, list[str], str, str]:
     """({split name: TablePhotoSplit}, class names, the tables' identity, a note for the startup line) of the table
     dataset ``name``; the local main process of each node builds the arrow copy first, the others then read it."""
@@ -261,7 +231,10 @@ def load_table_photos(cfg, name: str, cache_dir: Path) -> tuple[dict, list[str],
                 "recipe holds out part of train instead."
             )
     values, notes = _read_labels(ds, used, lab_col, name)
-    class_names, labels = _labels(values, train.features[lab_col], lab_col, name)
+    class_names, index = table_labels.class_names_of(train, lab_col, name, values)
+    labels = {
+        k: torch.tensor(v if index is None else [index[x] for x in v], dtype=torch.int64) for k, v in values.items()
+    }
     at = files_at(folder)
     splits, identity = {}, hashlib.sha256((state or "").encode())
     for split_name in values:

@@ -9,7 +9,7 @@
 - Transparency (RGBA, LA, a palette with a transparent colour) is flattened over black, so what a transparent
   pixel hides never reaches the model; palette images become RGB.
 - The result is ``L`` (grey) or ``RGB``: a grey file stays grey, so the caller can decide the channel count
-  over a whole split instead of letting the first image decide it (``common.data.sources.decode_split``).
+  over a whole split instead of letting the first image decide it (``common.data.decoded.decode_split``).
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ def natural(img):
     elif mode in ("RGB",) and "transparency" in img.info:
         img = img.convert("RGBA")
     if img.mode in ("RGBA", "RGBa", "LA", "La", "PA"):
-        colour = img.convert("RGBA")
-        flat = Image.new("RGBA", colour.size, (0, 0, 0, 255))
-        flat.alpha_composite(colour)
+        flat = Image.alpha_composite(Image.new("RGBA", img.size, (0, 0, 0, 255)), img.convert("RGBA"))
         return flat.convert("L" if img.mode in ("LA", "La") else "RGB")
     if img.mode in GREY_MODES:
         return img if img.mode == "L" else img.convert("L")

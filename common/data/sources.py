@@ -1,6 +1,8 @@
-"""Finding a dataset and opening it with ``datasets``: a Hub id or a local folder (a clone of a Hub repo, or an
-image folder), and its image and label columns. Every mistake a user can make with a source gets a one-paragraph
-``DataError`` naming the fix (git-lfs pointers instead of files, no images, offline, a full disk, ...)."""
+"""Finding a dataset: a Hub id or a local folder, which is an image folder (torchvision's ImageFolder rule,
+``common.data.folders``) or a table dataset (a clone of a Hub repo, a folder of parquet files) opened with
+``datasets``; ``image_folder`` is the one place the two part. Then a table's image and label columns. Every mistake
+a user can make with a source gets a one-paragraph ``DataError`` naming the fix (git-lfs pointers instead of files,
+no images, offline, a full disk, ...)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from common import console
-from common.data.folders import REPOSITORY_ENDINGS
+from common.data.folders import TABLE_ENDINGS, FolderScan, scan
 from common.data.walk import image_endings
 from common.errors import DataError
 
@@ -43,8 +45,6 @@ def _go_offline():
     huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
-# files `datasets` reads as tables: a folder holding any is not said to hold "no images"
-TABLE_ENDINGS = REPOSITORY_ENDINGS | {".csv", ".tsv", ".json", ".jsonl"}
 EXTENSIONS_SHOWN = ".png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff and the other formats Pillow reads"
 
 
@@ -109,6 +109,17 @@ def local_folder(name: str) -> Path | None:
             "(e.g. chmod -R u+rX) or copy it somewhere readable."
         )
     return path
+
+
+def image_folder(name: str) -> FolderScan | None:
+    """The scan of the image folder ``name`` names (``common.data.folders``), or None for a table dataset, read
+    through ``datasets`` (``load_source``): a Hub id, or a local folder of tables (parquet or arrow files, or table
+    files and no image). The one decision between the two, for every recipe."""
+    path = local_folder(name)
+    if path is None:
+        return None
+    found = scan(path, name)
+    return None if found.tables else found
 
 
 def load_source(name: str, hf_cache: Path | None = None):

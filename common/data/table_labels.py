@@ -9,18 +9,35 @@ from common.data.folders import _listing
 from common.errors import DataError
 
 
-def class_names_of(train, lab_col: str, name: str = "the dataset"):
-    """(class names, {label value: class index} or None) of a table's train split, by the rules folders follow
-    (``table_classes``, ``check_trained``)."""
-    column = list(train[lab_col])
+def class_names_of(train, lab_col: str, name: str = "the dataset", columns: dict | None = None):
+    """(class names, {label value: class index} or None when the values are the indices) of a table's train split,
+    by the rules folders follow: ``table_classes``, every other split's labels among train's, ``check_trained``.
+    ``columns``: {split name: its label column as a list}, train's among them, when the caller has read them (else
+    train's is read here)."""
+    columns = columns or {"train": list(train[lab_col])}
+    column = columns["train"]
     if None in column:
         raise DataError(
             f"Row {column.index(None)} of the train split has no label (column {lab_col!r} is empty "
             "there). Fill in its label, or remove the row, and run again."
         )
     class_names, index = table_classes(train.features[lab_col], column, lab_col, name)
-    known = set(column)
+    known = set(column)  # the label values train has rows of
     trained = class_names if index is not None else [c for k, c in enumerate(class_names) if k in known]
+
+    def shown(value) -> str:  # a ClassLabel's value by its name
+        named = index is None and type(value) is int and 0 <= value < len(class_names)
+        return repr(class_names[value] if named else value)
+
+    for split_name, labels in columns.items():
+        unknown = sorted({v for v in labels if v not in known}, key=repr)
+        if unknown:
+            raise DataError(
+                f"The {split_name} split of {name} has rows of the class(es) {_listing(map(shown, unknown))}, which "
+                f"train does not have (train's {len(trained)} classes: {_listing(trained)}): the model would be "
+                "scored on a class it never saw. Add those classes to train, or remove their rows from the "
+                f"{split_name} split (check the labels' spelling)."
+            )
     check_trained(class_names, trained, name)
     return class_names, index
 
