@@ -233,6 +233,26 @@ def test_changed_tables_change_the_identity_and_their_arrow_copy(tmp_path):
     assert changed[0]["train"].labels.tolist() == [0, 1, 2, 0, 1, 1]
 
 
+def test_the_identity_counts_the_files_datasets_reads_rows_from(tmp_path):
+    """A folder of csv tables: a row rewritten under the old modification time changes the identity. A repository's
+    parquet files are its rows; a json file beside them (dataset_infos.json) is not, and a changed one keeps it."""
+    from common.data.table_copies import table_state
+
+    csvs = tmp_path / "csvs"
+    csvs.mkdir()
+    (csvs / "train.csv").write_text("image,label\na.png,0\nb.png,1\n")
+    before = table_state(csvs)
+    mtime = (csvs / "train.csv").stat().st_mtime_ns
+    (csvs / "train.csv").write_text("image,label\na.png,1\nb.png,1\n")
+    os.utime(csvs / "train.csv", ns=(mtime, mtime))  # `cp -p`, `touch -r`: same size, same modification time
+    assert table_state(csvs) != before
+    repo = tmp_path / "clone"
+    write_table(repo, "train", [0, 1, 2, 0, 1, 2])
+    state = table_state(repo)
+    (repo / "dataset_infos.json").write_text('{"default": {}}')
+    assert table_state(repo) == state
+
+
 NAMES = None  # a ClassLabel of ant, bee, wasp
 
 

@@ -43,7 +43,7 @@ SPLIT_FOLDERS = {
     "test": "test",
 }
 REPOSITORY_ENDINGS = {".parquet", ".arrow"}  # a folder holding these is a dataset repository, read by `datasets`
-# files `datasets` reads as tables: a folder holding any and no image is read by `datasets` too
+# files `datasets` reads as tables (a folder with no image is read by `datasets`, whatever it holds)
 TABLE_ENDINGS = REPOSITORY_ENDINGS | {".csv", ".tsv", ".json", ".jsonl"}
 METADATA_FILES = ("metadata.csv", "metadata.jsonl", "metadata.parquet")
 SHOWN = 5
@@ -95,7 +95,7 @@ class FolderScan:
     class_names: list[str]
     splits: dict[str, FolderSplit]
     skipped: Counter = field(default_factory=Counter)
-    tables: bool = False  # parquet or arrow files (a dataset repository), or tables and no image: read by `datasets`
+    tables: bool = False  # parquet or arrow files (a dataset repository), or no image at all: read by `datasets`
 
     def skipped_line(self) -> str:
         """'' or e.g. 'skipped 2 hidden, 3 not images (.txt 2, .csv 1)', for the startup line."""
@@ -197,7 +197,7 @@ def _split_roots(root: Path, dirs: list[str], loose: list[str], name: str) -> di
 
 def scan(root: Path, name: str) -> FolderScan:
     """Walk an image folder (module docstring) once; DataError with its fix for every layout that can't be read. A
-    folder of tables is no image folder (``tables``: it holds parquet or arrow files, or table files and no image):
+    folder of tables is no image folder (``tables``: it holds parquet or arrow files, or no image at all):
     its scan holds no split, and ``datasets`` reads it (``common.data.sources.image_folder``)."""
     root = Path(root)
     endings, skipped = image_endings(), Counter()
@@ -232,7 +232,9 @@ def scan(root: Path, name: str) -> FolderScan:
             )
         found[split] = classes
     images = any(strays.values()) or any(files for classes in found.values() for files in classes.values())
-    if any(e in REPOSITORY_ENDINGS or (e in TABLE_ENDINGS and not images) for e in skipped):
+    # no image at all: not an image folder; the table path reads its tables, or names what it holds instead
+    # (git-lfs pointers, no images), and reads an unchanged folder's decoded splits by its source index
+    if not images or any(e in REPOSITORY_ENDINGS for e in skipped):
         return FolderScan(root, [], {}, skipped, tables=True)
     for split_root, loose in strays.items():
         if loose:

@@ -6,8 +6,9 @@ it lives in the cache folder.
   and a hash of its last 64 KiB. ``cp -a``, ``rsync -a``, a ``chmod`` or an added README.md keep it, so a resume
   on them goes on; rewritten tables (rows changed, added or removed) change it, and the resume is refused. A parquet
   file's last bytes are its footer (each row group's byte sizes and statistics), so rows rewritten under an old
-  modification time kept (``cp -p``, ``touch -r``) change it too. Only data files count (``.parquet``, ``.arrow``):
-  the files ``datasets`` reads rows from; the folder's other files (README.md, .gitattributes, .git) do not.
+  modification time kept (``cp -p``, ``touch -r``) change it too. Only data files count, the files ``datasets``
+  reads rows from: the parquet and arrow files of a repository, else the csv, tsv, json and jsonl files; the
+  folder's other files (README.md, .gitattributes, .git) do not.
 - Where: ``<cache>/datasets/tables-<folder>-<state>/``, one copy per dataset folder (its resolved path) and state,
   as ``datasets`` keeps one per state in its own cache (it keys a local file by its modification time alone, so rows
   rewritten under an old modification time would be read from its stale copy).
@@ -20,7 +21,8 @@ import json
 import os
 from pathlib import Path
 
-DATA_ENDINGS = (".parquet", ".arrow")  # what datasets reads a table's rows from (common.data.folders: a repository)
+from common.data.folders import REPOSITORY_ENDINGS, TABLE_ENDINGS
+
 TAIL_BYTES = 1 << 16
 STATE_VERSION = "tables/1"
 
@@ -29,7 +31,7 @@ def table_state(folder: Path) -> str | None:
     """A hash of the data files of the local table dataset ``folder`` (module docstring); None when a file vanishes
     or cannot be read during the walk (the load then names what is wrong)."""
     folder = Path(folder)
-    files, visited = [], set()
+    found, visited = [], set()
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):  # datasets reads through links
         st = os.stat(dirpath)
         if (st.st_dev, st.st_ino) in visited:  # a link back up the tree: each folder once
@@ -38,17 +40,19 @@ def table_state(folder: Path) -> str | None:
         visited.add((st.st_dev, st.st_ino))
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .git, .cache
         for name in sorted(filenames):
-            if name.startswith(".") or not name.lower().endswith(DATA_ENDINGS):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                with open(path, "rb") as f:
-                    st = os.fstat(f.fileno())
-                    f.seek(max(0, st.st_size - TAIL_BYTES))
-                    tail = hashlib.sha256(f.read(TAIL_BYTES)).hexdigest()
-            except OSError:
-                return None
-            files.append((os.path.relpath(path, folder), st.st_size, st.st_mtime_ns, tail))
+            if not name.startswith(".") and name.lower().endswith(tuple(TABLE_ENDINGS)):
+                found.append(os.path.join(dirpath, name))
+    repository = [p for p in found if p.lower().endswith(tuple(REPOSITORY_ENDINGS))]
+    files = []
+    for path in repository or found:  # datasets reads a repository's parquet/arrow files, not its json or csv
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                f.seek(max(0, st.st_size - TAIL_BYTES))
+                tail = hashlib.sha256(f.read(TAIL_BYTES)).hexdigest()
+        except OSError:
+            return None
+        files.append((os.path.relpath(path, folder), st.st_size, st.st_mtime_ns, tail))
     return hashlib.sha256(json.dumps([STATE_VERSION, files]).encode()).hexdigest()[:32]
 
 
