@@ -22,8 +22,8 @@ import os
 import pickle
 import re
 import shutil
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -125,12 +125,13 @@ def find_latest(run_dir: Path) -> Path | None:
 def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int, background: bool = False):
     """Write a checkpoint on all ranks (every rank must call this); returns (its final path, the completion or None).
     The ranks write their files together (``save_state``); then the main process makes them durable, renames the
-    folder, marks it COMPLETE and prunes: at once, or with ``background`` in a thread (``Completion``, returned on the
-    main process), so that training goes on meanwhile; wait for it before the next save and before the run ends. A
-    complete folder of the same step (from an abandoned continuation of this run) is replaced, never kept."""
+    folder, marks it COMPLETE and prunes: at once, or with ``background`` in a thread of its own (a
+    ``concurrent.futures.Future``, returned on the main process), so that training goes on meanwhile; wait for it
+    before the next save and before the run ends. A complete folder of the same step (from an abandoned continuation
+    of this run) is replaced, never kept."""
     root = Path(run_dir) / "checkpoints"
     name = f"step-{state['global_step']:08d}"
-    final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
+    final, tmp = root / name, root / f".tmp-{name}"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted write
@@ -139,13 +140,19 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int, backgrou
     accelerator.wait_for_everyone()
     completion = None
     if accelerator.is_main_process:
-        work = functools.partial(_complete, run_dir, state, keep, tmp, final, old)
-        completion = Completion(work) if background else work()
+        work = functools.partial(_complete, run_dir, state, keep, tmp, final)
+        if background:  # Future.result() returns once the checkpoint is complete on disk, or raises what stopped
+            # it (a full disk: the folder stays .tmp-step-N, never loaded, and the checkpoint before it is kept)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-completion")
+            completion = pool.submit(work)
+            pool.shutdown(wait=False)  # the thread ends with its one task
+        else:
+            work()
     accelerator.wait_for_everyone()
     return final, completion
 
 
-def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old: Path) -> None:
+def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path) -> None:
     """The main process's part of a save, after every rank's files are written: fsync them and the folder, rename,
     COMPLETE, prune."""
     for f in tmp.glob("*.safetensors"):
@@ -157,38 +164,24 @@ def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old
         _fsync_dir(sub)
     _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
     _fsync_dir(tmp)  # and their names: an fsync of a file does not make its entry in a new folder durable
+    swap_in(tmp, final, mark=True)
+    prune(run_dir, keep)
+
+
+def swap_in(tmp: Path, final: Path, mark: bool = False) -> None:
+    """Put the folder ``tmp`` in the place of ``final`` by two renames, ``final`` to ``.old-<name>`` first, so that a
+    crash between them leaves the previous copy whole (``complete_checkpoints``, ``restore_interrupted_swaps``);
+    ``mark``: COMPLETE is written in the new one before the previous copy is deleted."""
+    old = final.with_name(f".old-{final.name}")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    _fsync_write(final / MARKER, "ok\n")
-    _fsync_dir(final)
+    if mark:
+        _fsync_write(final / MARKER, "ok\n")
+        _fsync_dir(final)
     shutil.rmtree(old, ignore_errors=True)
-    prune(run_dir, keep)
-
-
-class Completion:
-    """The main process's part of a checkpoint (fsync, rename, COMPLETE, prune) on a thread of its own. ``wait``
-    returns once the checkpoint is complete on disk, or raises what stopped it (a full disk: the folder stays
-    ``.tmp-step-N``, never loaded, and the checkpoint before it is kept)."""
-
-    def __init__(self, work):
-        self.error = None
-        self.thread = threading.Thread(target=self._run, args=(work,), name="checkpoint-completion")
-        self.thread.start()
-
-    def _run(self, work) -> None:
-        try:
-            work()
-        except BaseException as err:  # raised in the main thread by wait()
-            self.error = err
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
 
 
 def prune(run_dir: Path, keep: int) -> None:
@@ -468,19 +461,17 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     prefix = own.pop("weights_prefix", "")  # a transformers model's names, as from_pretrained reads them
     card = {k: v for k, v in card.items() if k != LIBRARY_FILES} | ({"weights_prefix": prefix} if prefix else {})
     out_dir = Path(out_dir)
-    tmp, old = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f".old-{out_dir.name}")
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k.removeprefix(prefix): v for k, v in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
     follow_umask(tmp / WEIGHTS)
+    _fsync_file(tmp / WEIGHTS)  # on disk before the folder takes the previous copy's place
     for name, text in own.items():  # config.json (timm's or transformers'), preprocessor_config.json
         _fsync_write(tmp / name, text)
     _fsync_write(tmp / MODEL_CARD, json.dumps(card, indent=2, sort_keys=True))
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(tmp)
+    swap_in(tmp, out_dir)
 
 
 def restore_interrupted_swaps(run_dir: Path) -> list[str]:
