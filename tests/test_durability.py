@@ -127,7 +127,7 @@ def test_every_checkpoint_of_a_run_is_durable_before_it_is_complete(tmp_path, en
     with DiskOrder(monkeypatch) as order:
         check_ok(run_in_process("fashion_mnist_mlp", args, env))
     threads = assert_durable_saves(order)
-    assert len(threads) >= 3 and set(threads) == {"checkpoint-completion"}, threads
+    assert len(threads) >= 3 and set(threads) == {"checkpoint-completion_0"}, threads
 
 
 @pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
@@ -156,10 +156,10 @@ def test_a_save_makes_every_ranks_files_durable_before_it_is_complete(background
         with DiskOrder(monkeypatch) as order:
             final, completion = save_checkpoint(accelerator, tmp_path, state, keep=2, background=background)
             if completion is not None:
-                completion.wait()
+                completion.result()
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     assert is_complete(final) and (final / "random_states_1.pkl").is_file()
     [renamed_in] = assert_durable_saves(order)
-    assert (renamed_in == "checkpoint-completion") == background and (completion is not None) == background
+    assert (renamed_in == "checkpoint-completion_0") == background and (completion is not None) == background

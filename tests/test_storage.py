@@ -32,7 +32,7 @@ def tmpfs(path, size: str, read_only: bool = False):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-COMPLETION_THREAD = "checkpoint-completion"  # the name common.train.checkpoint.Completion gives its thread
+COMPLETION_THREAD = "checkpoint-completion_0"  # the name of the thread common.train.checkpoint completes checkpoints on
 
 
 def fsync_failing_in_the_completion_thread(monkeypatch, code: int, folder: str = ".tmp-step-"):

@@ -17,14 +17,13 @@ returns early on one rank). Resume state is read from trainer_state.json, never 
 from __future__ import annotations
 
 import functools
-import io
 import json
 import os
 import pickle
 import re
 import shutil
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -126,12 +125,13 @@ def find_latest(run_dir: Path) -> Path | None:
 def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int, background: bool = False):
     """Write a checkpoint on all ranks (every rank must call this); returns (its final path, the completion or None).
     The ranks write their files together (``save_state``); then the main process makes them durable, renames the
-    folder, marks it COMPLETE and prunes: at once, or with ``background`` in a thread (``Completion``, returned on the
-    main process), so that training goes on meanwhile; wait for it before the next save and before the run ends. A
-    complete folder of the same step (from an abandoned continuation of this run) is replaced, never kept."""
+    folder, marks it COMPLETE and prunes: at once, or with ``background`` in a thread of its own (a
+    ``concurrent.futures.Future``, returned on the main process), so that training goes on meanwhile; wait for it
+    before the next save and before the run ends. A complete folder of the same step (from an abandoned continuation
+    of this run) is replaced, never kept."""
     root = Path(run_dir) / "checkpoints"
     name = f"step-{state['global_step']:08d}"
-    final, tmp, old = root / name, root / f".tmp-{name}", root / f".old-{name}"
+    final, tmp = root / name, root / f".tmp-{name}"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted write
@@ -140,13 +140,19 @@ def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int, backgrou
     accelerator.wait_for_everyone()
     completion = None
     if accelerator.is_main_process:
-        work = functools.partial(_complete, run_dir, state, keep, tmp, final, old)
-        completion = Completion(work) if background else work()
+        work = functools.partial(_complete, run_dir, state, keep, tmp, final)
+        if background:  # Future.result() returns once the checkpoint is complete on disk, or raises what stopped
+            # it (a full disk: the folder stays .tmp-step-N, never loaded, and the checkpoint before it is kept)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-completion")
+            completion = pool.submit(work)
+            pool.shutdown(wait=False)  # the thread ends with its one task
+        else:
+            work()
     accelerator.wait_for_everyone()
     return final, completion
 
 
-def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old: Path) -> None:
+def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path) -> None:
     """The main process's part of a save, after every rank's files are written: fsync them and the folder, rename,
     COMPLETE, prune."""
     for f in tmp.glob("*.safetensors"):
@@ -158,38 +164,24 @@ def _complete(run_dir: Path, state: dict, keep: int, tmp: Path, final: Path, old
         _fsync_dir(sub)
     _fsync_write(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
     _fsync_dir(tmp)  # and their names: an fsync of a file does not make its entry in a new folder durable
+    swap_in(tmp, final, mark=True)
+    prune(run_dir, keep)
+
+
+def swap_in(tmp: Path, final: Path, mark: bool = False) -> None:
+    """Put the folder ``tmp`` in the place of ``final`` by two renames, ``final`` to ``.old-<name>`` first, so that a
+    crash between them leaves the previous copy whole (``complete_checkpoints``, ``restore_interrupted_swaps``);
+    ``mark``: COMPLETE is written in the new one before the previous copy is deleted."""
+    old = final.with_name(f".old-{final.name}")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    _fsync_write(final / MARKER, "ok\n")
-    _fsync_dir(final)
+    if mark:
+        _fsync_write(final / MARKER, "ok\n")
+        _fsync_dir(final)
     shutil.rmtree(old, ignore_errors=True)
-    prune(run_dir, keep)
-
-
-class Completion:
-    """The main process's part of a checkpoint (fsync, rename, COMPLETE, prune) on a thread of its own. ``wait``
-    returns once the checkpoint is complete on disk, or raises what stopped it (a full disk: the folder stays
-    ``.tmp-step-N``, never loaded, and the checkpoint before it is kept)."""
-
-    def __init__(self, work):
-        self.error = None
-        self.thread = threading.Thread(target=self._run, args=(work,), name="checkpoint-completion")
-        self.thread.start()
-
-    def _run(self, work) -> None:
-        try:
-            work()
-        except BaseException as err:  # raised in the main thread by wait()
-            self.error = err
-
-    def wait(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
 
 
 def prune(run_dir: Path, keep: int) -> None:
@@ -258,46 +250,31 @@ def not_loaded(path: Path) -> list[str]:
 
 
 def verify_files(path: Path) -> None:
-    """Before Accelerate loads ``path``, read what it would read: every ``*.safetensors`` file whole; every
-    ``*.pkl``, ``*.bin`` and ``*.pt`` file with Accelerate's ``load`` (``weights_only``, numpy arrays allowed); every
-    folder (FSDP2's sharded model and optimizer) with ``verify_sharded``: its ``.metadata`` index with an unpickler
-    that knows only an index's records, and every byte item of its .distcp files (the values torch unpickles
-    without ``weights_only``) with ``torch.load(weights_only=True)``; the tensors of a .distcp file are not
-    unpickled (torch loads them with ``weights_only``), only checked to lie within their file. No pickle is opened
-    in a way that could run code. Raises DamagedCheckpoint if a file cannot be read whole (a safetensors file
-    shorter than its header says, a truncated pickle or .distcp file) and refuses (RecipeError) a checkpoint
-    holding pickled data beyond plain data (tensors, numpy arrays, numbers, strings and their containers: loading
-    it could run code; a checkpoint written here holds none), an index naming a file outside its folder, or
-    custom_checkpoint_*.pkl files, which Accelerate would unpickle without ``weights_only``. Every rank reaches
-    the same verdict (the files are shared), so every rank takes the same way on."""
+    """Before Accelerate loads ``path``, read what it would read: every ``*.safetensors`` file's header against its
+    length (safetensors' ``safe_open``); every ``*.pkl``, ``*.bin`` and ``*.pt`` file with Accelerate's ``load``
+    (``weights_only``, numpy arrays allowed); every folder (FSDP2's sharded model and optimizer) with
+    ``verify_sharded``. No pickle is opened in a way that could run code. Raises DamagedCheckpoint if a file cannot be
+    read whole (a safetensors file shorter than its header says, a truncated pickle or .distcp file) and refuses
+    (RecipeError) a checkpoint holding pickled data beyond plain data (tensors, numpy arrays, numbers, strings and
+    their containers: loading it could run code; a checkpoint written here holds none), an index naming a file
+    outside its folder, or custom_checkpoint_*.pkl files, which Accelerate would unpickle without ``weights_only``.
+    Every rank reaches the same verdict (the files are shared), so every rank takes the same way on."""
     from accelerate.utils.other import load
     from safetensors import safe_open
 
     for f in sorted(f for f in path.glob("*.safetensors") if is_loaded(f)):  # others are not read: not judged
         try:
-            with safe_open(str(f), "pt") as handle:
-                for key in handle.keys():
-                    handle.get_slice(key)
+            with safe_open(str(f), "pt"):  # checks that the file holds every byte its header places
+                pass
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-            raise DamagedCheckpoint(
-                f"{f} is damaged ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__})"
-            ) from None
+            raise DamagedCheckpoint(f"{f} is damaged ({_first_line(err)})") from None
 
     bad = [f"{f} (custom state, which these recipes never write)" for f in sorted(path.glob("custom_checkpoint_*"))]
     for folder in sorted(p for p in path.iterdir() if p.is_dir() and is_loaded(p)):  # FSDP2's sharded folders
         bad += verify_sharded(folder)
     for f in sorted(f for f in path.iterdir() if is_loaded(f)):
         if f.suffix in (".pkl", ".bin", ".pt") and not f.name.startswith("custom_checkpoint_"):
-            try:
-                load(f, map_location="cpu")
-            except pickle.UnpicklingError as err:
-                if "Weights only load failed" not in str(err):
-                    raise DamagedCheckpoint(f"{f} is damaged ({str(err).splitlines()[0][:160]})") from None
-                bad.append(f"{f} ({str(err).splitlines()[-1][:160] if str(err) else type(err).__name__})")
-            except (OSError, EOFError, RuntimeError, ValueError) as err:  # truncated or emptied by a crash
-                raise DamagedCheckpoint(
-                    f"{f} is damaged ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})"
-                ) from None
+            bad += _plain_data(f, functools.partial(load, f, map_location="cpu"))
     if bad:
         raise RecipeError(
             f"The checkpoint {path} holds pickled data that is not plain tensors: {'; '.join(bad)}. "
@@ -306,8 +283,36 @@ def verify_files(path: Path) -> None:
         )
 
 
-# what a sharded checkpoint's index (torch.distributed.checkpoint's .metadata, a pickle torch reads without
-# weights_only) may name: its own records, torch's sizes, dtypes and layouts, and the paths of its files
+def _plain_data(f: Path, read, item: str = "") -> list[str]:
+    """Run ``read`` (a ``weights_only`` load of ``f``, or of its ``item``): [] if it reads plain data, ["<f> (the
+    global it needs)"] if torch's weights_only refuses it; DamagedCheckpoint if it cannot be read at all (truncated,
+    emptied by a crash). weights_only runs nothing either way."""
+    item = f"its item {item}: " if item else ""
+    try:
+        read()
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" in str(err):
+            return [f"{f} ({item}{_weights_only_reason(err)})"]
+        raise DamagedCheckpoint(f"{f} is damaged ({item}{_first_line(err)})") from None
+    except Exception as err:  # noqa: BLE001 - torch.load raises what its reader meets
+        raise DamagedCheckpoint(f"{f} is damaged ({item}{type(err).__name__}: {_first_line(err)})") from None
+    return []
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+
+
+def _weights_only_reason(err: Exception) -> str:
+    """The line of torch's weights_only refusal that says what the pickle needs (``Unsupported global: GLOBAL
+    builtins.getattr was not an allowed global by default``), without torch's advice to load it anyway."""
+    found = re.search(r"unsupported[^\n]*?(?=\. Please|\.?\n|\.?$)", str(err), re.IGNORECASE)
+    return (found.group(0) if found else str(err).splitlines()[0])[:160]
+
+
+# what a sharded checkpoint's index (torch.distributed.checkpoint's .metadata, a pickle torch's
+# FileSystemReader.read_metadata reads with plain pickle.load) may name: its own records, torch's sizes, dtypes and
+# layouts, and the paths of its files
 DCP_INDEX_NAMES = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -337,15 +342,17 @@ class _IndexUnpickler(pickle.Unpickler):
 def verify_sharded(folder: Path) -> list[str]:
     """A folder of torch.distributed.checkpoint files (FSDP2's model or optimizer), read before torch reads it. Its
     ``.metadata`` index: with an unpickler that knows only the records an index holds (anything else: returned, as
-    not plain data). Every file the index names: long enough for the bytes it is said to hold (else
-    DamagedCheckpoint). Every byte item (an index entry of BytesStorageMetadata, an optimizer's ``param_groups.0.lr``,
-    betas, flags and parameter names: torch unpickles these without ``weights_only``): its bytes read as torch's
-    FileSystemReader reads them (offset and length in its .distcp file, then its transforms) and opened with
-    ``torch.load(weights_only=True)``; one that needs anything beyond plain data (numbers, strings, None, tuples,
-    lists, dicts, tensors) is returned, one that cannot be read is DamagedCheckpoint. The tensor items are not
-    unpickled here: torch itself loads them with ``weights_only``. Returns what is not plain data, [] if nothing."""
+    not plain data). Every file the index names: inside the folder (else returned) and long enough for the bytes it
+    is said to hold (else DamagedCheckpoint). Every byte item (an index entry of BytesStorageMetadata, an optimizer's
+    ``param_groups.0.lr``, betas, flags and parameter names: torch unpickles these without ``weights_only``): read by
+    torch's own FileSystemReader (offset, length, stream transforms) and opened with ``torch.load(weights_only=True)``;
+    one that needs anything beyond plain data (numbers, strings, None, tuples, lists, dicts, tensors) is returned,
+    one that cannot be read is DamagedCheckpoint. The tensor items are not unpickled here: torch itself loads them
+    with ``weights_only``. Returns what is not plain data, [] if nothing."""
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     index = folder / ".metadata"
     if not index.is_file():
@@ -378,54 +385,24 @@ def verify_sharded(folder: Path) -> list[str]:
     # what torch reads as bytes: the entries its planner loads with torch.load(weights_only=False)
     byte_items = {fqn for fqn, what in described.items() if isinstance(what, BytesStorageMetadata)}
     bad = []
-    for key, item in storage.items():
-        fqn = getattr(key, "fqn", None)
-        if fqn not in byte_items:
-            continue
-        f = folder / str(item.relative_path)
-        data = _byte_item(f, item)
-        try:
-            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            if "Weights only load failed" not in str(err):
-                raise DamagedCheckpoint(f"{f} is damaged (its item {fqn}: {str(err).splitlines()[0][:160]})") from None
-            bad.append(f"{f} (its item {fqn}: {_weights_only_reason(err)})")
-        except Exception as err:  # noqa: BLE001 - torch.load raises what its reader meets; weights_only ran nothing
-            reason = str(err).splitlines()[0][:160] if str(err) else ""
-            raise DamagedCheckpoint(f"{f} is damaged (its item {fqn}: {type(err).__name__}: {reason})") from None
+
+    class Opener:  # the one planner call FileSystemReader.read_data makes for a byte item, with its bytes
+        def load_bytes(self, item, data) -> None:
+            f = folder / str(storage[item.storage_index].relative_path)
+            read = functools.partial(torch.load, data, map_location="cpu", weights_only=True)
+            bad.extend(_plain_data(f, read, item.storage_index.fqn))
+
+    size = torch.Size([0])
+    plan = LoadPlan([ReadItem(LoadItemType.BYTE_IO, k, size, k, size, size) for k in storage if k.fqn in byte_items])
+    reader = FileSystemReader(folder)
+    reader.set_up_storage_reader(meta, is_coordinator=True)
+    try:
+        reader.read_data(plan, Opener()).wait()
+    except DamagedCheckpoint:
+        raise
+    except Exception as err:  # noqa: BLE001 - an unreadable file, an unknown transform, bytes it cannot undo
+        raise DamagedCheckpoint(f"{folder} is damaged ({type(err).__name__}: {_first_line(err)})") from None
     return bad
-
-
-def _byte_item(f: Path, item) -> bytes:
-    """One byte item's bytes, as torch's FileSystemReader.read_data reads a BYTE_IO item: ``item.length`` bytes at
-    ``item.offset`` of its file, through the stream transforms the index names for it (``transform_descriptors`` of
-    a newer torch, ZStandard); a torch without them reads the bytes as they are, and so does this."""
-    try:
-        with open(f, "rb") as handle:
-            handle.seek(item.offset)
-            data = handle.read(item.length)
-    except OSError as err:
-        raise DamagedCheckpoint(f"{f} is damaged ({type(err).__name__}: {err})") from None
-    if len(data) != item.length:
-        raise DamagedCheckpoint(f"{f} is damaged (shorter than its index says, or missing)")
-    descriptors = getattr(item, "transform_descriptors", None)
-    if not descriptors:
-        return data
-    try:
-        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-    except ImportError:  # a torch that predates transforms ignores the field
-        return data
-    try:
-        return _StorageReaderTransforms().transform_load_stream(None, descriptors, io.BytesIO(data)).read(-1)
-    except Exception as err:  # noqa: BLE001 - an unknown transform, or bytes it cannot undo
-        raise DamagedCheckpoint(f"{f} is damaged ({type(err).__name__}: {str(err)[:160]})") from None
-
-
-def _weights_only_reason(err: Exception) -> str:
-    """The line of torch's weights_only refusal that says what the pickle needs (``Unsupported global: GLOBAL
-    builtins.getattr was not an allowed global by default``), without torch's advice to load it anyway."""
-    found = re.search(r"unsupported[^\n]*?(?=\. Please|\.?\n|\.?$)", str(err), re.IGNORECASE)
-    return (found.group(0) if found else str(err).splitlines()[0])[:160]
 
 
 # --- model files (best/, final/) -----------------------------------------------------------------
@@ -484,19 +461,17 @@ def save_model_dir(accelerator, model, out_dir: Path, card: dict) -> None:
     prefix = own.pop("weights_prefix", "")  # a transformers model's names, as from_pretrained reads them
     card = {k: v for k, v in card.items() if k != LIBRARY_FILES} | ({"weights_prefix": prefix} if prefix else {})
     out_dir = Path(out_dir)
-    tmp, old = out_dir.with_name(f".tmp-{out_dir.name}"), out_dir.with_name(f".old-{out_dir.name}")
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k.removeprefix(prefix): v for k, v in state.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
     follow_umask(tmp / WEIGHTS)
+    _fsync_file(tmp / WEIGHTS)  # on disk before the folder takes the previous copy's place
     for name, text in own.items():  # config.json (timm's or transformers'), preprocessor_config.json
         _fsync_write(tmp / name, text)
     _fsync_write(tmp / MODEL_CARD, json.dumps(card, indent=2, sort_keys=True))
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(tmp)
+    swap_in(tmp, out_dir)
 
 
 def restore_interrupted_swaps(run_dir: Path) -> list[str]:

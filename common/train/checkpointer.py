@@ -316,7 +316,7 @@ class Checkpointer:
         which the main process finishes in a thread while training goes on; raises what stopped it."""
         completing, self.completing = self.completing, None
         if completing is not None:
-            completing.wait()
+            completing.result()
 
 
 # --- what a resume refuses, takes and applies ----------------------------------------------------------
@@ -348,8 +348,6 @@ def compile_neutral_checkpoints(accelerator) -> None:
 
 def checkpoint_meta(cfg, accelerator, model) -> dict:
     """What a checkpoint records besides the training position: enough to refuse a wrong resume."""
-    import dataclasses
-
     return {
         "seed": cfg.seed,
         "world_size": accelerator.num_processes,
@@ -404,18 +402,15 @@ def adopt_resume_settings(path: Path, cfg) -> list[str]:
     return [f"resuming with the run's own {', '.join(taken.values())} (from the checkpoint)"]
 
 
-def _settings_differing(saved, cfg) -> str:
-    """The run's settings that this command changes, other than how it is watched, stored or fed: a sentence for a
-    refusal (a recipe's default that changed between versions shows here), or ''."""
+def changed_settings(saved, cfg) -> dict:
+    """The run's settings (``saved``: its config) that this command changes and that no rule of ``common.config``
+    settles (neither refused, applied nor free: a recipe's model or augmentation settings, say):
+    {name: (the run's value, this command's)}."""
     if not isinstance(saved, dict):
-        return ""
-    skip = RESUME_FREE | RESUME_APPLIED | set(RESUME_MUST_MATCH)
-    found = [
-        f"--{key.replace('_', '-')} {str(saved[key])[:60]!r} (this command: {str(value)[:60]!r})"
-        for key, value in sorted(dataclasses.asdict(cfg).items())
-        if key in saved and key not in skip and saved[key] != value
-    ]
-    return f"The run used {'; '.join(found[:6])}. " if found else ""
+        return {}
+    settled = RESUME_FREE | RESUME_APPLIED | set(RESUME_MUST_MATCH)
+    mine = dataclasses.asdict(cfg)
+    return {k: (saved[k], mine[k]) for k in sorted(mine) if k in saved and k not in settled and saved[k] != mine[k]}
 
 
 PREPARED = {  # what accelerator.prepare() keeps, and the names save_state gives each one's files (a number after the
@@ -452,9 +447,13 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
     theirs = state.get("model_signature", {})
     if mine != theirs:
         diff = sorted(set(mine) ^ set(theirs)) or [k for k in mine if mine[k] != theirs.get(k)]
+        used = [
+            f"--{key.replace('_', '-')} {str(old)[:60]!r} (this command: {str(new)[:60]!r})"
+            for key, (old, new) in changed_settings(state.get("config"), cfg).items()
+        ]
         raise RecipeError(
             f"The checkpoint {path} was written by a different model (first differences: {', '.join(diff[:4])}). "
-            + _settings_differing(state.get("config"), cfg)
+            + (f"The run used {'; '.join(used[:6])}. " if used else "")
             + "Resume with the same recipe and model settings (see the config.json in its run directory), or "
             "start a new run with a new --output-dir."
         )
@@ -475,9 +474,7 @@ def check_resumable(path: Path, state: dict, cfg, accelerator, model) -> list[st
             "(the per-process batch adapts to the number of processes)."
         )
     notes = []
-    # the must-match ones were settled before; the applied and the free ones need no note
-    noted = {f.name for f in dataclasses.fields(cfg)} - set(RESUME_MUST_MATCH) - RESUME_APPLIED - RESUME_FREE
-    changed = {k: (v, getattr(cfg, k)) for k, v in state["config"].items() if k in noted and getattr(cfg, k) != v}
+    changed = changed_settings(state["config"], cfg)  # the must-match ones were settled before
     if changed:
         notes.append(f"resuming with changed settings {changed}; the result will differ from the original run.")
     if state["world_size"] != accelerator.num_processes:

@@ -89,32 +89,25 @@ class RunDirLock:
 def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
     """Decide the run directory, the checkpoint to resume (or None) and whether the folder was made
     for this run. Main process only; create the folder and take its lock before anything is written."""
+    resume = None
     if cfg.resume_from and cfg.resume_from != "latest":
-        ckpt = Path(cfg.resume_from).expanduser()
-        if not is_complete(ckpt):
+        resume = Path(cfg.resume_from).expanduser()
+        if not is_complete(resume):
             raise RecipeError(
                 f"--resume-from {cfg.resume_from} is not a complete checkpoint (no such folder, or it lacks the "
                 "completion marker because its write was interrupted). Pass --resume-from latest to pick the "
                 "newest complete one, or another checkpoint folder under <run>/checkpoints/."
             )
-        source_run = ckpt.resolve().parent.parent
+        source_run = resume.resolve().parent.parent
         if not cfg.output_dir:
-            if ckpt.resolve().parent.name != "checkpoints" or not holds_run(source_run):
+            if resume.resolve().parent.name != "checkpoints" or not holds_run(source_run):
                 raise RecipeError(
                     f"--resume-from {cfg.resume_from} is a checkpoint outside a run directory (it is not in a run's "
                     "checkpoints/ folder), so there is no run to continue in place. Pass --output-dir a new or "
                     "empty folder for the continued run, or put the checkpoint back under <run>/checkpoints/."
                 )
-            return source_run, ckpt, False
-        run_dir = Path(cfg.output_dir).expanduser()
-        check_output_dir(run_dir)
-        if holds_run(run_dir) and run_dir.resolve() != source_run:
-            raise RecipeError(
-                f"--output-dir {run_dir} already holds another run than the one {cfg.resume_from} belongs to "
-                f"({source_run}). Nothing was overwritten. Pass a new or empty --output-dir for the continued run."
-            )
-        return run_dir, ckpt, not run_dir.exists()
-    if not cfg.output_dir:
+            return source_run, resume, False
+    elif not cfg.output_dir:
         if cfg.resume_from == "latest":
             raise RecipeError(
                 "--resume-from latest needs --output-dir <run directory> to know which run to "
@@ -124,14 +117,20 @@ def resolve(cfg, recipe: str) -> tuple[Path, Path | None, bool]:
     run_dir = Path(cfg.output_dir).expanduser()
     check_output_dir(run_dir)
     made = not run_dir.exists()
-    if cfg.resume_from == "latest":
-        return run_dir, find_latest(run_dir), made
-    if holds_run(run_dir):
+    if resume is not None:
+        if holds_run(run_dir) and run_dir.resolve() != source_run:
+            raise RecipeError(
+                f"--output-dir {run_dir} already holds another run than the one {cfg.resume_from} belongs to "
+                f"({source_run}). Nothing was overwritten. Pass a new or empty --output-dir for the continued run."
+            )
+    elif cfg.resume_from == "latest":
+        resume = find_latest(run_dir)
+    elif holds_run(run_dir):
         raise RecipeError(
             f"The output directory {run_dir} already holds a run. Nothing was overwritten. Pass "
             "--resume-from latest to continue that run, or choose a new --output-dir."
         )
-    return run_dir, None, made
+    return run_dir, resume, made
 
 
 def check_output_dir(run_dir: Path) -> None:
