@@ -173,17 +173,11 @@ def read_recipe_run(run_dir: Path) -> dict:
 
 
 def spread(values: list[float]) -> dict | None:
-    return (
-        {
-            "median": statistics.median(values),
-            "mean": statistics.fmean(values),
-            "min": min(values),
-            "max": max(values),
-            "n": len(values),
-        }
-        if values
-        else None
-    )
+    """median, mean, min, max and n of ``values``; None when there are none."""
+    if not values:
+        return None
+    return dict(median=statistics.median(values), mean=statistics.fmean(values), min=min(values), max=max(values),
+                n=len(values))  # fmt: skip
 
 
 def seed_list(text: str) -> list[int]:
@@ -454,15 +448,7 @@ def run_baseline(
 def run_airbench(train, val, target: float, *, seed: int, device: str = "cpu", **_) -> dict:
     """airbench94 on the same split (benchmarks/airbench94.py), timed as the paper times it: training, then one
     evaluation at the end (its time included, as in run_baseline)."""
-    r = airbench94.train_once(
-        train.images,
-        train.labels,
-        val.images,
-        val.labels,
-        seed,
-        torch.device(device),
-        int(max(train.labels.max(), val.labels.max())) + 1,
-    )
+    r = airbench94.train_on(train, val, seed, torch.device(device))
     point = {
         "time_s": r["train_s"] + r["eval_s"],
         "step": r["steps"],
