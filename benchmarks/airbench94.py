@@ -257,6 +257,12 @@ def train_once(train_images, train_labels, val_images, val_labels, seed: int, de
     }
 
 
+def train_on(train, held, seed: int, device) -> dict:
+    """train_once on two ImageSplits (the recipe's training and held-out data), the classes from their labels."""
+    classes = int(max(train.labels.max(), held.labels.max())) + 1
+    return train_once(train.images, train.labels, held.images, held.labels, seed, device, classes)
+
+
 def load(dataset: str, seed: int, val_fraction: float):
     """The recipe's data for this seed: (train, held out) ImageSplits, held out = its validation split, or with
     --val-fraction 0 the dataset's test split."""
@@ -287,16 +293,7 @@ def main(argv=None) -> int:
     device, rows, load_start = torch.device(args.device), [], warn_if_busy()
     for seed in [int(s) for s in args.seeds.split(",")]:
         train, held = load(args.dataset, seed, args.val_fraction)
-        r = train_once(
-            train.images,
-            train.labels,
-            held.images,
-            held.labels,
-            seed,
-            device,
-            int(max(train.labels.max(), held.labels.max())) + 1,
-        )
-        rows.append(r)
+        rows.append(r := train_on(train, held, seed, device))
         print(
             f"seed {seed}: {r['accuracy_tta']:.4f} with TTA ({r['accuracy']:.4f} without) on {len(held)} held-out "
             f"images; training {r['train_s']:.1f} s ({r['steps']} steps), evaluation {r['eval_s']:.1f} s",

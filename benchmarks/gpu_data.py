@@ -64,19 +64,13 @@ def decode_one(blob: bytes) -> np.ndarray:
         return np.asarray(natural(opened), dtype=np.uint8)
 
 
-def _decode_chunk(blobs: list) -> list:
-    return [decode_one(b) for b in blobs]
-
-
 def decode_all(blobs: list, jobs: int) -> np.ndarray:
     """(N, C, H, W) uint8 of the encoded images, in ``jobs`` forked processes when there are many."""
     if jobs > 1 and len(blobs) > 4000:
-        size = -(-len(blobs) // (4 * jobs))
-        with get_context("fork").Pool(jobs) as pool:
-            arrays = [a for part in pool.map(_decode_chunk, [blobs[i : i + size] for i in range(0, len(blobs), size)])
-                      for a in part]  # fmt: skip
+        with get_context("fork").Pool(jobs) as pool:  # four chunks a process, in order
+            arrays = pool.map(decode_one, blobs, chunksize=-(-len(blobs) // (4 * jobs)))
     else:
-        arrays = _decode_chunk(blobs)
+        arrays = [decode_one(b) for b in blobs]
     if len({a.shape for a in arrays}) != 1:
         raise ValueError(f"the images differ in shape or mode ({sorted({a.shape for a in arrays})[:3]}, ...)")
     images = np.stack(arrays)

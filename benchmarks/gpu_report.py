@@ -62,7 +62,9 @@ from harness import (  # first: the repo on sys.path
     bad_input,
     machine_line,
     provenance,
+    recipe_windows,
     revision,
+    summarize,
     warn_if_busy,
 )
 from launching import CONFIGS_DIR, read_run, recipe_env, run_logged, stop_children_on_term
@@ -348,15 +350,12 @@ def read_tta_mnist(out: Path, toy: bool):
 
 def windows(run_dir: Path) -> dict:
     """images/s of a recipe run: the median of its metrics.jsonl windows after the first."""
-    run = read_run(run_dir)
-    rows = [r for r in run["rows"] if "train/samples_per_sec" in r]
-    if len(rows) < 2:
-        raise RuntimeError(f"{run_dir}/metrics.jsonl has {len(rows)} throughput window(s): none after the first")
-    rates = [r["train/samples_per_sec"] for r in rows[1:]]
-    waits = [r["train/data_wait_fraction"] for r in rows[1:] if r.get("train/data_wait_fraction") is not None]
-    med = statistics.median(rates)
-    wait = statistics.median(waits) if waits else None
-    return {"samples_per_s": med, "spread": (max(rates) - min(rates)) / med, "data_wait": wait, "windows": rates}
+    rows = recipe_windows(read_run(run_dir)["rows"])
+    if not rows:
+        raise RuntimeError(f"{run_dir}/metrics.jsonl has no throughput window after the first")
+    rates = [r["train/samples_per_sec"] for r in rows]
+    waits = [r["train/data_wait_fraction"] for r in rows if r.get("train/data_wait_fraction") is not None]
+    return {**summarize(rates), "data_wait": statistics.median(waits) if waits else None, "windows": rates}
 
 
 def read_rate(run_dir: Path):
@@ -440,19 +439,8 @@ def launch(ctx: Ctx, recipe: str, args, precision: str = "bf16", extra=(), throu
     the native-bf16 stand-in first: they run bf16 on any CPU."""
     if ctx.toy and precision != "no":
         through = (BF16_STANDIN, *through)
-    return [
-        ctx.py,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        CONFIGS_DIR / "single_gpu.yaml",
-        "--mixed_precision",
-        precision,
-        *extra,
-        *through,
-        REPO / "recipes" / f"{recipe}.py",
-        *args,
-    ]
+    launcher = [ctx.py, "-m", "accelerate.commands.launch", "--config_file", CONFIGS_DIR / "single_gpu.yaml"]
+    return [*launcher, "--mixed_precision", precision, *extra, *through, REPO / "recipes" / f"{recipe}.py", *args]
 
 
 def blob_id(path: Path) -> str:
@@ -497,24 +485,13 @@ def plan(ctx: Ctx) -> list[Row]:
         )
     )
     out, inputs = w / "predict.json", w / "predict-inputs"
+    predict = [ctx.py, "-m", "common.tools.predict", run, inputs, "--device", ctx.device, "--format", "json"]
     rows.append(
         Row(
             "correct/compile/predict",
             ALL_BUDGET_S["correct/compile/predict"],
             "python -m common.tools.predict on the compiled run's best/ (else final/), 48 held-out images",
-            [
-                ctx.py,
-                "-m",
-                "common.tools.predict",
-                run,
-                inputs,
-                "--device",
-                ctx.device,
-                "--format",
-                "json",
-                "--output",
-                out,
-            ],
+            [*predict, "--output", out],
             lambda o=out, i=inputs: read_predict(o, i),
             after="correct/compile",
         )
@@ -551,11 +528,16 @@ def plan(ctx: Ctx) -> list[Row]:
         )
     )  # fmt: skip
 
-    def tta(*argv):
-        return [ctx.py, *([ME, "--toy-airbench"] if toy else [TTA]), *map(str, argv)]
+    def tta(recipe: str, name: str, flags: str, recipe_args: str = "", toy_args: str = "") -> list:
+        """time_to_accuracy.py ``flags`` on ``recipe``'s data, one GPU (single_gpu.yaml), its work dir and report
+        named ``name``, ``recipe_args`` (in the rehearsal ``toy_args`` too, and airbench94 at toy size)."""
+        recipe_args = f"--cache-dir {shlex.quote(str(w / 'cache'))}{recipe_args}{toy_args if toy else ''}"
+        config, out = CONFIGS_DIR / "single_gpu.yaml", w / f"{name}.json"
+        own = ["--recipe", recipe, "--dataset", data[recipe], *flags.split(), "--device", ctx.device]
+        own += ["--accelerate-config", config, "--work-dir", w / name, "--out", out]
+        return [ctx.py, *([ME, "--toy-airbench"] if toy else [TTA]), *map(str, own), "--recipe-args", recipe_args]
 
-    cache_args, single = f"--cache-dir {shlex.quote(str(w / 'cache'))}", CONFIGS_DIR / "single_gpu.yaml"
-    out = w / "tta-cifar.json"
+    cifar_seeds = ctx.cifar_seeds or DEFAULT_SEEDS["cifar_cnn_vs_airbench94"]
     rows.append(
         Row(
             "cifar_cnn_vs_airbench94",
@@ -563,34 +545,16 @@ def plan(ctx: Ctx) -> list[Row]:
             f"cifar_cnn default (single_gpu.yaml, bf16) vs airbench94 = benchmarks/airbench94.py (blob "
             f"{blob_id(REPO / 'benchmarks' / 'airbench94.py')}: this repository's, from the paper arXiv 2404.00498, "
             "not Keller Jordan's file; fp16, uncompiled), same split and GPU, seeds "
-            f"{ctx.cifar_seeds or DEFAULT_SEEDS['cifar_cnn_vs_airbench94']}, each side's seeds in one process",
+            f"{cifar_seeds}, each side's seeds in one process",
             tta(
-                "--recipe",
                 "cifar_cnn",
-                "--dataset",
-                data["cifar_cnn"],
-                "--target",
-                "baseline",
-                "--baseline-kind",
-                "airbench94",
-                "--seeds",
-                ctx.cifar_seeds or DEFAULT_SEEDS["cifar_cnn_vs_airbench94"],
-                "--recipe-seeds-in-one-process",
-                "--device",
-                ctx.device,
-                "--accelerate-config",
-                single,
-                "--work-dir",
-                w / "tta-cifar",
-                "--out",
-                out,
-                "--recipe-args",
-                cache_args + (" --widths 8,16,16 --batch-size 16 --epochs 1" if toy else ""),
+                "tta-cifar",
+                f"--target baseline --baseline-kind airbench94 --seeds {cifar_seeds} --recipe-seeds-in-one-process",
+                toy_args=" --widths 8,16,16 --batch-size 16 --epochs 1",
             ),
-            lambda o=out: read_tta_cifar(o, toy),
+            lambda o=w / "tta-cifar.json": read_tta_cifar(o, toy),
         )
     )
-    out = w / "tta-mnist.json"
     rows.append(
         Row(
             "mnist_convnet_to_99.3",
@@ -598,31 +562,13 @@ def plan(ctx: Ctx) -> list[Row]:
             "time_to_accuracy.py, mnist_convnet default (single_gpu.yaml, bf16), evaluating every 100 steps, seeds "
             f"{DEFAULT_SEEDS['mnist_convnet_to_99.3']} in one process",
             tta(
-                "--recipe",
                 "mnist_convnet",
-                "--dataset",
-                data["mnist_convnet"],
-                "--target",
-                0.993,
-                "--baseline",
-                "off",
-                "--seeds",
-                DEFAULT_SEEDS["mnist_convnet_to_99.3"],
-                "--recipe-seeds-in-one-process",
-                "--device",
-                ctx.device,
-                "--accelerate-config",
-                single,
-                "--eval-every-steps",
-                8 if toy else 100,
-                "--work-dir",
-                w / "tta-mnist",
-                "--out",
-                out,
-                "--recipe-args",
-                cache_args + (" --width 8 --hidden 32 --batch-size 32 --epochs 1" if toy else ""),
+                "tta-mnist",
+                f"--target 0.993 --baseline off --seeds {DEFAULT_SEEDS['mnist_convnet_to_99.3']} "
+                f"--recipe-seeds-in-one-process --eval-every-steps {8 if toy else 100}",
+                toy_args=" --width 8 --hidden 32 --batch-size 32 --epochs 1",
             ),
-            lambda o=out: read_tta_mnist(o, toy),
+            lambda o=w / "tta-mnist.json": read_tta_mnist(o, toy),
         )
     )
     sizes = {"mnist_convnet": (30, 5) if toy else (200, 25), "cifar_cnn": (24, 4) if toy else (40, 8)}
@@ -656,17 +602,14 @@ def plan(ctx: Ctx) -> list[Row]:
     # taken away: TensorBoard's writer (--report-to none), cuDNN's kernel search (--cudnn-benchmark false). Each is
     # read beside the cifar row's first seed (the same recipe as is, in a fresh process, on the same timer).
     for variant, extra in (("report-to-none", " --report-to none"), ("cudnn-off", " --cudnn-benchmark false")):
-        out = w / f"ab-{variant}.json"
         rows.append(
             Row(
                 f"ab/cifar_cnn/{variant}",
                 ALL_BUDGET_S[f"ab/cifar_cnn/{variant}"],
                 f"cifar_cnn default{extra or ' (as is)'}, alone (time_to_accuracy.py --baseline off), seed {s}",
-                tta("--recipe", "cifar_cnn", "--dataset", data["cifar_cnn"], "--target", 0.5, "--baseline", "off",
-                    "--seeds", s, "--device", ctx.device, "--accelerate-config", single, "--work-dir",
-                    w / f"ab-{variant}", "--out", out, "--recipe-args",
-                    cache_args + extra + (" --widths 8,16,16 --batch-size 16 --epochs 1" if toy else "")),
-                lambda o=out, c=w / "tta-cifar.json": read_alone(o, c),
+                tta("cifar_cnn", f"ab-{variant}", f"--target 0.5 --baseline off --seeds {s}", extra,
+                    toy_args=" --widths 8,16,16 --batch-size 16 --epochs 1"),
+                lambda o=w / f"ab-{variant}.json", c=w / "tta-cifar.json": read_alone(o, c),
                 reads="cifar_cnn_vs_airbench94",
             )
         )  # fmt: skip
@@ -963,7 +906,7 @@ def main(argv=None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         py = gpu_like_python(work / "gpu-env")
         env = {**child_env(work), INNER: "1"}
-        inner = [str(py), str(ME), *without(argv, ("--out", "--work-dir")), "--out", str(out), "--work-dir", str(work)]
+        inner = [str(py), str(ME), *argv, "--out", str(out), "--work-dir", str(work)]  # argparse: the last one wins
         return subprocess.call(inner, env=env, cwd=str(work))
     toy, device = args.rehearse, "cpu" if args.rehearse else "cuda"
     pack = work / "gpu-data-toy" if toy else args.data.resolve()
@@ -1042,19 +985,6 @@ def main(argv=None) -> int:
     bundle(out, work)
     print(markdown(report))
     return 0
-
-
-def without(argv: list, flags) -> list:
-    """``argv`` less each of ``flags`` and its value (``--flag value`` or ``--flag=value``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        elif a.split("=", 1)[0] not in flags:
-            out.append(a)
-    return out
 
 
 def head_line(toy: bool) -> str:

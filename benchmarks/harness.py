@@ -289,6 +289,11 @@ def time_windows(step, steps: int, window: int, device) -> list[float]:
     return time_rounds({"": step}, 0, steps // window, window, device)[""][1:]
 
 
+def recipe_windows(rows: list[dict]) -> list[dict]:
+    """A recipe run's throughput windows (its metrics.jsonl rows with samples/s) after the first, the warm-up."""
+    return [r for r in rows if "train/samples_per_sec" in r][1:]
+
+
 def summarize(samples_per_s: list[float], **info) -> dict:
     """Median samples/s over the timed windows or rounds, their spread ((max - min) / median), and the list."""
     med = statistics.median(samples_per_s)
@@ -424,20 +429,8 @@ class Bench:
         args, runs = self.args, []
         for k in range(args.runs):
             run_dir, log = self.work / "runs" / f"{name}-{k}", self.work / "runs" / f"{name}-{k}.log"
-            own = [
-                "--dataset",
-                self.dataset,
-                "--output-dir",
-                run_dir,
-                "--cache-dir",
-                self.work / "cache",
-                "--max-steps",
-                args.steps,
-                "--log-every",
-                args.log_every,
-                "--epochs",
-                1,
-            ]
+            own = ["--dataset", self.dataset, "--output-dir", run_dir, "--cache-dir", self.work / "cache"]
+            own += ["--max-steps", args.steps, "--log-every", args.log_every, "--epochs", 1]
             cmd = launch_command(
                 args.recipe_path,
                 [*args.recipe_argv, *own],
@@ -449,7 +442,7 @@ class Bench:
             env = recipe_env(self.work, threads=threads, cpu_only=self.device.type == "cpu")
             code, wall = run_logged(cmd, env, log, args.timeout)
             written = read_run(run_dir)
-            windows = [r for r in written["rows"] if "train/samples_per_sec" in r][1:]
+            windows = recipe_windows(written["rows"])
             if code != 0 or not windows:
                 tail = "\n".join(log.read_text().splitlines()[-15:])
                 raise RuntimeError(f"exit {code}, {len(windows)} timed windows; command: {shlex.join(cmd)}\n{tail}")
@@ -518,16 +511,7 @@ class Bench:
                 f"{args.log_every} (first dropped), device {self.device}, {torch.get_num_threads()} threads"
             )
             ratios = judge(measure(self))
-            keep = (
-                "steps",
-                "log_every",
-                "runs",
-                "repeats",
-                "warmup",
-                "tiny",
-                "compile_backend",
-                "skip",
-            )
+            keep = ("steps", "log_every", "runs", "repeats", "warmup", "tiny", "compile_backend", "skip")
             report = {
                 **provenance(self.study, argv, self.device, load_start),
                 "recipe": args.recipe_path.stem,

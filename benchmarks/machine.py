@@ -12,8 +12,6 @@ import platform
 import socket
 from pathlib import Path
 
-from common.train.accelerator import cpu_bf16_support
-
 # the flags that say whether bf16 is native (AMX, AVX512-BF16) or emulated (AVX2 only)
 CPU_FLAGS = {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
 
@@ -24,11 +22,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def machine_info(device) -> dict:
-    """Host, CPU model and flags, usable CPUs, torch threads and, on ``device`` "cuda", the GPU."""
-    import torch
-
-    device = torch.device(device)
+def cpu_info() -> tuple[str, list[str]]:
+    """The CPU model and which of CPU_FLAGS it has, from /proc/cpuinfo (imports nothing: a script timed from its
+    launch can call it)."""
     cpu_model, flags = platform.processor(), set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -36,13 +32,24 @@ def machine_info(device) -> dict:
                 cpu_model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and ":" in line:
                 flags = set(line.split(":", 1)[1].split())
+    return cpu_model, sorted(flags & CPU_FLAGS)
+
+
+def machine_info(device) -> dict:
+    """Host, CPU model and flags, usable CPUs, torch threads and, on ``device`` "cuda", the GPU."""
+    import torch
+
+    from common.train.accelerator import cpu_bf16_support
+
+    device = torch.device(device)
+    cpu_model, flags = cpu_info()
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "cpu": cpu_model,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_flags": sorted(flags & CPU_FLAGS),
+        "cpu_flags": flags,
         "cpu_bf16_support": cpu_bf16_support() or "none (emulated)",
         "torch_num_threads": torch.get_num_threads(),
         "device": str(device),

@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil  # Accelerate's own dependency
+
 T_IMPORT = time.time()  # before torch's import
 
 
@@ -38,12 +40,9 @@ def launch_start() -> tuple[float, str]:
     """When the user's command started: torchrun's process under torchrun (it starts the workers), else this one."""
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     try:
-        pid = os.getppid() if torchrun else os.getpid()
-        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
-        btime = int(boot.split()[1])
-        return btime + ticks / os.sysconf("SC_CLK_TCK"), "torchrun start" if torchrun else "process start"
-    except (OSError, ValueError, StopIteration, IndexError):
+        started = psutil.Process(os.getppid() if torchrun else os.getpid()).create_time()
+        return started, "torchrun start" if torchrun else "process start"
+    except psutil.Error:
         return T_IMPORT, "script import"
 
 
@@ -53,6 +52,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchvision  # noqa: E402
+from machine import cpu_info  # noqa: E402  (benchmarks/, this script's folder)
 from PIL import Image  # noqa: E402
 from torchvision import transforms as T  # noqa: E402
 
@@ -75,16 +75,6 @@ class Files(torch.utils.data.Dataset):
     def __getitem__(self, i):
         with open(self.paths[i], "rb") as f:
             return self.transform(Image.open(f).convert("RGB")), self.labels[i]
-
-
-def cpu_flags() -> list[str]:
-    """What `lscpu | grep -o 'avx512_bf16\\|amx_bf16\\|avx2' | sort -u` prints, read from /proc/cpuinfo."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        return []
-    return sorted(set(flags) & {"avx2", "avx512_bf16", "amx_bf16"})
 
 
 def the_split(data: Path, val_fraction: float, seed: int):
@@ -198,7 +188,7 @@ def main(argv=None) -> int:
     )
     if main_rank:
         print(
-            f"machine: {os.cpu_count()} CPUs, flags {' '.join(cpu_flags()) or '-'}, load average "
+            f"machine: {os.cpu_count()} CPUs, flags {' '.join(cpu_info()[1]) or '-'}, load average "
             f"{[round(x, 2) for x in os.getloadavg()]}; torch {torch.__version__}, torchvision "
             f"{torchvision.__version__}; {len(train_files)} train / {len(val_files)} val images, "
             f"{len(classes)} classes; {args.model}, batch {args.batch_size}, lr {lr:g}",
@@ -317,7 +307,7 @@ def main(argv=None) -> int:
         "warmup_epochs": args.warmup_epochs,
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": cpu_info()[1],
         "data": str(args.data),
     }
     return finish(result, args.out, main_rank, world)

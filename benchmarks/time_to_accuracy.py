@@ -62,6 +62,9 @@ from torchvision import transforms
 from common.data.decoded import load_image_data
 from common.errors import RecipeError
 
+# The report's settings as given on the command line (with recipe, dataset, targets, seeds, nproc, device, threads)
+SETTINGS = ("recipe_seeds_in_one_process", "accelerate_config", "eval_every_steps", "max_baseline_epochs", "baseline")
+SETTINGS += ("goal_seconds", "goal_ratio", "goal_e")
 # Flags the benchmark sets itself on the recipe command line (per seed, per run directory).
 OWN_FLAGS = ("--dataset", "--output-dir", "--seed", "--eval-every-steps", "--resume-from")
 BASELINES = {
@@ -173,17 +176,11 @@ def read_recipe_run(run_dir: Path) -> dict:
 
 
 def spread(values: list[float]) -> dict | None:
-    return (
-        {
-            "median": statistics.median(values),
-            "mean": statistics.fmean(values),
-            "min": min(values),
-            "max": max(values),
-            "n": len(values),
-        }
-        if values
-        else None
-    )
+    """median, mean, min, max and n of ``values``; None when there are none."""
+    if not values:
+        return None
+    return dict(median=statistics.median(values), mean=statistics.fmean(values), min=min(values), max=max(values),
+                n=len(values))  # fmt: skip
 
 
 def seed_list(text: str) -> list[int]:
@@ -454,15 +451,7 @@ def run_baseline(
 def run_airbench(train, val, target: float, *, seed: int, device: str = "cpu", **_) -> dict:
     """airbench94 on the same split (benchmarks/airbench94.py), timed as the paper times it: training, then one
     evaluation at the end (its time included, as in run_baseline)."""
-    r = airbench94.train_once(
-        train.images,
-        train.labels,
-        val.images,
-        val.labels,
-        seed,
-        torch.device(device),
-        int(max(train.labels.max(), val.labels.max())) + 1,
-    )
+    r = airbench94.train_on(train, val, seed, torch.device(device))
     point = {
         "time_s": r["train_s"] + r["eval_s"],
         "step": r["steps"],
@@ -788,23 +777,11 @@ def main(argv=None) -> int:
     report = {
         **provenance("time_to_accuracy", argv, args.device, load_start),
         "settings": {
-            "recipe": args.recipe,
-            "dataset": args.dataset,
+            **{k: getattr(args, k) for k in ("recipe", "dataset", "seeds", "nproc", "device", "threads")},
             "target": from_baseline or args.target,
             "baseline_target": from_baseline or args.baseline_target,
-            "seeds": args.seeds,
-            "nproc": args.nproc,
-            "device": args.device,
-            "threads": args.threads,
             "recipe_args": args.recipe_argv,
-            "recipe_seeds_in_one_process": args.recipe_seeds_in_one_process,
-            "accelerate_config": args.accelerate_config,
-            "eval_every_steps": args.eval_every_steps,
-            "max_baseline_epochs": args.max_baseline_epochs,
-            "baseline": args.baseline,
-            "goal_seconds": args.goal_seconds,
-            "goal_ratio": args.goal_ratio,
-            "goal_e": args.goal_e,
+            **{k: getattr(args, k) for k in SETTINGS},
             "baseline_recipe": {"kind": args.baseline_kind, **BASELINES[args.baseline_kind]},
             "timing": "time to target = end of the first evaluation at >= target minus the start of the "
             "first training step; evaluations included, decode and setup excluded",

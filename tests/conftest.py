@@ -33,7 +33,6 @@ LONG = {
     "tests/test_bad_input.py::test_bad_input_on_two_processes_is_said_once[photo]",
     "tests/test_bad_input.py::test_bad_input_that_differs_by_process_is_said_by_each[differ]",
     "tests/test_bad_input.py::test_bad_input_that_differs_by_process_is_said_by_each[only_rank_1]",
-    "tests/test_benchmark.py::test_memory_measures_both_modes_on_a_local_dataset",
     "tests/test_benchmark.py::test_scaling_runs_one_and_two_processes_through_accelerate_and_raw_ddp",
     "tests/test_data.py::test_an_unchanged_folder_is_read_without_datasets_and_a_changed_one_is_decoded_again",
     "tests/test_data.py::test_two_processes_racing_for_the_cache_decode_each_split_once",
