@@ -38,7 +38,7 @@ from harness import REPO, bad_input, synthetic_images  # first: the repo on sys.
 from launching import recipe_config
 from PIL import Image
 
-from common.data import cache
+from common.data import cache, table_copies
 from common.data.decoded import load_image_data
 from common.data.pixels import natural
 from common.data.splits import ImageSplit
@@ -254,11 +254,11 @@ def install(pack: Path, work: Path, jobs: int | None = None) -> dict:
             f"folder holds no images: its decoded split is in {cache_dir}, named by the source index for this folder's "
             "state (common.data.cache), which a launch on an unchanged local folder reads without `datasets`.\n"
         )
-        state = cache.source_state(str(folder))
+        identity = table_copies.copy_dir(cache_dir, folder, table_copies.table_state(folder)).name
         split_file = cache_dir / f"gpu-data-{name}-train.safetensors"
         cache.cached_split(split_file, lambda s=split: s, f"the train split of {name}", entry["class_names"], True)
         for settings in {json.dumps(decode_settings(r), sort_keys=True) for r in READERS[name]}:
-            index = cache.source_index_path(cache_dir, state, json.loads(settings))
+            index = cache.source_index_path(cache_dir, identity, json.loads(settings))
             cache.write_source_index(index, {"train": split_file.name}, entry["class_names"])
             if cache.read_source_index(index) is None:
                 raise RuntimeError(f"the source index {index} for {folder} could not be read back")

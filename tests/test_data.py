@@ -212,6 +212,36 @@ def test_an_unchanged_folder_is_read_without_datasets_and_a_changed_one_is_decod
     assert "datasets imported: True" in changed and "(48 images)" in changed, changed
 
 
+def test_a_table_folder_is_one_identity_kept_by_a_chmod_or_a_readme_and_its_own_per_folder(tmp_path):
+    """The small-image recipes key a local table folder as the photo recipe does (``common.data.table_copies``: its
+    data files and its resolved path): a chmod or an added README.md keeps the decoded cache (read, not decoded, with
+    datasets' arrow copy shared with the photo recipe), a rewritten table is read again, and two folders holding the
+    same tables (or none, only a README, as benchmarks/gpu_data.py installs them) have indexes of their own."""
+    from common.data import cache, table_copies
+
+    source = write_parquet_dataset(tmp_path / "src", {"train": 40, "test": 12})
+    first = load(source, tmp_path / "c")
+    os.chmod(source / "data", 0o755)  # a new change time
+    (source / "README.md").write_text("# my dataset\n")
+    logs = []
+    again = load(source, tmp_path / "c", logs)
+    assert not any("decoding" in line for line in logs), logs
+    assert torch.equal(again.train.images, first.train.images)
+    copies = sorted(p.name for p in (tmp_path / "c" / "datasets").iterdir() if p.is_dir())
+    assert copies == [table_copies.copy_dir(tmp_path / "c", source, table_copies.table_state(source)).name]
+    write_parquet_dataset(source, {"train": 48, "test": 12}, seed=5)  # rows rewritten
+    logs.clear()
+    assert len(load(source, tmp_path / "c", logs, val_fraction=0.0).train) == 48
+    assert any("decoding the train split" in line for line in logs), logs
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+        (folder / "README.txt").write_text("no images here\n")
+    identities = [table_copies.copy_dir(tmp_path / "c", f, table_copies.table_state(f)).name for f in folders]
+    indexes = {cache.source_index_path(tmp_path / "c", i, {"size": 0}) for i in identities}
+    assert len(indexes) == 2
+
+
 # --- 11.12: every process calls at once; one decodes per cache file, the others wait on its lock -------
 
 RACER = textwrap.dedent("""

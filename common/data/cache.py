@@ -2,7 +2,8 @@
 safetensors file per decoded split, written once under a file lock (``safetensors.torch.save`` through
 ``common.files.write_atomic``: a new file, never through a planted symlink, fsynced, renamed into place) and read by
 every process through ``safe_open``'s memory map; a damaged file is named and decoded again. Plus the index that
-lets an unchanged local folder skip ``datasets`` on the next launch."""
+lets an unchanged local table folder skip ``datasets`` on the next launch (keyed by the folder's identity,
+``common.data.table_copies``)."""
 
 from __future__ import annotations
 
@@ -209,31 +210,13 @@ def cached_split(path: Path, decode, what: str, class_names, is_main: bool) -> I
             ) from None
 
 
-def source_state(name: str) -> str | None:
-    """For a local dataset folder: a hash of every file's path, size, modification and change times (a file
-    replaced with its old mtime kept, by ``cp -p`` or ``rsync``, still has a new ctime). None for a Hub id (only
-    ``datasets`` can tell whether its copy changed) or a file that vanishes during the walk."""
-    path = Path(name).expanduser()
-    if not path.is_dir():
+def source_index_path(cache_dir: Path, identity: str | None, settings: dict) -> Path | None:
+    """The cache entry naming the decoded split files of a local table folder with these decoding settings;
+    ``identity``: the folder's, the name of its arrow copy (``common.data.table_copies.copy_dir``: the folder's
+    resolved path and its tables' state), or None for a Hub id (only ``datasets`` can tell whether its copy changed)."""
+    if identity is None:
         return None
-    stats = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .git, .cache
-        for f in sorted(filenames):
-            try:
-                st = os.stat(os.path.join(dirpath, f))
-            except OSError:
-                return None
-            stats.append((os.path.relpath(os.path.join(dirpath, f), path), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    key = json.dumps([CACHE_VERSION, str(path.resolve()), stats], sort_keys=True)
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-
-def source_index_path(cache_dir: Path, state: str | None, settings: dict) -> Path | None:
-    """The cache entry naming the decoded split files of a local folder in ``state`` with these decoding settings."""
-    if state is None:
-        return None
-    key = json.dumps([state, settings], sort_keys=True)
+    key = json.dumps([CACHE_VERSION, identity, settings], sort_keys=True)
     return cache_dir / f"source-{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from common.console import say
-from common.data import cache, sources, table_labels
+from common.data import cache, sources, table_copies, table_labels
 from common.data.batches import loader_batch
 from common.data.folders import FolderScan, FolderSplit
 from common.data.pixels import natural, unreadable_error, unreadable_reason
@@ -83,103 +83,87 @@ def _folder_splits(cfg, scan: FolderScan, name: str, cache_dir: Path, is_main: b
     splits = {}
     for split_name, split in scan.splits.items():
         key = cache.cache_path(cache_dir, split.fingerprint, settings)
-        splits[split_name] = _cached(
-            cfg, key, split, (None, None), None, f"the {split_name} split of {name}", scan.class_names, is_main
-        )
+        what = f"the {split_name} split of {name}"
+        splits[split_name] = _cached(cfg, key, split, None, split.labels, what, scan.class_names, is_main)
         splits[split_name].provenance = split.provenance()
     return splits, scan.class_names, scan.skipped_line()
 
 
 def _table_splits(cfg, name: str, cache_dir: Path, is_main: bool):
-    """A table dataset's splits (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``. A
-    local folder's splits are keyed by its files' identity too, and an index of them lets the next launch on the
-    unchanged folder read the cache without importing ``datasets`` or scanning the tables."""
-    state = cache.source_state(name)  # None for a Hub id
+    """A table dataset's splits (parquet, arrow, ...: a local repository or a Hub id), read through ``datasets``, their
+    labels by the rule a folder's classes follow (``common.data.table_labels``). A local folder's identity (its
+    resolved path and its tables' state, ``common.data.table_copies``) names ``datasets``' arrow copy of it and keys
+    its decoded splits, and an index of them lets the next launch on the unchanged folder read the cache without
+    importing ``datasets`` or scanning the tables."""
+    folder = sources.local_folder(name)
+    state = table_copies.table_state(folder) if folder is not None else None  # None for a Hub id
+    copy = table_copies.copy_dir(cache_dir, folder, state) if state else None
+    identity = copy.name if copy else None
     asked = {"img": cfg.image_column, "lab": cfg.label_column, "channels": cfg.channels, "size": cfg.image_size}
-    index = cache.source_index_path(cache_dir, state, asked)
+    index = cache.source_index_path(cache_dir, identity, asked)
     known = cache.read_source_index(index) if index else None
     if known is not None:
         return known
-    ds = sources.load_source(name, cache_dir / "datasets" / state if state else None)
+    ds = sources.load_source(name, copy)
     img_col, lab_col = sources.pick_columns(ds["train"], cfg, name)
-    class_names, str_map = table_labels.class_names_of(ds["train"], lab_col, name)
-    settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": state}
-    splits, files = {}, {}
-    for split_name in [s for s in ds if s in ("train", "test", *VALIDATION_SPLITS)]:
-        split = ds[split_name]
+    used = [s for s in ds if s in ("train", "test", *VALIDATION_SPLITS)]
+    for split_name in used:
         for col in (img_col, lab_col):
-            if col not in split.features:
+            if col not in ds[split_name].features:
                 raise DataError(
                     f"The {split_name} split of {name!r} has no column {col!r}. Give every split the same columns."
                 )
-        label_map = _label_map(f"The {split_name} split", class_names, str_map)
+    columns = {k: ds[k].data.column(lab_col).to_pylist() for k in used}  # the labels only, not the images
+    class_names, index_of = table_labels.class_names_of(ds["train"], lab_col, name, columns)
+    settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": identity}
+    splits, files = {}, {}
+    for split_name in used:
+        split, labels = ds[split_name], columns[split_name]
+        labels = labels if index_of is None else [index_of[v] for v in labels]
         files[split_name] = cache.cache_path(cache_dir, split._fingerprint, settings)
         what = f"the {split_name} split of {name!r}"
-        splits[split_name] = _cached(
-            cfg, files[split_name], split, (img_col, lab_col), label_map, what, class_names, is_main
-        )
+        splits[split_name] = _cached(cfg, files[split_name], split, img_col, labels, what, class_names, is_main)
     if index is not None and is_main:
         cache.write_source_index(index, {k: p.name for k, p in files.items()}, class_names)
     return splits, class_names
 
 
-def _label_map(what: str, class_names, str_map):
-    """A table split's label -> class index, refusing what the training classes do not hold."""
-    num_classes = len(class_names)
-
-    def label_map(value, src):
-        if value is None:
-            raise DataError(
-                f"{what} has an image with no label ({src}). Fill in its label, or remove the row, and run again."
-            )
-        idx = str_map.get(value) if str_map is not None else value
-        if idx is None or not isinstance(idx, int) or not 0 <= idx < num_classes:
-            raise DataError(
-                f"{what} has the label {value!r} (at {src}) outside the {num_classes} classes "
-                f"found in train ({', '.join(class_names[:10])}{', ...' if num_classes > 10 else ''}). "
-                "Make every split use the training classes, or fix the label column."
-            )
-        return idx
-
-    return label_map
-
-
-def _cached(cfg, key: Path, split, columns: tuple, label_map, what: str, class_names, is_main: bool) -> ImageSplit:
+def _cached(cfg, key: Path, split, img_col, labels, what: str, class_names, is_main: bool) -> ImageSplit:
     """One split read from the cache file ``key``, decoded into it first when it holds none (one process decodes)."""
     progress = is_main and sys.stderr.isatty()
 
     def decode():
-        return decode_split(split, *columns, cfg.channels, cfg.image_size, label_map, what, progress=progress)
+        return decode_split(split, img_col, labels, cfg.channels, cfg.image_size, what, progress=progress)
 
     return cache.cached_split(key, decode, f"{what} ({len(split)} images)", class_names, is_main)
 
 
-def _items(split, img_col: str | None, lab_col: str | None):
-    """(where, how to open, label) for every image of a split: a ``FolderSplit`` or a ``datasets`` split, whose
-    images are read undecoded (the bytes), so each bad one can be named, not only the first."""
+def _items(split, img_col: str | None):
+    """(where, how to open) for every image of a split: a ``FolderSplit`` or a ``datasets`` split, whose images are
+    read undecoded (the bytes), so each bad one can be named, not only the first."""
     if isinstance(split, FolderSplit):
-        for rel, label in zip(split.files, split.labels):
+        for rel in split.files:
             path = str(split.base / rel)
-            yield path, path, label
+            yield path, path
         return
     from datasets import Image as ImageFeature
 
-    split = split.cast_column(img_col, ImageFeature(decode=False)).select_columns([img_col, lab_col])
+    split = split.cast_column(img_col, ImageFeature(decode=False)).select_columns([img_col])
     for batch in split.iter(batch_size=2048):
-        for item, label in zip(batch[img_col], batch[lab_col]):
+        for item in batch[img_col]:
             item = item or {}
             src = item.get("path") or "<embedded image>"
-            yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path"), label
+            yield src, io.BytesIO(item["bytes"]) if item.get("bytes") else item.get("path")
 
 
-def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_map, what: str, progress: bool = False):
-    """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images.
+def decode_split(split, img_col, labels, channels: int, image_size: int, what: str, progress: bool = False):
+    """Decode one split (a ``FolderSplit`` or a ``datasets`` split) into an ``ImageSplit`` of uint8 images and
+    ``labels``, each row's class index.
 
     Pixels are read by ``common.data.pixels`` (16-bit scaled, transparency flattened, EXIF orientation applied).
     The channel count is decided over the whole split: ``channels`` (1 or 3) when given, else RGB when any
     image is in colour (the grey ones are repeated to three channels, and the split's ``note`` says how many),
-    else grey. Every file that can't be read is listed in one error, not only the first. ``label_map``: a table's
-    label -> class index (None: the label is the index, as a folder's is)."""
+    else grey. Every file that can't be read is listed in one error, not only the first."""
     import numpy as np
     from PIL import Image
     from tqdm.auto import tqdm
@@ -198,9 +182,9 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
             f"T{what[1:]} is empty. Add images to it, or remove it so the recipe holds out part of train instead."
         )
     forced = {1: "L", 3: "RGB"}.get(channels)
-    arrays, labels, bad, size = [], [], [], None
+    arrays, bad, size = [], [], None
     bar = tqdm(total=n, desc=f"decoding {what}", unit="img", disable=not progress, leave=False)
-    for src, fp, label in _items(split, img_col, lab_col):
+    for src, fp in _items(split, img_col):
         bar.update(1)
         try:
             with Image.open(fp) as opened:
@@ -221,7 +205,6 @@ def decode_split(split, img_col, lab_col, channels: int, image_size: int, label_
                 f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
                 f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN."
             )
-        labels.append(label if label_map is None else label_map(label, src))
         arrays.append(np.asarray(img, dtype=np.uint8))
     bar.close()
     if bad:

@@ -1,6 +1,6 @@
-"""The arrow copy ``datasets`` keeps of a local table dataset (a clone of a Hub repo, a folder of parquet or arrow
-files), for the photo recipe's tables (``common.data.photo_tables``): the tables' identity that keys it, and where
-it lives in the cache folder.
+"""The identity of a local table dataset (a clone of a Hub repo, a folder of parquet or arrow files) and the arrow
+copy ``datasets`` keeps of it, for every recipe that reads tables: the small-image recipes (``common.data.decoded``,
+whose index of decoded splits is keyed by the copy's name too) and the photo recipe (``common.data.photo_tables``).
 
 - Identity (``table_state``): each data file's path relative to the dataset folder, size, modification time (ns)
   and a hash of its last 64 KiB. ``cp -a``, ``rsync -a``, a ``chmod`` or an added README.md keep it, so a resume
@@ -11,7 +11,8 @@ it lives in the cache folder.
   folder's other files (README.md, .gitattributes, .git) do not.
 - Where: ``<cache>/datasets/tables-<folder>-<state>/``, one copy per dataset folder (its resolved path) and state,
   as ``datasets`` keeps one per state in its own cache (it keys a local file by its modification time alone, so rows
-  rewritten under an old modification time would be read from its stale copy).
+  rewritten under an old modification time would be read from its stale copy). That name is the folder's identity:
+  two folders holding the same tables (or none, only a README) are two datasets.
 """
 
 from __future__ import annotations

@@ -15,12 +15,13 @@ def class_names_of(train, lab_col: str, name: str = "the dataset", columns: dict
     ``columns``: {split name: its label column as a list}, train's among them, when the caller has read them (else
     train's is read here)."""
     columns = columns or {"train": list(train[lab_col])}
+    for split_name, labels in columns.items():
+        if None in labels:
+            raise DataError(
+                f"Row {labels.index(None)} of the {split_name} split of {name} has no label (column {lab_col!r} is "
+                "empty there). Fill in its label, or remove the row, and run again."
+            )
     column = columns["train"]
-    if None in column:
-        raise DataError(
-            f"Row {column.index(None)} of the train split has no label (column {lab_col!r} is empty "
-            "there). Fill in its label, or remove the row, and run again."
-        )
     class_names, index = table_classes(train.features[lab_col], column, lab_col, name)
     known = set(column)  # the label values train has rows of
     trained = class_names if index is not None else [c for k, c in enumerate(class_names) if k in known]
@@ -32,11 +33,13 @@ def class_names_of(train, lab_col: str, name: str = "the dataset", columns: dict
     for split_name, labels in columns.items():
         unknown = sorted({v for v in labels if v not in known}, key=repr)
         if unknown:
+            first = next(i for i, v in enumerate(labels) if v not in known)
             raise DataError(
-                f"The {split_name} split of {name} has rows of the class(es) {_listing(map(shown, unknown))}, which "
-                f"train does not have (train's {len(trained)} classes: {_listing(trained)}): the model would be "
-                "scored on a class it never saw. Add those classes to train, or remove their rows from the "
-                f"{split_name} split (check the labels' spelling)."
+                f"The {split_name} split of {name} has rows of the label{'s' if len(unknown) > 1 else ''} "
+                f"{_listing(map(shown, unknown))}, which train does not have (the first at row {first}): outside the "
+                f"{len(trained)} classes found in train ({_listing(trained)}), the model would be scored on a class "
+                "it never saw. Add those classes to train, or remove their rows from the "
+                f"{split_name} split (check the labels' spelling, or fix the label column)."
             )
     check_trained(class_names, trained, name)
     return class_names, index
