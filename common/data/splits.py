@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from common.errors import DataError
@@ -222,8 +223,8 @@ def hold_out(split: ImageSplit, fraction: float, seed: int) -> tuple[ImageSplit,
     in_train[labels[train_pos]] = True
     missing = (~in_train[val_labels]).nonzero().flatten()  # val positions of classes with no training image
     if missing.numel():
-        _, first = torch.unique(val_labels[missing], return_inverse=True)  # each class's first drawn image back
-        back = missing[[int((first == k).nonzero()[0]) for k in range(int(first.max()) + 1)]]
+        _, first = np.unique(val_labels[missing].numpy(), return_index=True)  # each class's first drawn image back
+        back = missing[torch.from_numpy(first)]
         keep = torch.ones(n_val, dtype=torch.bool)
         keep[back] = False
         if not keep.any():
