@@ -412,6 +412,31 @@ def test_parquet_files_that_are_git_lfs_pointers_say_git_lfs_pull(tmp_path):
     assert "git-lfs" in str(err.value) and "magic bytes" not in str(err.value)
 
 
+def test_a_table_is_checked_before_any_image_is_decoded(tmp_path, monkeypatch):
+    """A column of no images, a test row with no label, a test label train lacks: each one paragraph, said before a
+    single image is decoded (the labels are read alone, by the rule the photo recipe follows)."""
+    from datasets import Dataset, Features, Image, Value
+    from PIL import Image as PILImage
+
+    import common.data.decoded as decoded_module
+
+    monkeypatch.setattr(decoded_module, "decode_split", lambda *a, **kw: pytest.fail("decoded before the checks"))
+    img, feats = PILImage.new("L", (8, 8)), Features({"image": Image(), "label": Value("int64"), "n": Value("int64")})
+    for case, test_labels, needle in (
+        ("column", [0, 1], r"holds Value\('int64'\), not images"),
+        ("unlabelled", [0, None], "Row 1 of the test split of .* has no label"),
+        ("unknown", [0, 5], "the label 5, which train does not have .*row 1.*outside the 2 classes"),
+    ):
+        root = tmp_path / case / "data"
+        root.mkdir(parents=True)
+        for split, labels in (("train", [0, 1] * 3), ("test", test_labels)):
+            Dataset.from_dict(
+                {"image": [img] * len(labels), "label": labels, "n": list(range(len(labels)))}, features=feats
+            ).to_parquet(str(root / f"{split}-00000-of-00001.parquet"))
+        with pytest.raises(DataError, match=needle):
+            load(root.parent, tmp_path / "c", image_column="n" if case == "column" else "")
+
+
 def test_every_corrupt_image_of_a_split_is_reported_in_one_pass(tmp_path):
     root = write_image_folder(tmp_path / "imgs", n_per_class=3)
     bad = [root / "dog" / "broken.png", root / "cat" / "empty.png", root / "frog" / "text.png"]

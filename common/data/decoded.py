@@ -105,6 +105,8 @@ def _table_splits(cfg, name: str, cache_dir: Path, is_main: bool):
     if known is not None:
         return known
     ds = sources.load_source(name, copy)
+    from datasets import Image as ImageFeature
+
     img_col, lab_col = sources.pick_columns(ds["train"], cfg, name)
     used = [s for s in ds if s in ("train", "test", *VALIDATION_SPLITS)]
     for split_name in used:
@@ -115,6 +117,13 @@ def _table_splits(cfg, name: str, cache_dir: Path, is_main: bool):
                 )
     columns = {k: ds[k].data.column(lab_col).to_pylist() for k in used}  # the labels only, not the images
     class_names, index_of = table_labels.class_names_of(ds["train"], lab_col, name, columns)
+    for split_name in used:  # the labels' rules speak first, whatever the image column holds
+        feature = ds[split_name].features[img_col]
+        if not isinstance(feature, ImageFeature):
+            raise DataError(
+                f"Column {img_col!r} of the {split_name} split of {name!r} holds {feature}, not images. "
+                "Pass --image-column with the column of images."
+            )
     settings = {"img": img_col, "lab": lab_col, "channels": cfg.channels, "size": cfg.image_size, "source": identity}
     splits, files = {}, {}
     for split_name in used:
@@ -168,14 +177,6 @@ def decode_split(split, img_col, labels, channels: int, image_size: int, what: s
     from PIL import Image
     from tqdm.auto import tqdm
 
-    if not isinstance(split, FolderSplit):
-        from datasets import Image as ImageFeature
-
-        if not isinstance(split.features[img_col], ImageFeature):
-            raise DataError(
-                f"Column {img_col!r} of {what} holds {split.features[img_col]}, not images. "
-                "Pass --image-column with the column of images."
-            )
     n = len(split)
     if n == 0:
         raise DataError(
