@@ -47,11 +47,6 @@ class Evaluator:
         self.settle()
         return self._best
 
-    @best.setter
-    def best(self, value) -> None:
-        self.settle()
-        self._best = value
-
     def settle(self) -> None:
         """Wait for the best/ being written; if it failed, best/ kept the previous weights and the value goes back
         to theirs (the error is raised by ``raise_failed``)."""
