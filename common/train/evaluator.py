@@ -32,7 +32,7 @@ class Evaluator:
         self.stale = stale
         self.writing = None  # a best/ being written in the background (BestWrite)
         self.failed = None  # ... that failed: raised at the next evaluation or at the end
-        self.evaluated_step = None  # the step whose weights were evaluated last
+        self.last = None  # (step, metrics) of the last evaluation recorded (``scored_at``)
         self.epoch_result = None  # (step, metrics) of the last evaluation, for the epoch's line or its own
         self.seconds = None  # how long the last evaluation took
         if cfg.monitor == "eval/top5_accuracy" and data.num_classes <= TOP_K:
@@ -46,11 +46,6 @@ class Evaluator:
         """The best --monitor value, whose weights best/ holds: a best/ still being written is waited for first."""
         self.settle()
         return self._best
-
-    @best.setter
-    def best(self, value) -> None:
-        self.settle()
-        self._best = value
 
     def settle(self) -> None:
         """Wait for the best/ being written; if it failed, best/ kept the previous weights and the value goes back
@@ -77,7 +72,7 @@ class Evaluator:
         cfg = self.cfg
         self.seconds = metrics.get("seconds") if metrics else None
         self.log_result("eval", metrics, self.data.val, step, pictures=pictures)
-        self.evaluated_step = step
+        self.last = (step, metrics)
         value = metrics[cfg.monitor.split("/", 1)[1]]
         best = self.best
         improved = (best is None or (value > best if cfg.mode == "max" else value < best)) and value == value
@@ -90,6 +85,10 @@ class Evaluator:
             self._best = value
         self.say_pending()  # an earlier one at another step, not followed by a batch (the loop moved on otherwise)
         self.epoch_result = (step, metrics)
+
+    def scored_at(self, step: int) -> dict | None:
+        """The metrics of the evaluation recorded at ``step``, or None: weights already scored are not scored again."""
+        return self.last[1] if self.last is not None and self.last[0] == step else None
 
     def say_pending(self) -> None:
         """The line of an evaluation the loop made mid-epoch (it took another batch after it)."""

@@ -182,6 +182,7 @@ class StepChecks:
         self.fp16, self.run_dir = accelerator.mixed_precision == "fp16", run_dir
         self.skipped_before, self.stopping, self.checkpoint_wanted = skipped_before, False, False
         self.held_stop = self.held_checkpoint = False  # read by settle, not yet released
+        self.unread = False  # fp16: an update counted whose loss-scale verdict is not read yet (``read_skip``)
 
     def track(self, loss: torch.Tensor) -> None:
         """A micro-step's loss into the step's sums, on the device (no sync)."""
@@ -191,6 +192,13 @@ class StepChecks:
         """After an optimizer step: False when fp16 loss scaling skipped its update (reads the scale: a sync, fp16
         only; counts the skip)."""
         return self.scale_watch.step_taken()
+
+    def read_skip(self) -> None:
+        """fp16: whether the update ``check`` last counted was skipped by loss scaling, read once, after its
+        ``optimizer.step()`` (at the next ``check``, or before a checkpoint records ``skipped``). A sync, fp16 only."""
+        if self.unread:
+            self.unread = False
+            self.update_taken()
 
     def window_loss(self) -> tuple[float, float]:
         """(loss sum, count) since the last log step, then zeroed (a sync)."""
@@ -205,6 +213,7 @@ class StepChecks:
         was held."""
         self.act_on(self.guard.check(stop_requested, step, checkpoint_wanted), epoch)
         self.release()
+        self.unread = self.fp16  # the update follows: its verdict is read after its optimizer.step()
 
     def settle(self, epoch: int) -> None:
         """Read this step's flags now (a sync): before anything is logged, evaluated or written. A non-finite loss

@@ -19,11 +19,15 @@ class StepProfiler:
             return
         from torch.profiler import profile, schedule, tensorboard_trace_handler
 
-        self.dir, self.steps, self.left = run_dir / "profile", steps, steps + 2
+        self.dir, self.steps, self.written = run_dir / "profile", steps, False
+        write = tensorboard_trace_handler(str(self.dir), worker_name=f"rank{accelerator.process_index}")
+
+        def written(prof) -> None:
+            write(prof)
+            self.written = True
+
         self.prof = profile(
-            schedule=schedule(wait=1, warmup=1, active=steps, repeat=1),
-            on_trace_ready=tensorboard_trace_handler(str(self.dir), worker_name=f"rank{accelerator.process_index}"),
-            record_shapes=True,
+            schedule=schedule(wait=1, warmup=1, active=steps, repeat=1), on_trace_ready=written, record_shapes=True
         )
         self.prof.start()
 
@@ -31,8 +35,7 @@ class StepProfiler:
         if self.prof is None:
             return
         self.prof.step()
-        self.left -= 1
-        if self.left <= 0:
+        if self.written:  # the schedule's one cycle is recorded and its trace written: no profiler from here on
             self.close()
             say(
                 f"profiler: trace of {self.steps} optimizer step(s) per process written to "

@@ -217,18 +217,16 @@ class TrainingRun:
         self.cfg, self.recipe, self.recipe_file, self.status = cfg, path.stem, str(path), "running"
         self.accelerator, self.stop, self.dir, self.note = None, None, None, ""
         self.summary = Summary(self.recipe, None)  # the clock starts now; the accelerator comes with it below
-        self.data = self.model = self.optimizer = self.scheduler = self.train_loader = None
+        self.data = self.model = self.optimizer = None  # checkpoints save the model; the LR is the optimizer's
         # the parts start() assembles; ckpt (the position) is set once a resume (if any) has succeeded: from then
         # on the run has started, and every ending is recorded in summary.json
         self.ckpt = self.evaluator = self.checks = self.log_file = self.progress = self.profiler = self.meter = None
         self.open_batches = None  # the epoch the loop is in (EpochBatches)
         self.finished, self.ended_early, self.last_checkpoint_t = False, "", time.time()
         self.scoring, self.exit_code = None, None
-        self.scored = None  # (step, metrics) of the last validation run.evaluate made
         self.validating = False  # inside the recipe's validate(): an out-of-memory error there is evaluation's
         self.patience_heard = False  # the loop asked run.no_improvement() and heard True
         self.tracked = self.handed = 0  # run.track calls and batches handed out in this launch (check_tracked)
-        self.skip_unread = False  # fp16: an update whose loss-scale verdict is not read yet
         try:
             launch = launcher_answers(cfg)
             resume, notes = RunDir.adopt_run_settings(cfg)
@@ -366,7 +364,7 @@ class TrainingRun:
                 # interpreter teardown aborts the process ("terminate called without an active exception"), which
                 # the launcher reports as a failure of a run that ended well. One process has no group: its run
                 # ends without the two garbage collections (about 0.4 s on a 2-core CPU).
-                self.model = self.optimizer = self.scheduler = self.train_loader = self.evaluator = None
+                self.model = self.optimizer = self.evaluator = None
                 self.accelerator.free_memory()
                 gc.collect()
                 self.accelerator.state.destroy_process_group()
@@ -442,7 +440,7 @@ class TrainingRun:
         if not self.accelerator.sync_gradients:
             self.ckpt.micro_batch()
             return
-        self._read_skip()  # fp16: was the update before skipped by loss scaling? (a sync, fp16 only)
+        self.checks.read_skip()  # fp16: was the update before skipped by loss scaling? (a sync, fp16 only)
         for watch in WATCHERS["before_update"]:
             watch(self)
         every_s = self.cfg.checkpoint_every_s
@@ -450,17 +448,9 @@ class TrainingRun:
         self.checks.check(bool(self.stop), self.ckpt.global_step + 1, self.ckpt.epoch, wanted)
         self.meter.lr = self.optimizer.param_groups[0]["lr"]  # the LR this step uses, before the scheduler moves it
         self.ckpt.update()
-        self.skip_unread = self.checks.fp16
         if self.summary.first_step_at is None:  # start-up cost, launch to the first update (summary.json timing)
             self.summary.first_step_at = time.time()
         self.profiler.step()
-
-    def _read_skip(self) -> None:
-        """fp16: whether the last update was skipped by loss scaling, read from the scale (counted in skipped_steps;
-        too many in a row stop the run). A sync, fp16 only."""
-        if self.skip_unread:
-            self.skip_unread = False
-            self.checks.update_taken()
 
     def check_tracked(self, call: str) -> None:
         """A loop that reaches its after-update lines once a whole optimizer step's batches went by in this launch
@@ -516,12 +506,11 @@ class TrainingRun:
         always drawn). Weights already evaluated at this step (an --eval-every-steps step that ends an epoch) are not
         evaluated again. Every process calls it (the predictions are gathered)."""
         c = self.ckpt
-        if loader is None or self.evaluator.evaluated_step == c.global_step:
+        if loader is None or self.evaluator.scored_at(c.global_step) is not None:
             return
         self.checks.settle(c.epoch)  # nothing is evaluated or recorded after a non-finite loss
         metrics = self._validate(validate, loader)  # a stop request meanwhile: acted on at the next step (exit 75)
         self.evaluator.record(metrics, c.global_step, c.epoch, pictures)
-        self.scored = (c.global_step, metrics)
         self.progress.note_eval(self.evaluator.seconds)
 
     @started_first
@@ -584,7 +573,7 @@ class TrainingRun:
         once the files are written; the main process makes them durable and marks the folder complete in a thread
         while training goes on (the next checkpoint, the end of the run and a stop wait for it)."""
         self.checks.settle(self.ckpt.epoch)  # nothing is written after a non-finite loss
-        self._read_skip()
+        self.checks.read_skip()  # the skipped_steps it records count the last update
         self.checks.checkpoint_written()
         if self.ckpt.saved == self.ckpt.position():  # nothing trained since: that one
             return self.ckpt.saved_path
@@ -642,8 +631,7 @@ class TrainingRun:
             self.stop.watch(data.damaged)
         if data.note:
             say(f"data {data.source}: {data.note}")
-        placed = place_on_device(self.cfg, self.accelerator, data)
-        self.note = "; ".join(n for n in (self.note, placed) if n)
+        self._add_note(place_on_device(self.cfg, self.accelerator, data))
         self.data = data
         return data
 
@@ -653,6 +641,10 @@ class TrainingRun:
         in model.json, so its weights are scored on the pixels they were trained on, whatever data is scored."""
         recorded = self.scoring.normalisation() if self.scoring is not None else None
         return recorded if recorded is not None else compute()
+
+    def _add_note(self, note: str | None) -> None:
+        """A NOTE for the startup line, which run.start says (beside the launcher's and the Accelerator's)."""
+        self.note = "; ".join(n for n in (self.note, note) if n)
 
     @property
     def resuming(self) -> bool:
@@ -673,15 +665,9 @@ class TrainingRun:
             # split stays an error: build_scheduler says so, with the LR rule)
             if len(split) >= batch and left > DROP_SHARE * len(split):
                 options.setdefault("drop_last", False)
-                self.note = "; ".join(
-                    n
-                    for n in (
-                        self.note,
-                        f"the last training batch of each epoch is kept ({left} "
-                        f"of {len(split)} images; dropping it would lose "
-                        f"{left / len(split):.0%} of every epoch)",
-                    )
-                    if n
+                self._add_note(
+                    f"the last training batch of each epoch is kept ({left} of {len(split)} images; dropping it "
+                    f"would lose {left / len(split):.0%} of every epoch)"
                 )
         return self.data.make_loader(self.cfg, self.accelerator, split, train, self.data.on_device, **options)
 
@@ -698,8 +684,7 @@ class TrainingRun:
         sees a skipped update; a fused SGD with momentum gets a step pre-hook that runs once, before its first step
         (zeroed momentum buffers). Nothing else hooks or wraps it."""
         cfg, acc = self.cfg, self.accelerator
-        self.model, self.optimizer, self.scheduler, self.train_loader = model, optimizer, scheduler, train_loader
-        self.data = data
+        self.model, self.optimizer, self.data = model, optimizer, data
         sides = getattr(train_loader.dataset, "sides", None)  # the photo recipe's progressive resizing, said on resume
         position = Checkpointer(cfg, acc, self.dir.path, self.dir.resume_path, len(train_loader), data, sides)
         state = position.start(model, optimizer, scheduler)  # the newest readable checkpoint's, or a fresh start's
@@ -771,9 +756,9 @@ class TrainingRun:
                     f"{self.cfg.monitor} improvement"
                 )
             say(f"NOTE: {self.ended_early} (final evaluation, final/, summary.json).")
-        if self.data.test is None and self.scored is not None and self.scored[0] == c.global_step:
-            metrics = self.scored[1]  # the final split is validation, scored at these weights already: not again
-        else:
+        # without a test split the final split is validation: weights it scored at this step are not scored again
+        metrics = self.evaluator.scored_at(c.global_step) if self.data.test is None else None
+        if metrics is None:
             self.stop.interruptible("running the final evaluation")
             metrics = self._validate(validate, loader)  # while the main process completes the checkpoint (a thread)
         self.stop.interruptible(None)  # final/ and summary.json are written whole
@@ -785,10 +770,7 @@ class TrainingRun:
                 "NOTE: the loop made no evaluation during the run, so best/ was not written; predict, export and "
                 f"--eval-only of {self.dir.path} use final/."
             )
-        self.log_file.hparams(
-            sanitize_for_hparams(dataclasses.asdict(self.cfg)),
-            {k: v for k, v in final.items() if not k.endswith("/count")},
-        )
+        self.log_file.hparams({k: v for k, v in final.items() if not k.endswith("/count")})
         self.log_file.close()
         curves = self.log_file.curves()
         self.status = self.summary.finish(self.cfg, self._position(), split, final, confusion, curves)

@@ -145,6 +145,7 @@ class MetricsLog:
 
     def __init__(self, accelerator, run_dir: Path, resume_step: int | None, project: str = "", hparams=None):
         self.accelerator, self.path = accelerator, Path(run_dir) / METRICS_FILE
+        self.config = hparams or {}  # TensorBoard's HParams session gets them with the final metrics (``hparams``)
         if not accelerator.is_main_process:
             return
         names = [getattr(t, "name", None) for t in accelerator.log_with]
@@ -218,13 +219,14 @@ class MetricsLog:
             console.say(f"NOTE: curves.png could not be drawn ({type(err).__name__}: {err})")
             return None
 
-    def hparams(self, hparams: dict, metrics: dict) -> None:
-        """One HParams session in TensorBoard's own event file (SummaryWriter.add_hparams, which Accelerate's
-        store_init_configuration calls, writes it into a new sub-run: a second run in TensorBoard's list)."""
+    def hparams(self, metrics: dict) -> None:
+        """The hyperparameters given at the start with ``metrics`` as one HParams session in TensorBoard's own event
+        file (SummaryWriter.add_hparams, which Accelerate's store_init_configuration calls, writes it into a new
+        sub-run: a second run in TensorBoard's list)."""
         if (writer := self.writer) is not None:
             from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-            for summary in hparams_summary(hparams, metrics):
+            for summary in hparams_summary(self.config, metrics):
                 writer._get_file_writer().add_summary(summary)
 
     def close(self) -> None:
