@@ -215,6 +215,24 @@ def test_a_flat_folder_with_metadata_csv_says_its_labels_are_not_read(tmp_path):
     assert "metadata.csv is not read" in str(err.value) and "under train/" not in str(err.value).split("(")[0]
 
 
+def test_a_table_beside_images_says_it_is_not_read_and_how_it_would_be(tmp_path):
+    """train.csv naming images/ files beside them: the folder is an image folder with one class (images/), refused;
+    the paragraph says the table is not read and names the two ways to train on its labels. A refusal with no table
+    beside it says nothing of tables."""
+    root = tmp_path / "kaggle"
+    (root / "images").mkdir(parents=True)
+    for i in range(4):
+        Image.new("L", (8, 8), i).save(root / "images" / f"{i}.png")
+    (root / "train.csv").write_text("image,label\n" + "".join(f"images/{i}.png,{i % 2}\n" for i in range(4)))
+    with pytest.raises(DataError, match="single class folder") as err:
+        load(root, tmp_path)
+    assert "train.csv beside the images is not read" in str(err.value) and "to_parquet" in str(err.value)
+    (root / "train.csv").unlink()
+    with pytest.raises(DataError, match="single class folder") as err:
+        load(root, tmp_path)
+    assert "not read" not in str(err.value)
+
+
 # --- pixels ----------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from common import console
-from common.data.folders import TABLE_ENDINGS, FolderScan, scan
+from common.data.folders import TABLE_ENDINGS, FolderScan, _listing, scan
 from common.data.walk import image_endings
 from common.errors import DataError
 
@@ -118,7 +118,20 @@ def image_folder(name: str) -> FolderScan | None:
     path = local_folder(name)
     if path is None:
         return None
-    found = scan(path, name)
+    try:
+        found = scan(path, name)
+    except DataError as err:  # a layout refused beside tables (train.csv and images/, say): say why they were not read
+        tables = sorted(p.name for p in path.iterdir() if p.suffix.lower() in TABLE_ENDINGS and p.is_file())
+        if not tables or " is not read" in str(err):
+            raise
+        raise DataError(
+            f"{err} ({_listing(tables)} beside the images {'is' if len(tables) == 1 else 'are'} not read: a folder "
+            "holding images is read by the ImageFolder rule, its labels the names of its class folders. To train on "
+            "a table's labels, sort the images into folders by its label column, or write the table as parquet into "
+            "the folder (`datasets.Dataset.from_csv(<table>).cast_column(<path column>, datasets.Image())"
+            ".to_parquet(<folder>/data/train.parquet)`, and so for each split): a folder holding parquet files is "
+            "a table dataset, its path cells read inside the folder.)"
+        ) from None
     return None if found.tables else found
 
 
