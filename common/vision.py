@@ -11,11 +11,13 @@ import difflib
 import importlib.util
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from common import hf_models, timm_models, torchvision_weights
 from common.errors import ConfigError
@@ -216,15 +218,15 @@ def declare_blocks(model: nn.Module) -> nn.Module:
     a process gathers one block's whole weights at a time, not the whole model's. Nothing else reads it."""
     if getattr(model, "_no_split_modules", None):
         return model
-    held, count = {}, {}
+    held, count = Counter(), Counter()
     for module in model.modules():
         plain = isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or not next(module.children(), None)
         if module is model or plain:  # containers and single layers are not blocks
             continue
         name = type(module).__name__
-        held[name] = held.get(name, 0) + sum(p.numel() for p in module.parameters())
-        count[name] = count.get(name, 0) + 1
-    blocks = sorted((n for n in held if count[n] >= 2), key=held.get, reverse=True)
+        held[name] += sum(p.numel() for p in module.parameters())
+        count[name] += 1
+    blocks = [n for n, _ in held.most_common() if count[n] >= 2]  # most parameters first; ties in the model's order
     if blocks:
         model._no_split_modules = blocks[:1]
     return model
@@ -348,7 +350,7 @@ def _read_state(spec: str, name: str, image_size: int | None = None) -> dict:
             f"{path} holds no state_dict (a mapping of names to tensors). Save one with "
             "torch.save(model.state_dict(), path)."
         )
-    state = {k.removeprefix("module."): v for k, v in state.items()}  # DDP-saved files prefix every key
+    consume_prefix_in_state_dict_if_present(state, "module.")  # DDP-saved files prefix every key (torch's own fix)
     return hf_models.named_as_wrapped(state) if family == "transformers" else state
 
 

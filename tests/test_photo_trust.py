@@ -45,6 +45,23 @@ def test_a_weights_file_saved_without_batchnorm_counters_loads_as_torch_loads_it
     assert "the file holds no head (fc.bias, fc.weight): it starts fresh" in line, line
 
 
+def test_a_weights_file_saved_from_a_ddp_model_loads_without_its_module_prefix(tmp_path):
+    """A file saved from a DistributedDataParallel model prefixes every key (and its metadata) with ``module.``: it
+    loads as torch's own ``consume_prefix_in_state_dict_if_present`` and load_state_dict would load it."""
+    import torchvision
+
+    source = torchvision.models.resnet18(num_classes=3)
+    wrapped = torch.nn.Module()  # DDP's key layout (the model as its ``module``) without a process group
+    wrapped.module = source
+    saved = wrapped.state_dict()
+    assert all(k.startswith("module.") for k in saved) and "module.layer1.0.bn1" in saved._metadata
+    torch.save(saved, tmp_path / "ddp.pth")
+    model = vision.build("resnet18", 3)
+    line = vision.load_pretrained(model, str(tmp_path / "ddp.pth"), "resnet18", 3)
+    assert f"{len(saved)} tensors loaded" in line and "skipped" not in line and "no head" not in line, line
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+
+
 def test_an_unknown_model_with_weights_is_said_to_be_an_unknown_model():
     """--model resnet81 --weights DEFAULT blamed the weights ("neither a file nor one of torchvision's weights")."""
     with pytest.raises(
