@@ -94,11 +94,16 @@ def input_description(card: dict, preprocess: bool, tta: bool) -> str:
     return what + views.get(int(tta), "") + f". Output: logits (N, {len(card['class_names'])})."
 
 
+def takes_dynamo() -> bool:
+    """Whether torch.onnx.export chooses its exporter (torch >= 2.5); before, it is TorchScript's, with no argument."""
+    return "dynamo" in inspect.signature(torch.onnx.export).parameters
+
+
 def check_packages(exporter: str) -> bool:
     """Fail before any work when a package the export or the check needs is missing (one paragraph naming what needs
     it and how to install it). True for the torch.export-based (dynamo) exporter, False for the TorchScript one."""
     dynamo = exporter == "dynamo"
-    if dynamo and "dynamo" not in inspect.signature(torch.onnx.export).parameters:
+    if dynamo and not takes_dynamo():
         raise RecipeError(
             f"--exporter dynamo needs torch 2.5 or newer (this is torch {torch.__version__}). "
             "Leave out --exporter to use the TorchScript exporter, or upgrade torch."
@@ -126,7 +131,7 @@ def export_onnx(wrapper: nn.Module, example: torch.Tensor, out: Path, dynamo: bo
         kwargs.update(external_data=False, dynamic_shapes={"images": {0: torch.export.Dim("batch", min=1)}})
     else:
         kwargs["dynamic_axes"] = {"images": {0: "batch"}, "logits": {0: "batch"}}
-    if "dynamo" in inspect.signature(torch.onnx.export).parameters:  # torch < 2.5: TorchScript only, no argument
+    if takes_dynamo():
         kwargs["dynamo"] = dynamo  # torch >= 2.9 defaults to True, which needs onnxscript
     with warnings.catch_warnings():
         if not dynamo:  # torch >= 2.9 warns on every call that this exporter is deprecated
