@@ -74,8 +74,6 @@ def load_recipe(card: dict, recipe_file=None):
     imported, where the name model.json gives is a bare recipe name and the file it records is a ``recipes/``
     file (a copy named like a recipe is not the recipe). Anything else model.json points at is refused with the
     path and the flag that trusts it."""
-    import re
-
     name, recorded = str(card.get("recipe", "")), card.get("recipe_file") or "no file recorded"
     if recipe_file:
         path = Path(recipe_file).expanduser()
@@ -86,7 +84,8 @@ def load_recipe(card: dict, recipe_file=None):
                 f"NOTE: --recipe {printable(path)} {changed}; the model is built from it as it is now.", file=sys.stderr
             )
     elif (
-        re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)
+        name.isascii()
+        and name.isidentifier()  # a bare recipe name, not a path
         and (RECIPES_DIR / f"{name}.py").is_file()
         and repository_recipe(card, RECIPES_DIR / f"{name}.py")
     ):
