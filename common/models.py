@@ -210,8 +210,8 @@ def init_whitening(conv: nn.Conv2d, images: torch.Tensor, eps: float = 5e-4) -> 
     of filters set."""
     k = conv.kernel_size[0]
     c = images.shape[1]
-    patches = images.float().unfold(2, k, 1).unfold(3, k, 1)  # N, C, H', W', k, k
-    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k).double()
+    patches = nn.functional.unfold(images.float(), k)  # torch's im2col: N, C*k*k, H'*W' (channel, row, column)
+    patches = patches.transpose(1, 2).reshape(-1, c * k * k).double()
     eigvals, eigvecs = torch.linalg.eigh(patches.T @ patches / len(patches))  # ascending
     eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
     n = min(conv.out_channels // 2, eigvecs.shape[1])
