@@ -290,6 +290,31 @@ def test_transparency_is_flattened_and_exif_orientation_applied(tmp_path):
     assert by_label[1][2, 10:, :].mean() > 230 and by_label[1][0, 10:, :].mean() < 30  # blue below
 
 
+@pytest.mark.parametrize("channels", [1, 3])
+def test_predict_reads_a_file_as_the_decoded_cache_recipes_decode_it(tmp_path, channels):
+    """A transparent palette image, a 16-bit one and a sideways photo, none at --image-size: predict's reading of each
+    (``load_image`` at the model's input shape) is the very tensor training decoded from it."""
+    from common.tools import predict
+
+    root = tmp_path / "odd"
+    for cls in ("a", "b", "c"):
+        (root / cls).mkdir(parents=True)
+    pal = Image.new("P", (40, 30), 0)
+    pal.putpalette([255, 0, 0, 0, 255, 0] + [0] * 762)
+    pal.paste(1, (0, 0, 20, 30))
+    pal.save(root / "a" / "pal.png", transparency=0)
+    Image.fromarray(np.arange(20 * 20, dtype=np.uint16).reshape(20, 20) * 150).save(root / "b" / "deep.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 36, 3), dtype=np.uint8))
+    photo.save(root / "c" / "photo.jpg", exif=exif, quality=90)
+    data = load(root, tmp_path, val_fraction=0, image_size=28, channels=channels)
+    files = [root / "a" / "pal.png", root / "b" / "deep.png", root / "c" / "photo.jpg"]
+    for img, label in zip(data.train.images, data.train.labels):
+        read, resized = predict.load_image(files[int(label)], (channels, 28, 28))
+        assert resized and torch.equal(read, img), files[int(label)]
+
+
 def test_channel_count_is_decided_over_the_whole_split(tmp_path):
     """One grey image among colour ones makes nothing grey, wherever it sorts; all grey stays grey."""
     for grey_name in ("a_first.png", "z_last.png"):

@@ -34,7 +34,7 @@ from common.console import say
 from common.data import cache, sources, table_copies, table_labels
 from common.data.batches import loader_batch
 from common.data.folders import FolderScan, FolderSplit
-from common.data.pixels import natural, unreadable_error, unreadable_reason
+from common.data.pixels import at_size, unreadable_error, unreadable_reason
 from common.data.splits import ImageData, ImageSplit, data_fingerprint, hold_out  # noqa: F401 - re-exported
 from common.errors import DataError
 
@@ -190,18 +190,12 @@ def decode_split(split, img_col, labels, channels: int, image_size: int, what: s
         try:
             with Image.open(fp) as opened:
                 opened.load()
-                img = natural(opened)
+                img, _ = at_size(opened, forced, (image_size, image_size) if image_size else None)
         except Exception as err:  # noqa: BLE001 - a file is data: whatever it does, it is one bad file, named
             bad.append((src, unreadable_reason(err)))  # keep going: one run names every bad file of the split
             continue
-        if forced and img.mode != forced:
-            img = img.convert(forced)
-        if image_size:
-            if img.size != (image_size, image_size):
-                img = img.resize((image_size, image_size), Image.BILINEAR)
-        elif size is None:
-            size = img.size
-        elif img.size != size:
+        size = size or img.size
+        if not image_size and img.size != size:  # without --image-size every image must have the first one's size
             raise DataError(
                 f"The image {src} in {what} is {img.size[0]}x{img.size[1]} but earlier images are "
                 f"{size[0]}x{size[1]}. Pass --image-size N to resize every image to NxN."

@@ -67,6 +67,17 @@ def as_mode(img, mode: str):
     return img if img.mode == mode else img.convert(mode)
 
 
+def at_size(img, mode: str | None, size: tuple[int, int] | None):
+    """(``img`` read by ``natural``, given ``mode`` ('L' or 'RGB'; None keeps the mode read) and resized bilinearly to
+    ``size`` (width, height) where it differs, whether it was resized): how the decoded-cache recipes decode a file
+    (``--channels``, ``--image-size``) and ``predict`` reads one for their models."""
+    from PIL import Image
+
+    img = as_mode(img, mode) if mode else natural(img)
+    resized = size is not None and img.size != tuple(size)
+    return (img.resize(tuple(size), Image.BILINEAR) if resized else img), resized
+
+
 def unreadable_reason(err: Exception) -> str:
     """Why Pillow could not open or decode a file, with the fix where there is one."""
     from PIL import Image, UnidentifiedImageError

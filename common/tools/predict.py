@@ -27,7 +27,7 @@ import torch
 
 from common.data.augment import normalize
 from common.data.photos import eval_view
-from common.data.pixels import as_mode, read_rgb, unreadable_reason
+from common.data.pixels import at_size, read_rgb, unreadable_reason
 from common.data.walk import images_below
 from common.errors import RecipeError, printable, run_command
 from common.tools.recipe_files import RECIPES_DIR, import_recipe
@@ -254,9 +254,8 @@ def load_image(path, input_shape, preprocess: dict | None = None) -> tuple[torch
             return view.contiguous(), False
         with Image.open(path) as opened:
             opened.load()
-            img = as_mode(opened, "L" if c == 1 else "RGB")
-            resized = img.size != (w, h)
-            return pil_to_tensor(img.resize((w, h), Image.BILINEAR) if resized else img).contiguous(), resized
+            img, resized = at_size(opened, "L" if c == 1 else "RGB", (w, h))
+            return pil_to_tensor(img).contiguous(), resized
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as err:
         raise RecipeError(
             f"Could not read {printable(path)} as an image ({printable(unreadable_reason(err))}). Pass image files "
