@@ -12,6 +12,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -226,11 +227,19 @@ def test_a_table_beside_images_says_it_is_not_read_and_how_it_would_be(tmp_path)
     (root / "train.csv").write_text("image,label\n" + "".join(f"images/{i}.png,{i % 2}\n" for i in range(4)))
     with pytest.raises(DataError, match="single class folder") as err:
         load(root, tmp_path)
-    assert "train.csv beside the images is not read" in str(err.value) and "to_parquet" in str(err.value)
+    assert "train.csv beside the images is not read" in str(err.value) and "A table of labels" in str(err.value)
     (root / "train.csv").unlink()
     with pytest.raises(DataError, match="single class folder") as err:
         load(root, tmp_path)
     assert "not read" not in str(err.value)
+    # docs/data.md's "A table of labels", word for word (its splits: the tables there are): a dataset of its own
+    page = (REPO / "docs" / "data.md").read_text().split("### A table of labels", 1)[1]
+    snippet = page.split("```python\n", 1)[1].split("```", 1)[0].replace('("train", "test")', '("train",)')
+    (root / "train.csv").write_text("image,label\n" + "".join(f"images/{i}.png,{'ab'[i % 2]}\n" for i in range(4)))
+    subprocess.run([sys.executable, "-c", snippet], cwd=root, check=True, capture_output=True)
+    data = load(root / "my_dataset", tmp_path / "tables", val_fraction=0)
+    assert data.class_names == ["a", "b"] and data.train.labels.tolist() == [0, 1, 0, 1]
+    assert [int(img[0, 0, 0]) for img in data.train.images] == [0, 1, 2, 3]  # each image's own bytes, in order
 
 
 # --- pixels ----------------------------------------------------------------------------------------

@@ -127,10 +127,9 @@ def image_folder(name: str) -> FolderScan | None:
         raise DataError(
             f"{err} ({_listing(tables)} beside the images {'is' if len(tables) == 1 else 'are'} not read: a folder "
             "holding images is read by the ImageFolder rule, its labels the names of its class folders. To train on "
-            "a table's labels, sort the images into folders by its label column, or write the table as parquet into "
-            "the folder (`datasets.Dataset.from_csv(<table>).cast_column(<path column>, datasets.Image())"
-            ".to_parquet(<folder>/data/train.parquet)`, and so for each split): a folder holding parquet files is "
-            "a table dataset, its path cells read inside the folder.)"
+            "a table's labels, sort the images into folders by its label column, or write the table with its images "
+            "in it as parquet into a folder of its own and pass that folder (docs/data.md, 'A table of labels': a "
+            "few lines of `datasets`).)"
         ) from None
     return None if found.tables else found
 
