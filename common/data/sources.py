@@ -113,8 +113,8 @@ def local_folder(name: str) -> Path | None:
 
 def image_folder(name: str) -> FolderScan | None:
     """The scan of the image folder ``name`` names (``common.data.folders``), or None for a table dataset, read
-    through ``datasets`` (``load_source``): a Hub id, or a local folder of tables (parquet or arrow files, or table
-    files, or no image at all). The one decision between the two, for every recipe."""
+    through ``datasets`` (``load_source``): a Hub id, or a local folder of tables (parquet or arrow files, or no image
+    at all: csv or json tables, say). The one decision between the two, for every recipe."""
     path = local_folder(name)
     if path is None:
         return None
