@@ -254,7 +254,7 @@ def install(pack: Path, work: Path, jobs: int | None = None) -> dict:
             f"folder holds no images: its decoded split is in {cache_dir}, named by the source index for this folder's "
             "state (common.data.cache), which a launch on an unchanged local folder reads without `datasets`.\n"
         )
-        identity = table_copies.copy_dir(cache_dir, folder, table_copies.table_state(folder)).name
+        identity = table_copies.local_copy(cache_dir, folder)[1].name  # as a launch on this folder names it
         split_file = cache_dir / f"gpu-data-{name}-train.safetensors"
         cache.cached_split(split_file, lambda s=split: s, f"the train split of {name}", entry["class_names"], True)
         for settings in {json.dumps(decode_settings(r), sort_keys=True) for r in READERS[name]}:

@@ -96,8 +96,7 @@ def _table_splits(cfg, name: str, cache_dir: Path, is_main: bool):
     its decoded splits, and an index of them lets the next launch on the unchanged folder read the cache without
     importing ``datasets`` or scanning the tables."""
     folder = sources.local_folder(name)
-    state = table_copies.table_state(folder) if folder is not None else None  # None for a Hub id
-    copy = table_copies.copy_dir(cache_dir, folder, state) if state else None
+    _, copy = table_copies.local_copy(cache_dir, folder)  # None for a Hub id
     identity = copy.name if copy else None
     asked = {"img": cfg.image_column, "lab": cfg.label_column, "channels": cfg.channels, "size": cfg.image_size}
     index = cache.source_index_path(cache_dir, identity, asked)

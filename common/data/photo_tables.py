@@ -207,8 +207,7 @@ def load_table_photos(cfg, name: str, cache_dir: Path) -> tuple[dict, list[str],
     from datasets import Image as ImageFeature
 
     folder = sources.local_folder(name)
-    state = table_copies.table_state(folder) if folder is not None else None  # None for a Hub id
-    copy = table_copies.copy_dir(cache_dir, folder, state) if state else None
+    state, copy = table_copies.local_copy(cache_dir, folder)  # None for a Hub id
     with PartialState().local_main_process_first():
         ds = sources.load_source(name, copy)
     train = ds["train"]

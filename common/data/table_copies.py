@@ -64,3 +64,10 @@ def _folder_key(folder: Path) -> str:
 def copy_dir(cache_dir: Path, folder: Path, state: str) -> Path:
     """Where ``datasets`` keeps its arrow copy of ``folder`` in ``state``."""
     return Path(cache_dir) / "datasets" / f"tables-{_folder_key(folder)}-{state}"
+
+
+def local_copy(cache_dir: Path, folder: Path | None) -> tuple[str | None, Path | None]:
+    """(the tables' state, where ``datasets`` keeps its arrow copy of them) of the local table folder ``folder`` as it
+    is now; (None, None) for a Hub id (``folder`` None) or a folder whose files vanish while they are read."""
+    state = table_state(folder) if folder is not None else None
+    return state, copy_dir(cache_dir, folder, state) if state else None
